@@ -1,0 +1,64 @@
+"""A pre-norm transformer block whose attention and MLP are chosen by the layer plan (dense or routed).
+
+Layout matches timm's ``Block`` (``norm1``, ``attn``, ``norm2``, ``mlp``) so dense blocks load timm weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from squad.config import BlockSpec, ModelConfig
+from squad.layers.attention import Attention, Mlp
+from squad.layers.moe_attention import MoEAttention
+from squad.layers.moe_mlp import MoEMlp
+from squad.layers.routing import ForwardContext
+
+
+class Block(nn.Module):
+    """``x + attn(norm1(x))`` then ``+ mlp(norm2(x))``; either part may be dense, routed or absent.
+
+    When the model adds task embeddings only at MoE inputs, the routed sublayers see ``norm(x) + e_task``
+    (``ctx`` carries the per-row embedding); the residual stream itself is untouched.
+    """
+
+    def __init__(self, cfg: ModelConfig, spec: BlockSpec, num_tasks: int):
+        super().__init__()
+        d = cfg.embed_dim
+        self.spec = spec
+        self.norm1 = nn.LayerNorm(d, eps=1e-6) if spec.attn != "none" else None
+        if spec.attn == "dense":
+            self.attn = Attention(d, cfg.num_heads, cfg.head_dim, cfg.qkv_bias)
+        elif spec.attn == "moa":
+            self.attn = MoEAttention(d, cfg.moa, num_tasks, cfg.qkv_bias)
+        else:
+            self.attn = None
+        self.norm2 = nn.LayerNorm(d, eps=1e-6) if spec.mlp != "none" else None
+        if spec.mlp == "dense":
+            self.mlp = Mlp(d, int(d * cfg.mlp_ratio))
+        elif spec.mlp == "moe":
+            self.mlp = MoEMlp(d, cfg.moe_hidden(), cfg.moe, num_tasks)
+        else:
+            self.mlp = None
+
+    def _routed_input(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        emb = ctx.moe_task_embed
+        return h if emb is None else h + emb[:, None, :]
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """x [R, N, D] → [R, N, D]; ``key_mask`` [R, N] restricts attention (MoD threshold inference)."""
+        if self.attn is not None:
+            h = self.norm1(x)
+            if isinstance(self.attn, MoEAttention):
+                h = self._routed_input(h, ctx)
+            x = x + self.attn(h, ctx, key_mask=key_mask)
+        if self.mlp is not None:
+            h = self.norm2(x)
+            if isinstance(self.mlp, MoEMlp):
+                h = self._routed_input(h, ctx)
+            x = x + self.mlp(h, ctx)
+        return x
+
+    def macs(self, n: int) -> int:
+        """Multiply-accumulates per sequence of n tokens."""
+        return sum(m.macs(n) for m in (self.attn, self.mlp) if m is not None)

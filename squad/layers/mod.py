@@ -1,0 +1,108 @@
+"""Mixture-of-Depths: a block that only the top-k tokens of each sequence go through (Raposo et al. 2024), with
+learned routing or attention routing (A-MoD, Gadhikar et al.).
+
+Expert-choice over tokens with a static k = ceil(C · N): the selected tokens attend among themselves and go
+through the MLP; the others pass unchanged. Learned routing scales the block's added term by the router weight
+(``x + r · f(x)``, never the residual); attention routing uses the previous attention layer's column-mean
+probabilities as scores, has no parameters and no scaling (``x + f(x)``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from squad.config import MoDConfig
+from squad.layers.block import Block
+from squad.layers.routing import ForwardContext, RouterStats, TaskLinear
+
+
+class MoDBlock(nn.Module):
+    """Wraps any `Block` in Mixture-of-Depths routing.
+
+    Args:
+        block: the wrapped block (dense or routed).
+        cfg: capacity, class-token handling, aux loss, inference mode.
+        routing: ``"learned"`` (a per-task linear router) or ``"attention"`` (A-MoD scores from ``ctx``).
+        dim: token width D.
+        num_tasks: T.
+        class_token: whether token 0 is a class token (kept when ``cfg.keep_cls``).
+    """
+
+    def __init__(self, block: Block, cfg: MoDConfig, routing: str, dim: int, num_tasks: int, class_token: bool):
+        super().__init__()
+        self.block = block
+        self.cfg = cfg
+        self.routing = routing
+        self.keep_cls = cfg.keep_cls and class_token
+        self.router = TaskLinear(num_tasks, dim, 1) if routing == "learned" else None
+        self.layer_name = "mod"
+
+    def capacity_tokens(self, n: int) -> int:
+        """k = ceil(C · N), at least 1."""
+        return max(1, min(n, math.ceil(self.cfg.capacity * n - 1e-9)))
+
+    def _scores(self, x: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.router is not None:
+            logits = self.router(x, ctx.task_ids).squeeze(-1)  # [R, N]
+            return logits.detach(), logits
+        scores = ctx.attn_scores
+        if scores is None or scores.shape != x.shape[:2]:
+            got = None if scores is None else tuple(scores.shape)
+            raise RuntimeError(f"{self.layer_name}: attention routing needs scores {tuple(x.shape[:2])} "
+                               f"from the previous attention layer, got {got}")
+        return scores.detach(), None
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+        r, n, d = x.shape
+        select, logits = self._scores(x, ctx)
+        if self.keep_cls:
+            select = select.clone()
+            select[:, 0] = float("inf")
+        threshold = logits is not None and not self.training and self.cfg.inference == "threshold"
+        if threshold:
+            keep = logits > 0
+            if self.keep_cls:
+                keep[:, 0] = True
+            k = int(keep.sum(1).max().item())  # eval-only host read: the widest row decides the padded width
+            if k == 0:
+                self._record(ctx, r, n, keep.sum(1).float(), logits, None)
+                return x
+        else:
+            k = self.capacity_tokens(n)
+        idx = select.topk(k, dim=1).indices.sort(dim=1).values  # [R, k] in token order
+        gather_idx = idx.unsqueeze(-1).expand(r, k, d)
+        x_sel = x.gather(1, gather_idx)  # [R, k, D]
+        valid = keep.gather(1, idx) if threshold else None  # [R, k]
+        ctx.attn_scores = None
+        y_sel = self.block(x_sel, ctx, key_mask=valid)
+        if logits is not None:
+            r_sel = logits.gather(1, idx).unsqueeze(-1).to(x.dtype)  # [R, k, 1]
+            y_sel = x_sel + r_sel * (y_sel - x_sel)  # only the block's added term is scaled
+        if valid is not None:
+            y_sel = torch.where(valid.unsqueeze(-1), y_sel, x_sel)
+        out = x.scatter(1, gather_idx, y_sel)
+        if ctx.attn_scores is not None:  # the inner attention produced scores for the selected tokens only
+            ctx.attn_scores = ctx.attn_scores.new_zeros(r, n).scatter(1, idx, ctx.attn_scores)
+        processed = valid.sum(1).float() if valid is not None else torch.full((r,), float(k), device=x.device)
+        self._record(ctx, r, n, processed, logits, idx)
+        return out
+
+    def _record(self, ctx: ForwardContext, r: int, n: int, processed: torch.Tensor, logits: torch.Tensor | None,
+                idx: torch.Tensor | None) -> None:
+        """Statistics: per task, tokens processed vs skipped; the aux BCE when configured."""
+        counts = ctx.per_task_sum(torch.stack([processed, n - processed], dim=1)).detach()  # [T, 2]
+        tokens = ctx.per_task_sum(torch.full((r,), float(n), device=counts.device))
+        aux = None
+        if self.cfg.aux_loss and logits is not None and self.training and idx is not None:
+            target = torch.zeros_like(logits).scatter(1, idx, 1.0)
+            aux = F.binary_cross_entropy_with_logits(logits.float(), target.float())
+        ctx.stats.append(RouterStats(self.layer_name, "mod", None, counts, tokens, 1, aux))
+
+    def macs(self, n: int) -> int:
+        """Multiply-accumulates per sequence of n tokens (router + the block on k tokens)."""
+        router = n * self.router.weight.shape[1] if self.router is not None else 0
+        return router + self.block.macs(self.capacity_tokens(n))

@@ -1,0 +1,72 @@
+"""MoE attention (MoA, Zhang et al. 2022, as Mod-Squad uses it).
+
+Each expert is one attention head's query projection [D → d] and output projection [d → D]; the key and value
+projections are shared (one head of width d). Each token's task router picks k heads, so attention runs as
+multi-query attention: k query heads per token over one shared K/V head, and the outputs are mixed by the gates:
+
+    y_i = Σ_{j ≤ k} g_ij · W_o^{e_ij} · Attn(W_q^{e_ij} x_i, K, V)
+
+The query and output projections are grouped matmuls over tokens grouped by expert once (squad.layers.grouped).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from squad.config import MoAConfig
+from squad.layers.attention import attend
+from squad.layers.grouped import combine, dispatch_tokens, from_slots, grouped_matmul, plan_dispatch, to_slots
+from squad.layers.routing import ForwardContext, TaskRouter
+
+
+class MoEAttention(nn.Module):
+    """MoA with per-task routers.
+
+    Args:
+        dim: token width D.
+        cfg: experts, top-k, head width, router settings.
+        num_tasks: T routers.
+        qkv_bias: bias on the shared key/value projection.
+    """
+
+    def __init__(self, dim: int, cfg: MoAConfig, num_tasks: int, qkv_bias: bool = True):
+        super().__init__()
+        self.cfg = cfg
+        self.num_experts = cfg.num_experts
+        self.top_k = cfg.top_k
+        self.head_dim = cfg.head_dim
+        self.router = TaskRouter(num_tasks, dim, cfg.num_experts, cfg.top_k, cfg.router)
+        self.q = nn.Parameter(torch.empty(cfg.num_experts, dim, cfg.head_dim))  # [E, D, d]
+        self.kv = nn.Linear(dim, 2 * cfg.head_dim, bias=qkv_bias)
+        self.o = nn.Parameter(torch.empty(cfg.num_experts, cfg.head_dim, dim))  # [E, d, D]
+        self.proj_bias = nn.Parameter(torch.zeros(dim))
+        nn.init.trunc_normal_(self.q, std=0.02)
+        nn.init.trunc_normal_(self.o, std=0.02)
+        self.want_scores = False  # set by the model when the next block routes on this layer's attention
+        self.layer_name = "moa"
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+        r, n, d = x.shape
+        k, dh = self.top_k, self.head_dim
+        routing = self.router(x, ctx)
+        ctx.stats.append(self.router.stats(self.layer_name, "moa", routing, ctx, n))
+        plan = plan_dispatch(routing.experts, self.num_experts)
+
+        rows = dispatch_tokens(x.reshape(r * n, d), plan)  # [M·k, D] grouped by head
+        q = to_slots(grouped_matmul(rows, self.q, plan), plan)  # [M, k, d]
+        q = q.view(r, n, k, dh).transpose(1, 2)  # [R, k, N, d]: slot j of every token is query head j
+        kv = self.kv(x).view(r, n, 2, 1, dh).permute(2, 0, 3, 1, 4)  # [2, R, 1, N, d]
+        want = self.want_scores
+        out, scores = attend(q, kv[0], kv[1], want_scores=want, key_mask=key_mask)  # [R, k, N, d]
+        if want:
+            ctx.attn_scores = scores
+        out = from_slots(out.transpose(1, 2).reshape(r * n, k, dh), plan)  # [M·k, d] grouped by head
+        y = combine(grouped_matmul(out, self.o, plan), routing.gates, plan)  # [M, D]
+        return (y + self.proj_bias).view(r, n, d)
+
+    def macs(self, n: int) -> int:
+        """Multiply-accumulates per sequence of n tokens."""
+        d = self.kv.in_features
+        k, dh, e = self.top_k, self.head_dim, self.num_experts
+        return n * d * e + n * k * d * dh + n * d * 2 * dh + 2 * n * n * k * dh + n * k * dh * d

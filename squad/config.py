@@ -105,16 +105,15 @@ class MoDConfig:
     """Mixture-of-Depths: expert-choice top-k tokens per image go through the block, the rest skip it."""
 
     capacity: float = 0.125  # share of tokens processed; k = ceil(capacity · N)
-    routing: Literal["learned", "attention"] = "learned"  # learned per-task linear router, or A-MoD scores
     keep_cls: bool = True  # the class token is always processed (counted inside k)
     aux_loss: bool = False  # BCE of router logits against top-k membership (learned routing only)
-    inference: Literal["topk", "threshold"] = "topk"  # threshold: sigmoid(logit) > 0.5 at eval (needs aux_loss)
+    inference: Literal["topk", "threshold"] = "topk"  # learned routing at eval: sigmoid(logit) > 0.5 (needs aux_loss)
 
     def check(self, path: str) -> None:
         if not 0.0 < self.capacity <= 1.0:
             raise ConfigError(f"{path}.capacity must be in (0, 1], got {self.capacity}")
-        if self.inference == "threshold" and (self.routing != "learned" or not self.aux_loss):
-            raise ConfigError(f"{path}.inference=threshold needs routing=learned and aux_loss=true")
+        if self.inference == "threshold" and not self.aux_loss:
+            raise ConfigError(f"{path}.inference=threshold needs {path}.aux_loss=true (a router trained to threshold)")
 
 
 @dataclasses.dataclass
@@ -150,7 +149,7 @@ class BlockSpec:
 
     attn: Literal["dense", "moa", "none"] = "dense"
     mlp: Literal["dense", "moe", "none"] = "dense"
-    mod: Literal["learned", "attention"] | None = None  # wrap the block in Mixture-of-Depths
+    mod: Literal["learned", "attention"] | None = None  # wrap in Mixture-of-Depths: learned router or A-MoD scores
     mone: bool = False  # nested experts for this block's attention and MLP (attn/mlp must be dense)
 
     def check(self, path: str) -> None:

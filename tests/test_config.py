@@ -1,0 +1,62 @@
+import pytest
+import yaml
+
+import squad
+from squad.config import ConfigError, load_config
+from squad.configbase import write_yaml
+from tests.helpers import MODEL_CONFIGS
+
+
+@pytest.mark.parametrize("path", MODEL_CONFIGS, ids=lambda p: p.stem)
+def test_paper_configs_load(path):
+    cfg = load_config(path)
+    assert cfg.model.name == path.stem
+    assert len(cfg.model.blocks()) == cfg.model.depth
+
+
+def test_overrides_and_roundtrip(tmp_path):
+    cfg = load_config(MODEL_CONFIGS[0], ["model.depth=6", "model.mod.capacity=0.25", "loss.w_mi=0.01"])
+    assert cfg.model.depth == 6 and cfg.model.mod.capacity == 0.25 and cfg.loss.w_mi == 0.01
+    out = tmp_path / "resolved.yaml"
+    write_yaml(cfg, out)
+    again = load_config(out)
+    assert again == cfg
+
+
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        (["model.dept=3"], "model.dept"),
+        (["model.moe.topk=2"], "model.moe.topk"),
+        (["model.depth=three"], "model.depth"),
+        (["model.moe.top_k=20"], "model.moe.top_k"),
+        (["model.moa.top_k=30"], "model.moa.top_k"),
+        (["model.mod.capacity=1.5"], "model.mod.capacity"),
+        (["model.mod.capacity=0"], "model.mod.capacity"),
+        (["model.mone.capacity=1.2"], "model.mone.capacity"),
+        (["model.task_embed=sometimes"], "model.task_embed"),
+        (["model.img_size=30"], "model.img_size"),
+        (["model.heads=[nonexistent_task]"], "nonexistent_task"),
+        (["model.qkv_bias=3"], "model.qkv_bias"),
+    ],
+)
+def test_bad_config_names_the_key(override, needle):
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.").replace("[", r"\[")):
+        load_config(MODEL_CONFIGS[0], override)
+
+
+def test_attention_routing_needs_previous_attention():
+    with pytest.raises(ConfigError, match="block 0"):
+        squad.model_config({"plan": [{"mod": "attention"}], "heads": ["depth"]})
+
+
+def test_base_inheritance(tmp_path):
+    (tmp_path / "a.yaml").write_text(yaml.safe_dump({"model": {"depth": 3, "heads": ["normal"]}}))
+    (tmp_path / "b.yaml").write_text(yaml.safe_dump({"base": "a.yaml", "model": {"embed_dim": 96, "num_heads": 3}}))
+    cfg = load_config(tmp_path / "b.yaml")
+    assert cfg.model.depth == 3 and cfg.model.embed_dim == 96 and cfg.model.task_names == ["normal"]
+
+
+def test_missing_file():
+    with pytest.raises(ConfigError, match="not found"):
+        load_config("configs/model/does_not_exist.yaml")

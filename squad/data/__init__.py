@@ -1,0 +1,99 @@
+"""Taskonomy data: the PNG-tree reader, HDF5 shards, the sample pipeline, and the factory training code uses.
+
+`build_dataset(root, tasks, split, ...)` returns a `ShardDataset` when `root` holds a shard index (``shards.json``)
+and a `TaskonomyDataset` otherwise; both yield the same sample dicts, batched by `collate`. `build_loader` wraps a
+dataset in a DataLoader with a `DistributedSampler` when a process group is running.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, DistributedSampler
+
+from .hdf5 import INDEX_NAME, ShardDataset, bench_shards_vs_png, is_shard_root, pack_shards, write_random_tree
+from .taskonomy import (
+    CorruptFileError,
+    EmptyDatasetError,
+    TaskonomyBase,
+    TaskonomyDataset,
+    collate,
+    find_split_csv,
+    make_data_hint,
+    read_raw,
+    read_split_csv,
+)
+from .transforms import SamplePipeline
+
+__all__ = [
+    "INDEX_NAME", "CorruptFileError", "EmptyDatasetError", "SamplePipeline", "ShardDataset", "TaskonomyBase",
+    "TaskonomyDataset", "bench_shards_vs_png", "build_dataset", "build_loader", "collate", "find_split_csv",
+    "is_shard_root", "make_data_hint", "pack_shards", "read_raw", "read_split_csv", "set_epoch", "write_random_tree",
+]
+
+
+def build_dataset(root: str | Path, tasks: str | Sequence[str], split: str | Sequence[str] = "train",
+                  **kwargs: Any) -> TaskonomyBase:
+    """The dataset for `root`, whichever format it is in.
+
+    Args:
+        root: a Taskonomy tree (either layout) or a shard folder written by ``tools/make_data.py pack``.
+        tasks: task names or aliases, or ``"all"``.
+        split: ``"train"``, ``"val"``, ``"test"``, ``"all"`` or a list of them.
+        **kwargs: the readers' common options — ``image_size``, ``resize``, ``augment``, ``missing``,
+            ``geometry_mask``, ``seed``, ``buildings`` — plus ``split_csv`` for trees (ignored for shards, which
+            were split when packed).
+
+    Raises:
+        FileNotFoundError: `root` does not exist; the message says how to make data.
+    """
+    root = Path(root)
+    if not root.exists():
+        raise FileNotFoundError(f"data root {root} does not exist. {make_data_hint(root)}")
+    if is_shard_root(root):
+        kwargs.pop("split_csv", None)
+        return ShardDataset(root, tasks, split=split, **kwargs)
+    return TaskonomyDataset(root, tasks, split=split, **kwargs)
+
+
+def build_loader(dataset: TaskonomyBase, batch_size: int, shuffle: bool = True, num_workers: int = 2,
+                 seed: int = 0, drop_last: bool = True, persistent_workers: bool = False,
+                 pin_memory: bool = False) -> DataLoader:
+    """A DataLoader over a Taskonomy dataset; sharded over ranks with `DistributedSampler` when distributed.
+
+    Call `set_epoch(loader, epoch)` at the start of each epoch (it reshuffles and changes the augmentation).
+
+    Args:
+        dataset: a `TaskonomyDataset` or `ShardDataset`.
+        batch_size: images per rank and step.
+        shuffle: shuffle the order (seeded by `seed` and the epoch).
+        num_workers: worker processes (each opens its own files).
+        seed: sampler seed, the same on every rank.
+        drop_last: drop the last incomplete batch (and pad nothing across ranks).
+        persistent_workers: keep workers between epochs; `set_epoch` then only takes effect in workers started
+            after it, so leave it off when augmenting.
+        pin_memory: pin batches (useful with GPUs).
+    """
+    if dist.is_available() and dist.is_initialized():
+        sampler = DistributedSampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last)
+        return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
+                          collate_fn=collate, drop_last=drop_last, pin_memory=pin_memory,
+                          persistent_workers=persistent_workers and num_workers > 0)
+    generator = torch.Generator().manual_seed(seed)
+    return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, generator=generator,
+                      num_workers=num_workers, collate_fn=collate, drop_last=drop_last, pin_memory=pin_memory,
+                      persistent_workers=persistent_workers and num_workers > 0)
+
+
+def set_epoch(loader: DataLoader, epoch: int) -> None:
+    """Sets the epoch on the loader's sampler (order) and dataset (augmentation draws)."""
+    if isinstance(loader.sampler, DistributedSampler):
+        loader.sampler.set_epoch(epoch)
+    elif loader.generator is not None and isinstance(loader.dataset, TaskonomyBase):
+        loader.generator.manual_seed(loader.dataset.seed * 1_000_003 + epoch)
+    if isinstance(loader.dataset, TaskonomyBase):
+        loader.dataset.set_epoch(epoch)

@@ -1,0 +1,391 @@
+"""Triton kernels for routed attention: forward with row log-sum-exp, key-major score pass, flash backward.
+
+Layouts: q [B, Hq, N, d], k/v [B, Hkv, N, d] with any strides; query head h reads key/value head h // (Hq / Hkv).
+With a token index [B, K] every kernel reads row ``index[b, i]`` where it would read row ``i`` (no gathered copies);
+results are compact: out [B, Hq, M, d], lse [B, Hq, M], with M = K (or N without an index).
+
+- forward: one program per (query block, batch·head); online softmax over key blocks; writes out and the natural-log
+  LSE of every row.
+- scores: one program per (key block, batch·head); walks the query blocks and sums exp(S - LSE) per key column
+  (the A-MoD column sums, FACTS.md §3) — no atomics; the per-head partial sums are added in PyTorch, so the result is
+  deterministic. The N×N map never exists.
+- backward: delta = rowsum(dO ∘ O) in PyTorch, then one kernel per (key block, batch·kv-head) accumulating dK, dV
+  over the group's query heads and all query blocks, and one per (query block, batch·head) accumulating dQ — again
+  no atomics.
+
+Scores are kept in the log2 domain inside the kernels (exp2 with scale·log2 e). fp16/bf16 operands go to `tl.dot`
+with fp32 accumulation; fp32 operands use IEEE precision (no TF32). Triton's CPU interpreter computes bf16 wrongly,
+so there bf16 tiles are upcast to fp32 after loading.
+
+The kernel bodies are plain functions wrapped at first use by `_kernels()`, for the compiler or for the interpreter,
+following the mode Triton itself was imported in (see `interpreter_enabled`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction
+
+LOG2E = 1.4426950408889634
+
+
+def interpreter_enabled() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter.
+
+    Triton reads TRITON_INTERPRET=1 when `triton.language` is first imported (and `import torch` imports it), building
+    its library helpers for one mode; so the variable must be in the environment before Python imports torch.
+    This reports the mode Triton actually runs in.
+    """
+    return not isinstance(tl.zeros, JITFunction)
+
+
+def _fwd_kernel(Q, K, V, IDX, OUT, LSE,
+                stride_qb, stride_qh, stride_qn, stride_qd,
+                stride_kb, stride_kh, stride_kn, stride_kd,
+                stride_vb, stride_vh, stride_vn, stride_vd,
+                stride_ib, stride_ik,
+                M, D, HQ, GROUP, qk_scale,
+                HAS_INDEX: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // HQ
+    h = bh % HQ
+    hk = h // GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < M
+    if HAS_INDEX:
+        rows_m = tl.load(IDX + b * stride_ib + offs_m * stride_ik, mask=mask_m, other=0)
+    else:
+        rows_m = offs_m.to(tl.int64)
+    q = tl.load(Q + b * stride_qb + h * stride_qh + rows_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
+                mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    k_base = K + b * stride_kb + hk * stride_kh
+    v_base = V + b * stride_vb + hk * stride_vh
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start_n in range(0, M, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < M
+        if HAS_INDEX:
+            rows_n = tl.load(IDX + b * stride_ib + offs_n * stride_ik, mask=mask_n, other=0)
+        else:
+            rows_n = offs_n.to(tl.int64)
+        mask_nd = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(k_base + rows_n[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=mask_nd, other=0.0)
+        v = tl.load(v_base + rows_n[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=mask_nd, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    acc = acc / l_i[:, None]
+    o_ptrs = OUT + bh * M * D + offs_m[:, None] * D + offs_d[None, :]
+    tl.store(o_ptrs, acc.to(OUT.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+    tl.store(LSE + bh * M + offs_m, (m_i + tl.log2(l_i)) * 0.6931471805599453, mask=mask_m)
+
+
+def _scores_kernel(Q, K, IDX, LSE, PART,
+                   stride_qb, stride_qh, stride_qn, stride_qd,
+                   stride_kb, stride_kh, stride_kn, stride_kd,
+                   stride_ib, stride_ik,
+                   M, D, HQ, GROUP, qk_scale,
+                   HAS_INDEX: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid_n = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // HQ
+    h = bh % HQ
+    hk = h // GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < M
+    if HAS_INDEX:
+        rows_n = tl.load(IDX + b * stride_ib + offs_n * stride_ik, mask=mask_n, other=0)
+    else:
+        rows_n = offs_n.to(tl.int64)
+    k = tl.load(K + b * stride_kb + hk * stride_kh + rows_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+    q_base = Q + b * stride_qb + h * stride_qh
+    colsum = tl.zeros([BLOCK_N], tl.float32)
+    for start_m in range(0, M, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < M
+        if HAS_INDEX:
+            rows_m = tl.load(IDX + b * stride_ib + offs_m * stride_ik, mask=mask_m, other=0)
+        else:
+            rows_m = offs_m.to(tl.int64)
+        q = tl.load(q_base + rows_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
+                    mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+        # rows past the end get lse = +inf, so their probabilities are exactly 0
+        lse2 = tl.load(LSE + bh * M + offs_m, mask=mask_m, other=float("inf")) * 1.4426950408889634
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
+        colsum += tl.sum(tl.exp2(s - lse2[:, None]), 0)
+    tl.store(PART + bh * M + offs_n, colsum, mask=mask_n)
+
+
+def _bwd_dkdv_kernel(Q, K, V, DO, IDX, LSE, DELTA, DK, DV,
+                     stride_qb, stride_qh, stride_qn, stride_qd,
+                     stride_kb, stride_kh, stride_kn, stride_kd,
+                     stride_vb, stride_vh, stride_vn, stride_vd,
+                     stride_ib, stride_ik,
+                     M, D, HQ, HKV, GROUP, qk_scale, sm_scale,
+                     HAS_INDEX: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid_n = tl.program_id(0)
+    bhk = tl.program_id(1).to(tl.int64)
+    b = bhk // HKV
+    hk = bhk % HKV
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < M
+    if HAS_INDEX:
+        rows_n = tl.load(IDX + b * stride_ib + offs_n * stride_ik, mask=mask_n, other=0)
+    else:
+        rows_n = offs_n.to(tl.int64)
+    mask_nd = mask_n[:, None] & mask_d[None, :]
+    k = tl.load(K + b * stride_kb + hk * stride_kh + rows_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                mask=mask_nd, other=0.0)
+    v = tl.load(V + b * stride_vb + hk * stride_vh + rows_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                mask=mask_nd, other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    for g in range(0, GROUP):
+        h = hk * GROUP + g
+        bh = b * HQ + h
+        q_base = Q + b * stride_qb + h * stride_qh
+        for start_m in range(0, M, BLOCK_M):
+            offs_m = start_m + tl.arange(0, BLOCK_M)
+            mask_m = offs_m < M
+            if HAS_INDEX:
+                rows_m = tl.load(IDX + b * stride_ib + offs_m * stride_ik, mask=mask_m, other=0)
+            else:
+                rows_m = offs_m.to(tl.int64)
+            mask_md = mask_m[:, None] & mask_d[None, :]
+            q = tl.load(q_base + rows_m[:, None] * stride_qn + offs_d[None, :] * stride_qd, mask=mask_md, other=0.0)
+            do = tl.load(DO + bh * M * D + offs_m[:, None] * D + offs_d[None, :], mask=mask_md, other=0.0)
+            if UPCAST:
+                q = q.to(tl.float32)
+                do = do.to(tl.float32)
+            lse2 = tl.load(LSE + bh * M + offs_m, mask=mask_m, other=float("inf")) * 1.4426950408889634
+            delta = tl.load(DELTA + bh * M + offs_m, mask=mask_m, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N)
+            p = tl.exp2(s - lse2[:, None])
+            dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
+            dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+            ds = p * (dp - delta[:, None])
+            dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
+    out_offs = bhk * M * D + offs_n[:, None] * D + offs_d[None, :]
+    tl.store(DK + out_offs, (dk * sm_scale).to(DK.dtype.element_ty), mask=mask_nd)
+    tl.store(DV + out_offs, dv.to(DV.dtype.element_ty), mask=mask_nd)
+
+
+def _bwd_dq_kernel(Q, K, V, DO, IDX, LSE, DELTA, DQ,
+                   stride_qb, stride_qh, stride_qn, stride_qd,
+                   stride_kb, stride_kh, stride_kn, stride_kd,
+                   stride_vb, stride_vh, stride_vn, stride_vd,
+                   stride_ib, stride_ik,
+                   M, D, HQ, GROUP, qk_scale, sm_scale,
+                   HAS_INDEX: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // HQ
+    h = bh % HQ
+    hk = h // GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < M
+    if HAS_INDEX:
+        rows_m = tl.load(IDX + b * stride_ib + offs_m * stride_ik, mask=mask_m, other=0)
+    else:
+        rows_m = offs_m.to(tl.int64)
+    mask_md = mask_m[:, None] & mask_d[None, :]
+    q = tl.load(Q + b * stride_qb + h * stride_qh + rows_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
+                mask=mask_md, other=0.0)
+    do = tl.load(DO + bh * M * D + offs_m[:, None] * D + offs_d[None, :], mask=mask_md, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    lse2 = tl.load(LSE + bh * M + offs_m, mask=mask_m, other=float("inf")) * 1.4426950408889634
+    delta = tl.load(DELTA + bh * M + offs_m, mask=mask_m, other=0.0)
+    k_base = K + b * stride_kb + hk * stride_kh
+    v_base = V + b * stride_vb + hk * stride_vh
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start_n in range(0, M, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < M
+        if HAS_INDEX:
+            rows_n = tl.load(IDX + b * stride_ib + offs_n * stride_ik, mask=mask_n, other=0)
+        else:
+            rows_n = offs_n.to(tl.int64)
+        mask_nd = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(k_base + rows_n[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=mask_nd, other=0.0)
+        v = tl.load(v_base + rows_n[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=mask_nd, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N)
+        p = tl.where(mask_n[None, :], tl.exp2(s - lse2[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+    tl.store(DQ + bh * M * D + offs_m[:, None] * D + offs_d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
+             mask=mask_md)
+
+
+@functools.cache
+def _kernels() -> dict[str, object]:
+    """The kernels, wrapped for the compiler or the interpreter (whichever mode Triton was imported in)."""
+    wrap = InterpretedFunction if interpreter_enabled() else JITFunction
+    return {fn.__name__: wrap(fn) for fn in (_fwd_kernel, _scores_kernel, _bwd_dkdv_kernel, _bwd_dq_kernel)}
+
+
+def _config(d: int, dtype: torch.dtype, device: torch.device) -> dict[str, object]:
+    """Block sizes (powers of two >= 16) and flags shared by the kernels of one call.
+
+    64×64 tiles; wide rows (fp32 with d > 64) take 32×32 tiles and a single pipeline stage so that every kernel fits
+    the 99 KiB of shared memory of sm_86/sm_89 blocks (checked by compiling for sm_80 in the tests). Head dims up to
+    128 (`squad.kernels.op.MAX_TRITON_HEAD_DIM`).
+    """
+    del device  # one configuration for every GPU: no autotuning (the interpreter cannot autotune either)
+    block_d = max(16, triton.next_power_of_2(d))
+    itemsize = 4 if dtype == torch.float32 else 2
+    wide = block_d * itemsize > 256
+    return {
+        "BLOCK_M": 32 if wide else 64,
+        "BLOCK_N": 32 if wide else 64,
+        "BLOCK_D": block_d,
+        # the interpreter's bf16 arithmetic is wrong: compute on fp32 tiles there
+        "UPCAST": bool(interpreter_enabled() and dtype == torch.bfloat16),
+        # IEEE fp32 (no TF32), matching torch.matmul's default; fp16/bf16 operands ignore it
+        "PRECISION": "ieee",
+        "num_warps": 4 if block_d <= 64 else 8,
+        "num_stages": 1 if wide else 2,
+    }
+
+
+def _index_args(token_index: torch.Tensor | None, q: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    if token_index is None:
+        return q, 0, 0  # never read: HAS_INDEX is False
+    return token_index, token_index.stride(0), token_index.stride(1)
+
+
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                      token_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Runs the forward kernel.
+
+    Args:
+        q: [B, Hq, N, d]; k, v: [B, Hkv, N, d] (any strides).
+        scale: score scale.
+        token_index: optional [B, K] int64 rows to attend among.
+
+    Returns:
+        out [B, Hq, M, d] (q's dtype, contiguous) and lse [B, Hq, M] float32 (natural log), M = K or N.
+    """
+    b, hq, n, d = q.shape
+    hkv = k.shape[1]
+    m = n if token_index is None else token_index.shape[1]
+    out = torch.empty(b, hq, m, d, dtype=q.dtype, device=q.device)
+    lse = torch.empty(b, hq, m, dtype=torch.float32, device=q.device)
+    cfg = _config(d, q.dtype, q.device)
+    idx, sib, sik = _index_args(token_index, q)
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]), b * hq)
+    _kernels()["_fwd_kernel"][grid](
+        q, k, v, idx, out, lse, *q.stride(), *k.stride(), *v.stride(), sib, sik,
+        m, d, hq, hq // hkv, scale * LOG2E, HAS_INDEX=token_index is not None, **cfg)
+    return out, lse
+
+
+def attention_scores(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scale: float,
+                     token_index: torch.Tensor | None = None) -> torch.Tensor:
+    """Runs the key-major score pass: mean over heads and query rows of exp(S - LSE) per key.
+
+    Args:
+        q: [B, Hq, N, d]; k: [B, Hkv, N, d]; lse: [B, Hq, M] from `attention_forward`.
+        scale: score scale used in the forward.
+        token_index: optional [B, K] int64 (the same as in the forward).
+
+    Returns:
+        scores [B, M] float32.
+    """
+    b, hq, _, d = q.shape
+    hkv = k.shape[1]
+    m = lse.shape[-1]
+    partial = torch.empty(b, hq, m, dtype=torch.float32, device=q.device)  # per-head column sums
+    cfg = _config(d, q.dtype, q.device)
+    idx, sib, sik = _index_args(token_index, q)
+    grid = (triton.cdiv(m, cfg["BLOCK_N"]), b * hq)
+    _kernels()["_scores_kernel"][grid](
+        q, k, idx, lse, partial, *q.stride(), *k.stride(), sib, sik,
+        m, d, hq, hq // hkv, scale * LOG2E, HAS_INDEX=token_index is not None, **cfg)
+    return partial.sum(dim=1).div_(hq * m)
+
+
+def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                       lse: torch.Tensor, scale: float, token_index: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Runs the backward kernels.
+
+    Args:
+        grad_out, out: [B, Hq, M, d]; q: [B, Hq, N, d]; k, v: [B, Hkv, N, d]; lse: [B, Hq, M] float32.
+        scale: score scale used in the forward.
+        token_index: optional [B, K] int64 (the same as in the forward).
+
+    Returns:
+        (dq, dk, dv) shaped like q, k, v; with an index, rows that were not selected get zeros (duplicate indices
+        add up).
+    """
+    b, hq, _, d = q.shape
+    hkv = k.shape[1]
+    m = lse.shape[-1]
+    grad_out = grad_out.contiguous()
+    delta = (grad_out.float() * out.float()).sum(dim=-1)  # (B, Hq, M)
+    dq = torch.empty(b, hq, m, d, dtype=q.dtype, device=q.device)
+    dk = torch.empty(b, hkv, m, d, dtype=k.dtype, device=k.device)
+    dv = torch.empty(b, hkv, m, d, dtype=v.dtype, device=v.device)
+    cfg = _config(d, q.dtype, q.device)
+    idx, sib, sik = _index_args(token_index, q)
+    strides = (*q.stride(), *k.stride(), *v.stride(), sib, sik)
+    flags = {"HAS_INDEX": token_index is not None, **cfg}
+    kernels = _kernels()
+    kernels["_bwd_dkdv_kernel"][(triton.cdiv(m, cfg["BLOCK_N"]), b * hkv)](
+        q, k, v, grad_out, idx, lse, delta, dk, dv, *strides, m, d, hq, hkv, hq // hkv, scale * LOG2E, scale, **flags)
+    kernels["_bwd_dq_kernel"][(triton.cdiv(m, cfg["BLOCK_M"]), b * hq)](
+        q, k, v, grad_out, idx, lse, delta, dq, *strides, m, d, hq, hq // hkv, scale * LOG2E, scale, **flags)
+    if token_index is None:
+        return dq, dk, dv
+    return tuple(_scatter_rows(g, token_index, x.shape[2]) for g, x in ((dq, q), (dk, k), (dv, v)))
+
+
+def _scatter_rows(grad: torch.Tensor, token_index: torch.Tensor, n: int) -> torch.Tensor:
+    """Adds compact row gradients [B, H, K, d] into zeros [B, H, N, d] at the indexed rows."""
+    b, h, k, d = grad.shape
+    full = torch.zeros(b, h, n, d, dtype=grad.dtype, device=grad.device)
+    return full.scatter_add_(2, token_index[:, None, :, None].expand(b, h, k, d), grad)

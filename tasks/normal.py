@@ -42,8 +42,9 @@ class NormalTask(Task):
         return raw[..., :3]
 
     def raw_valid(self, raw: np.ndarray) -> np.ndarray | None:
-        vec = self.compact_raw(raw).astype(np.float32) / 127.5 - 1.0
-        return np.square(vec).sum(axis=-1) >= _MIN_NORM**2
+        # the decode rule |c / 127.5 - 1| >= 0.1 in integers: sum((2c - 255)^2) >= (0.1 * 255)^2
+        d = 2 * self.compact_raw(raw).astype(np.int32) - 255
+        return np.einsum("hwc,hwc->hw", d, d) >= (_MIN_NORM * 255) ** 2
 
     def decode(self, raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         code = integer_image(self.compact_raw(raw), 8, self.name)

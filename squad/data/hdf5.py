@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -314,7 +315,7 @@ class ShardDataset(TaskonomyBase):
 
 
 def write_random_tree(root: str | Path, n: int = 200, size: int = 256, buildings: int = 4, seed: int = 0,
-                      layout: Literal["official", "flat"] = "official") -> Path:
+                      layout: Literal["official", "flat"] = "official", unique: int | None = None) -> Path:
     """Writes a Taskonomy-format tree of smooth random files in every domain's encoding (for benches and tests).
 
     Args:
@@ -324,6 +325,8 @@ def write_random_tree(root: str | Path, n: int = 200, size: int = 256, buildings
         buildings: number of buildings; all are in the train split of ``train_val_test_random.csv`` (CR-only).
         seed: random seed.
         layout: ``"official"`` (``{domain}/taskonomy/{building}``) or ``"flat"`` (``{domain}/{building}``).
+        unique: draw only this many distinct samples and fill the rest with byte copies of them (PNG encoding is
+            the slow part of writing; reading a copy costs the same as reading an original). None: all distinct.
 
     Returns:
         `root`.
@@ -336,9 +339,18 @@ def write_random_tree(root: str | Path, n: int = 200, size: int = 256, buildings
         up = np.kron(coarse, np.ones((16, 16, 1)))[:size, :size]
         return up + rng.normal(0, (hi - lo) * 0.01, size=up.shape)
 
+    written: list[dict[str, Path]] = []
     for i in range(n):
         b = f"b{i % buildings}"
         stem = f"point_{i // buildings}_view_{i % 3}"
+        sub = "taskonomy" if layout == "official" else ""
+        if unique is not None and i >= unique:
+            for domain, source in written[i % unique].items():
+                folder = root / domain / sub / b
+                folder.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(source, folder / f"{stem}_domain_{domain}{source.suffix}")
+            continue
+        paths: dict[str, Path] = {}
         depth = smooth(1, 512, 20000)[..., 0]
         depth[:8, :8] = 65535
         normal = smooth(3, -1, 1)
@@ -355,14 +367,16 @@ def write_random_tree(root: str | Path, n: int = 200, size: int = 256, buildings
             bits = 8 if domain == "rgb" else get_task(domain).bits
             dtype = np.uint8 if bits == 8 else np.uint16
             arr = np.clip(np.round(arr), 0, np.iinfo(dtype).max).astype(dtype)
-            folder = root / domain / ("taskonomy" if layout == "official" else "") / b
+            folder = root / domain / sub / b
             folder.mkdir(parents=True, exist_ok=True)
-            Image.fromarray(arr).save(folder / f"{stem}_domain_{domain}.png")
+            paths[domain] = folder / f"{stem}_domain_{domain}.png"
+            Image.fromarray(arr).save(paths[domain])
         for domain in ("class_object", "class_scene"):
-            folder = root / domain / ("taskonomy" if layout == "official" else "") / b
+            folder = root / domain / sub / b
             folder.mkdir(parents=True, exist_ok=True)
-            probs = rng.dirichlet(np.full(get_task(domain).channels, 0.1)).astype(np.float32)
-            np.save(folder / f"{stem}_domain_{domain}.npy", probs)
+            paths[domain] = folder / f"{stem}_domain_{domain}.npy"
+            np.save(paths[domain], rng.dirichlet(np.full(get_task(domain).channels, 0.1)).astype(np.float32))
+        written.append(paths)
     rows = ["id,train,val,test", *(f"b{k},1,0,0" for k in range(buildings))]
     (root / "train_val_test_random.csv").write_bytes(("\r".join(rows) + "\r").encode())
     return root
@@ -371,8 +385,8 @@ def write_random_tree(root: str | Path, n: int = 200, size: int = 256, buildings
 def bench_shards_vs_png(tmpdir: str | Path | None = None, quick: bool = False) -> list[BenchResult]:
     """Images per second through a DataLoader (2 workers, batch 8, all 13 domains): HDF5 shards vs PNG tree.
 
-    Writes its own data with `write_random_tree` (200 samples, 48 with `quick`) and times full passes over the
-    datasets, interleaved. Two comparisons:
+    Writes its own data with `write_random_tree` (128 samples, 32 with `quick`; 16 / 8 distinct ones, the rest
+    byte copies) and times full passes over the datasets, interleaved. Two comparisons:
 
     * ``hdf5_vs_png_13_domains`` (the contract, ≥ 3×): the tree at Taskonomy's native 512 px read at 256 px
       (decode 512 px PNGs, resize every domain) against shards packed at 256 px from it — what
@@ -392,12 +406,12 @@ def bench_shards_vs_png(tmpdir: str | Path | None = None, quick: bool = False) -
         with tempfile.TemporaryDirectory() as tmp:
             return bench_shards_vs_png(tmp, quick)
     tmpdir = Path(tmpdir)
-    n, repeats = (48, 2) if quick else (200, 3)
+    n, unique, repeats = (32, 8, 2) if quick else (128, 16, 3)
     size = 256
     base = {"images": n, "image_size": size, "workers": 2, "batch_size": 8, "domains": 13}
     rows: list[BenchResult] = []
     for case, tree_size, target in (("hdf5_vs_png_13_domains", 512, ">= 3"), ("hdf5_vs_png_same_size", size, "")):
-        tree = write_random_tree(tmpdir / f"tree{tree_size}", n=n, size=tree_size)
+        tree = write_random_tree(tmpdir / f"tree{tree_size}", n=n, size=tree_size, unique=unique)
         shards = tmpdir / f"shards{tree_size}"
         pack_shards(tree, shards, image_size=size, splits=("train",), workers=2)
         datasets = {"png": TaskonomyDataset(tree, "all", split="train", image_size=size),

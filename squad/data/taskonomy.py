@@ -78,11 +78,17 @@ def read_raw(path: str | Path) -> np.ndarray:
             return np.load(path, allow_pickle=False)
         with Image.open(path) as im:
             im.load()
-            return np.array(im)  # writable (torch.from_numpy warns on read-only arrays)
+            arr = np.array(im)  # writable (torch.from_numpy warns on read-only arrays)
+            wide = im.mode.startswith("I")
     except FileNotFoundError:
         raise
     except (OSError, SyntaxError, ValueError, EOFError, zlib.error, struct.error) as e:
         raise CorruptFileError(f"corrupt file {path}: {e}") from e
+    if not arr.dtype.isnative:
+        arr = arr.astype(arr.dtype.newbyteorder("="))
+    if wide and arr.dtype == np.int32 and arr.size and 0 <= arr.min() and arr.max() <= 65535:
+        arr = arr.astype(np.uint16)  # 16-bit PNGs that Pillow opened as 32-bit "I"
+    return arr
 
 
 def read_split_csv(path: str | Path) -> dict[str, list[str]]:

@@ -19,6 +19,8 @@ rows — a free view of a contiguous q, no copies of k or v.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -106,9 +108,15 @@ def attention_forward_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out = torch.empty(b * hkv, rows, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(b * hkv, rows, dtype=torch.float32, device=q.device) if need_lse else None
     colsum = torch.empty(b * hkv, m, dtype=torch.float32, device=q.device)
-    for hs, rs in _chunks(b * hkv, rows, m, chunk_elements):
-        s = torch.bmm(qg[hs, rs], kt[hs])  # (h, c, M)
-        p = torch.softmax(s, dim=-1)
+    chunks = _chunks(b * hkv, rows, m, chunk_elements)
+    # two scratch buffers sized for the first (largest) chunk, reused by every chunk: no allocation in the loop
+    hs0, rs0 = chunks[0]
+    s_buf, p_buf = torch.empty(2, (hs0.stop - hs0.start) * (rs0.stop - rs0.start) * m, device=q.device,
+                               dtype=torch.float32)
+    for hs, rs in chunks:
+        shape = (hs.stop - hs.start, rs.stop - rs.start, m)  # (h, c, M)
+        s = torch.bmm(qg[hs, rs], kt[hs], out=s_buf[:math.prod(shape)].view(shape))
+        p = torch.softmax(s, dim=-1, out=p_buf[:math.prod(shape)].view(shape))
         if lse is not None:
             # the largest probability is exp(max s - lse): lse = max s - log(max p), with max p >= 1/M (no overflow)
             torch.sub(s.amax(dim=-1), p.amax(dim=-1).log_(), out=lse[hs, rs])

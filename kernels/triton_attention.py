@@ -9,9 +9,9 @@ results are compact: out [B, Hq, M, d], lse [B, Hq, M], with M = K (or N without
 - scores: one program per (key block, batch·head); walks the query blocks and sums exp(S - LSE) per key column
   (the A-MoD column sums, FACTS.md §3) — no atomics; the per-head partial sums are added in PyTorch, so the result is
   deterministic. The N×N map never exists.
-- backward: delta = rowsum(dO ∘ O) in PyTorch, then one kernel per (key block, batch·kv-head) accumulating dK, dV
-  over the group's query heads and all query blocks, and one per (query block, batch·head) accumulating dQ — again
-  no atomics.
+- backward: delta = rowsum(dO ∘ O) in PyTorch, then one kernel per (key block, batch·kv-head[, head split])
+  accumulating dK, dV over the group's query heads and all query blocks (split partial sums added in PyTorch), and one
+  per (query block, batch·head) accumulating dQ — again no atomics.
 
 Scores are kept in the log2 domain inside the kernels (exp2 with scale·log2 e). fp16/bf16 operands go to `tl.dot`
 with fp32 accumulation; fp32 operands use IEEE precision (no TF32). Triton's CPU interpreter computes bf16 wrongly,
@@ -150,13 +150,16 @@ def _bwd_dkdv_kernel(Q, K, V, DO, IDX, LSE, DELTA, DK, DV,
                      stride_kb, stride_kh, stride_kn, stride_kd,
                      stride_vb, stride_vh, stride_vn, stride_vd,
                      stride_ib, stride_ik,
-                     M, D, HQ, HKV, GROUP, qk_scale, sm_scale,
+                     M, D, HQ, HKV, GROUP, SPLITS, qk_scale, sm_scale,
                      HAS_INDEX: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    # program (key block, (b·Hkv + kv head)·SPLITS + split): the split's GROUP / SPLITS query heads
     pid_n = tl.program_id(0)
-    bhk = tl.program_id(1).to(tl.int64)
-    b = bhk // HKV
-    hk = bhk % HKV
+    pid = tl.program_id(1).to(tl.int64)
+    split = pid % SPLITS
+    b = pid // SPLITS // HKV
+    hk = pid // SPLITS % HKV
+    heads = GROUP // SPLITS
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -175,8 +178,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, IDX, LSE, DELTA, DK, DV,
         v = v.to(tl.float32)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    for g in range(0, GROUP):
-        h = hk * GROUP + g
+    for g in range(0, heads):
+        h = hk * GROUP + split * heads + g
         bh = b * HQ + h
         q_base = Q + b * stride_qb + h * stride_qh
         for start_m in range(0, M, BLOCK_M):
@@ -200,7 +203,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, IDX, LSE, DELTA, DK, DV,
             dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
             ds = p * (dp - delta[:, None])
             dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
-    out_offs = bhk * M * D + offs_n[:, None] * D + offs_d[None, :]
+    out_offs = pid * M * D + offs_n[:, None] * D + offs_d[None, :]  # (B, Hkv, SPLITS, M, d)
     tl.store(DK + out_offs, (dk * sm_scale).to(DK.dtype.element_ty), mask=mask_nd)
     tl.store(DV + out_offs, dv.to(DV.dtype.element_ty), mask=mask_nd)
 
@@ -348,15 +351,30 @@ def attention_scores(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scale:
     return partial.sum(dim=1).div_(hq * m)
 
 
+def _head_splits(blocks: int, b: int, hkv: int, group: int, device: torch.device) -> int:
+    """How many programs share a key block's query heads in the dK/dV kernel: the fewest that give every GPU
+    multiprocessor two programs (multi-query attention at ViT lengths has few key blocks); partial sums are added in
+    PyTorch (deterministic)."""
+    if device.type != "cuda":
+        return 1
+    target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    for splits in range(1, group + 1):
+        if group % splits == 0 and blocks * b * hkv * splits >= target:
+            return splits
+    return group
+
+
 def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                       lse: torch.Tensor, scale: float, token_index: torch.Tensor | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       lse: torch.Tensor, scale: float, token_index: torch.Tensor | None = None,
+                       head_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Runs the backward kernels.
 
     Args:
         grad_out, out: [B, Hq, M, d]; q: [B, Hq, N, d]; k, v: [B, Hkv, N, d]; lse: [B, Hq, M] float32.
         scale: score scale used in the forward.
         token_index: optional [B, K] int64 (the same as in the forward).
+        head_splits: programs per key block and kv head in the dK/dV kernel (a divisor of Hq / Hkv); default
+            chosen from the GPU's size.
 
     Returns:
         (dq, dk, dv) shaped like q, k, v; with an index, rows that were not selected get zeros (duplicate indices
@@ -364,21 +382,29 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     """
     b, hq, _, d = q.shape
     hkv = k.shape[1]
+    group = hq // hkv
     m = lse.shape[-1]
+    cfg = _config(d, q.dtype, q.device)
+    splits = head_splits or _head_splits(triton.cdiv(m, cfg["BLOCK_N"]), b, hkv, group, q.device)
+    if group % splits != 0:
+        raise ValueError(f"head_splits ({splits}) must divide the query heads per kv head ({group})")
     grad_out = grad_out.contiguous()
     delta = (grad_out.float() * out.float()).sum(dim=-1)  # (B, Hq, M)
     dq = torch.empty(b, hq, m, d, dtype=q.dtype, device=q.device)
-    dk = torch.empty(b, hkv, m, d, dtype=k.dtype, device=k.device)
-    dv = torch.empty(b, hkv, m, d, dtype=v.dtype, device=v.device)
-    cfg = _config(d, q.dtype, q.device)
+    part_dtype = k.dtype if splits == 1 else torch.float32
+    dk = torch.empty(b, hkv, splits, m, d, dtype=part_dtype, device=k.device)
+    dv = torch.empty(b, hkv, splits, m, d, dtype=part_dtype, device=v.device)
     idx, sib, sik = _index_args(token_index, q)
     strides = (*q.stride(), *k.stride(), *v.stride(), sib, sik)
     flags = {"HAS_INDEX": token_index is not None, **cfg}
     kernels = _kernels()
-    kernels["_bwd_dkdv_kernel"][(triton.cdiv(m, cfg["BLOCK_N"]), b * hkv)](
-        q, k, v, grad_out, idx, lse, delta, dk, dv, *strides, m, d, hq, hkv, hq // hkv, scale * LOG2E, scale, **flags)
+    kernels["_bwd_dkdv_kernel"][(triton.cdiv(m, cfg["BLOCK_N"]), b * hkv * splits)](
+        q, k, v, grad_out, idx, lse, delta, dk, dv, *strides, m, d, hq, hkv, group, splits, scale * LOG2E, scale,
+        **flags)
     kernels["_bwd_dq_kernel"][(triton.cdiv(m, cfg["BLOCK_M"]), b * hq)](
-        q, k, v, grad_out, idx, lse, delta, dq, *strides, m, d, hq, hq // hkv, scale * LOG2E, scale, **flags)
+        q, k, v, grad_out, idx, lse, delta, dq, *strides, m, d, hq, group, scale * LOG2E, scale, **flags)
+    dk = dk.sum(dim=2).to(k.dtype) if splits > 1 else dk.view(b, hkv, m, d)  # (B, Hkv, M, d)
+    dv = dv.sum(dim=2).to(v.dtype) if splits > 1 else dv.view(b, hkv, m, d)
     if token_index is None:
         return dq, dk, dv
     return tuple(_scatter_rows(g, token_index, x.shape[2]) for g, x in ((dq, q), (dk, k), (dv, v)))

@@ -37,12 +37,27 @@ def mutual_information(mass: torch.Tensor) -> torch.Tensor:
     return (p * (torch.log(p.clamp_min(tiny)) - torch.log(pt.clamp_min(tiny)) - torch.log(pe.clamp_min(tiny)))).sum()
 
 
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over ranks; the backward sums the incoming gradients the same way (every rank's loss depends on
+    every rank's share)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = x.clone()
+        dist.all_reduce(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        g = grad.contiguous().clone()
+        dist.all_reduce(g)
+        return g
+
+
 def all_reduce_mass(mass: torch.Tensor) -> torch.Tensor:
     """Sums a statistic over data-parallel ranks with autograd (gradients flow back to every rank's share)."""
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        from torch.distributed.nn.functional import all_reduce
-
-        return all_reduce(mass, op=dist.ReduceOp.SUM)
+        return _AllReduceSum.apply(mass)
     return mass
 
 

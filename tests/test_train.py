@@ -1,0 +1,170 @@
+"""Training end to end on the CPU: 2 DeepSpeed ranks, exact resume, multi-node on loopback, bad input.
+
+Each run is a real subprocess (`tools/train.py` under python or the deepspeed launcher) over a tiny synthetic
+Taskonomy the tests render themselves.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+import squad
+from squad import checkpoint as ckpt
+from tests.helpers import ROOT
+
+PY = sys.executable
+DEEPSPEED = str(Path(sys.executable).parent / "deepspeed")
+TASKS = ["depth_euclidean", "normal", "class_scene", "edge_texture"]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env():
+    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    return env
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory):
+    from squad.data.synthetic import render_dataset
+
+    root = tmp_path_factory.mktemp("synth")
+    render_dataset(root, n=16, image_size=32, seed=0, buildings=4)  # 8 training images: one fixed batch
+    return root
+
+
+@pytest.fixture(scope="module")
+def run_config(tmp_path_factory, data_root):
+    cfg = {
+        "model": {
+            "img_size": 32, "patch_size": 8, "embed_dim": 32, "depth": 2, "num_heads": 2,
+            "plan": [{"attn": "moa", "mlp": "moe"}, {"attn": "dense", "mlp": "dense", "mod": "learned"}],
+            "moa": {"num_experts": 4, "top_k": 2, "head_dim": 16, "router": {"noise": False}},
+            "moe": {"num_experts": 4, "top_k": 2, "router": {"noise": True}},
+            "mod": {"capacity": 0.5},
+            "heads": TASKS,
+        },
+        "loss": {"w_mi": 0.01, "weighting": "equal"},
+        "data": {"root": str(data_root), "workers": 0, "augment": False},
+        "optim": {"lr": 5e-3, "warmup_steps": 2, "steps": 60, "batch_per_rank": 4, "weight_decay": 0.0},
+        "train": {"seed": 0, "log_every": 5, "eval_every": 0, "ckpt_every": 30, "progress": False},
+    }
+    path = tmp_path_factory.mktemp("cfg") / "tiny.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _run(cmd, timeout=600):
+    res = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    return res
+
+
+def _losses(run_dir: Path) -> list[float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tensorboard"))
+    acc.Reload()
+    return [e.value for e in acc.Scalars("train/loss/total")]
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory, run_config):
+    out = tmp_path_factory.mktemp("runs") / "two_rank"
+    res = _run([DEEPSPEED, "--num_gpus", "2", "--master_port", str(_port()), "tools/train.py",
+                "--config", str(run_config), "--out", str(out)])
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return out
+
+
+def test_two_rank_deepspeed_overfits_and_exports(two_rank_run):
+    losses = _losses(two_rank_run)
+    assert len(losses) == 12
+    assert losses[-1] < losses[0] / 3, losses
+    assert ckpt.find_resume_tag(two_rank_run / "checkpoints") == "step00000060"
+    assert (two_rank_run / "config.yaml").is_file() and (two_rank_run / "ds_config.json").is_file()
+    payload = torch.load(two_rank_run / "model.pt", weights_only=True)
+    assert payload["tasks"] == TASKS
+    model, usage = squad.load_model(two_rank_run, with_usage=True)
+    out = model(torch.randn(2, 3, 32, 32))
+    assert set(out.preds) == set(TASKS)
+    assert usage is not None and usage.counts  # statistics of both ranks' tokens
+    total = next(iter(usage.tokens.values())).sum()
+    assert total == 60 * 2 * 4 * len(TASKS) * 17  # steps × ranks × images × tasks × tokens
+    metrics = [json.loads(line) for line in (two_rank_run / "metrics.jsonl").read_text().splitlines()]
+    assert metrics[0]["step"] == 0 and metrics[-1]["step"] == 60
+
+
+def test_multi_node_loopback_matches_one_node(tmp_path, run_config, two_rank_run):
+    hosts = tmp_path / "hostfile"
+    hosts.write_text("node0 slots=1\nnode1 slots=1\n")
+    out = tmp_path / "two_nodes"
+    port = str(_port())
+    cmds = [[DEEPSPEED, "--hostfile", str(hosts), "--num_nodes", "2", "--num_gpus", "1", "--no_ssh",
+             "--node_rank", str(r), "--master_addr", "127.0.0.1", "--master_port", port, "tools/train.py",
+             "--config", str(run_config), "--out", str(out)] for r in (0, 1)]
+    procs = [subprocess.Popen(c, env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for c in cmds]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[1][-3000:]
+    a = torch.load(two_rank_run / "model.pt", weights_only=True)["state_dict"]
+    b = torch.load(out / "model.pt", weights_only=True)["state_dict"]
+    for k in a:  # gloo over TCP sums in another order than shared memory: equal to float rounding
+        assert torch.allclose(a[k], b[k], atol=1e-6), k
+
+
+def test_resume_reaches_the_same_weights(tmp_path, run_config):
+    base = ["tools/train.py", "--config", str(run_config), "--set", "optim.steps=6", "--set", "train.ckpt_every=0"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    for cmd in ([PY, *base, "--out", str(straight)],
+                [PY, *base, "--out", str(resumed), "--set", "train.stop_at=3"],
+                [PY, *base, "--out", str(resumed)]):
+        res = _run(cmd)
+        assert res.returncode == 0, res.stderr[-3000:]
+    assert not (straight / "checkpoints" / "step00000003").exists()
+    a = torch.load(straight / "model.pt", weights_only=True)["state_dict"]
+    b = torch.load(resumed / "model.pt", weights_only=True)["state_dict"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert "resumed from" in (resumed / "train.log").read_text()
+
+
+def test_missing_data_folder(tmp_path, run_config):
+    res = _run([PY, "tools/train.py", "--config", str(run_config), "--out", str(tmp_path / "r"),
+                "--set", f"data.root={tmp_path / 'nowhere'}"])
+    assert res.returncode == 2
+    assert str(tmp_path / "nowhere") in res.stderr and "make_data.py synthetic" in res.stderr
+
+
+def test_bad_config_key(tmp_path, run_config):
+    res = _run([PY, "tools/train.py", "--config", str(run_config), "--set", "optim.learning_rate=1"])
+    assert res.returncode == 2 and "optim.learning_rate" in res.stderr
+
+
+def test_unwritable_run_folder(tmp_path, run_config):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    res = _run([PY, "tools/train.py", "--config", str(run_config), "--out", str(blocker / "run")])
+    assert res.returncode == 2 and "not writable" in res.stderr and str(blocker / "run") in res.stderr
+
+
+def test_incomplete_checkpoint_is_never_resumed(tmp_path):
+    d = tmp_path / "checkpoints"
+    (d / "step00000003").mkdir(parents=True)
+    ckpt.mark_complete(d, "step00000003", 3, keep=5)
+    (d / "step00000006").mkdir()  # a save that was killed before every rank finished
+    (d / "latest").write_text("step00000006")
+    assert ckpt.find_resume_tag(d) == "step00000003"
+    ckpt.mark_complete(d, "step00000006", 6, keep=1)
+    assert ckpt.find_resume_tag(d) == "step00000006" and not (d / "step00000003").exists()

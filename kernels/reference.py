@@ -24,10 +24,10 @@ import math
 import torch
 import torch.nn.functional as F
 
-# Score elements per chunk: 2 Mi fp32 values = 8 MiB per scratch buffer (scores and probabilities), so ViT-sized maps
-# (B 8, H 6, N 197: 1.9 M) are one chunk. Smaller chunks mean more, smaller parallel ops, which cost most when the
-# CPU is shared with other processes; on a quiet machine 256 Ki to 2 Mi ran within ~10 % of each other.
-DEFAULT_CHUNK_ELEMENTS = 1 << 21
+# Score elements per chunk: 1 Mi fp32 values = 4 MiB per scratch buffer (scores and probabilities); ViT-S maps (B 8,
+# H 6, N 197: 1.9 M) take 2 chunks. Measured on 2 cores against SDPA: 256 Ki 1.10, 512 Ki 1.07-1.13, 1 Mi 1.06-1.08,
+# 2 Mi 1.13; smaller chunks also mean more, smaller parallel ops, which cost most when the cores are shared.
+DEFAULT_CHUNK_ELEMENTS = 1 << 20
 
 
 def gather_rows(x: torch.Tensor, token_index: torch.Tensor) -> torch.Tensor:

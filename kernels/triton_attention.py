@@ -4,14 +4,17 @@ Layouts: q [B, Hq, N, d], k/v [B, Hkv, N, d] with any strides; query head h read
 With a token index [B, K] every kernel reads row ``index[b, i]`` where it would read row ``i`` (no gathered copies);
 results are compact: out [B, Hq, M, d], lse [B, Hq, M], with M = K (or N without an index).
 
-- forward: one program per (query block, batch·head); online softmax over key blocks; writes out and the natural-log
+Grids are (row block, head, batch): CUDA caps the second and third grid axes at 65535, which B·H on one axis could
+exceed; heads and batch rows apart stay far below it.
+
+- forward: one program per (query block, head, batch); online softmax over key blocks; writes out and the natural-log
   LSE of every row.
-- scores: one program per (key block, batch·head); walks the query blocks and sums exp(S - LSE) per key column
+- scores: one program per (key block, head, batch); walks the query blocks and sums exp(S - LSE) per key column
   (the A-MoD column sums, FACTS.md §3) — no atomics; the per-head partial sums are added in PyTorch, so the result is
   deterministic. The N×N map never exists.
-- backward: delta = rowsum(dO ∘ O) in PyTorch, then one kernel per (key block, batch·kv-head[, head split])
+- backward: delta = rowsum(dO ∘ O) in PyTorch, then one kernel per (key block, kv head[·split], batch)
   accumulating dK, dV over the group's query heads and all query blocks (split partial sums added in PyTorch), and one
-  per (query block, batch·head) accumulating dQ — again no atomics.
+  per (query block, head, batch) accumulating dQ — again no atomics.
 
 Scores are kept in the log2 domain inside the kernels (exp2 with scale·log2 e). fp16/bf16 operands go to `tl.dot`
 with fp32 accumulation; fp32 operands use IEEE precision (no TF32). Triton's CPU interpreter computes bf16 wrongly,
@@ -23,6 +26,7 @@ following the mode Triton itself was imported in (see `interpreter_enabled`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -53,9 +57,9 @@ def _fwd_kernel(Q, K, V, IDX, OUT, LSE,
                 HAS_INDEX: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     pid_m = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    b = bh // HQ
-    h = bh % HQ
+    h = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    bh = b * HQ + h
     hk = h // GROUP
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
@@ -109,9 +113,9 @@ def _scores_kernel(Q, K, IDX, LSE, PART,
                    HAS_INDEX: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     pid_n = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    b = bh // HQ
-    h = bh % HQ
+    h = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    bh = b * HQ + h
     hk = h // GROUP
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
@@ -153,12 +157,13 @@ def _bwd_dkdv_kernel(Q, K, V, DO, IDX, LSE, DELTA, DK, DV,
                      M, D, HQ, HKV, GROUP, SPLITS, qk_scale, sm_scale,
                      HAS_INDEX: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    # program (key block, (b·Hkv + kv head)·SPLITS + split): the split's GROUP / SPLITS query heads
+    # program (key block, kv head·SPLITS + split, b): the split's GROUP / SPLITS query heads
     pid_n = tl.program_id(0)
-    pid = tl.program_id(1).to(tl.int64)
-    split = pid % SPLITS
-    b = pid // SPLITS // HKV
-    hk = pid // SPLITS % HKV
+    pid_h = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    pid = b * HKV * SPLITS + pid_h  # index of this program's (B, Hkv, SPLITS) output slab
+    split = pid_h % SPLITS
+    hk = pid_h // SPLITS
     heads = GROUP // SPLITS
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
@@ -217,9 +222,9 @@ def _bwd_dq_kernel(Q, K, V, DO, IDX, LSE, DELTA, DQ,
                    HAS_INDEX: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     pid_m = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    b = bh // HQ
-    h = bh % HQ
+    h = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    bh = b * HQ + h
     hk = h // GROUP
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
@@ -294,6 +299,11 @@ def _config(d: int, dtype: torch.dtype, device: torch.device) -> dict[str, objec
     }
 
 
+def _device_of(x: torch.Tensor):
+    """Makes x's GPU the current one while launching (Triton launches on the current device)."""
+    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+
+
 def _index_args(token_index: torch.Tensor | None, q: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     if token_index is None:
         return q, 0, 0  # never read: HAS_INDEX is False
@@ -319,10 +329,11 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     lse = torch.empty(b, hq, m, dtype=torch.float32, device=q.device)
     cfg = _config(d, q.dtype, q.device)
     idx, sib, sik = _index_args(token_index, q)
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]), b * hq)
-    _kernels()["_fwd_kernel"][grid](
-        q, k, v, idx, out, lse, *q.stride(), *k.stride(), *v.stride(), sib, sik,
-        m, d, hq, hq // hkv, scale * LOG2E, HAS_INDEX=token_index is not None, **cfg)
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]), hq, b)
+    with _device_of(q):
+        _kernels()["_fwd_kernel"][grid](
+            q, k, v, idx, out, lse, *q.stride(), *k.stride(), *v.stride(), sib, sik,
+            m, d, hq, hq // hkv, scale * LOG2E, HAS_INDEX=token_index is not None, **cfg)
     return out, lse
 
 
@@ -344,10 +355,11 @@ def attention_scores(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scale:
     partial = torch.empty(b, hq, m, dtype=torch.float32, device=q.device)  # per-head column sums
     cfg = _config(d, q.dtype, q.device)
     idx, sib, sik = _index_args(token_index, q)
-    grid = (triton.cdiv(m, cfg["BLOCK_N"]), b * hq)
-    _kernels()["_scores_kernel"][grid](
-        q, k, idx, lse, partial, *q.stride(), *k.stride(), sib, sik,
-        m, d, hq, hq // hkv, scale * LOG2E, HAS_INDEX=token_index is not None, **cfg)
+    grid = (triton.cdiv(m, cfg["BLOCK_N"]), hq, b)
+    with _device_of(q):
+        _kernels()["_scores_kernel"][grid](
+            q, k, idx, lse, partial, *q.stride(), *k.stride(), sib, sik,
+            m, d, hq, hq // hkv, scale * LOG2E, HAS_INDEX=token_index is not None, **cfg)
     return partial.sum(dim=1).div_(hq * m)
 
 
@@ -398,11 +410,12 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     strides = (*q.stride(), *k.stride(), *v.stride(), sib, sik)
     flags = {"HAS_INDEX": token_index is not None, **cfg}
     kernels = _kernels()
-    kernels["_bwd_dkdv_kernel"][(triton.cdiv(m, cfg["BLOCK_N"]), b * hkv * splits)](
-        q, k, v, grad_out, idx, lse, delta, dk, dv, *strides, m, d, hq, hkv, group, splits, scale * LOG2E, scale,
-        **flags)
-    kernels["_bwd_dq_kernel"][(triton.cdiv(m, cfg["BLOCK_M"]), b * hq)](
-        q, k, v, grad_out, idx, lse, delta, dq, *strides, m, d, hq, group, scale * LOG2E, scale, **flags)
+    with _device_of(q):
+        kernels["_bwd_dkdv_kernel"][(triton.cdiv(m, cfg["BLOCK_N"]), hkv * splits, b)](
+            q, k, v, grad_out, idx, lse, delta, dk, dv, *strides, m, d, hq, hkv, group, splits, scale * LOG2E, scale,
+            **flags)
+        kernels["_bwd_dq_kernel"][(triton.cdiv(m, cfg["BLOCK_M"]), hq, b)](
+            q, k, v, grad_out, idx, lse, delta, dq, *strides, m, d, hq, group, scale * LOG2E, scale, **flags)
     dk = dk.sum(dim=2).to(k.dtype) if splits > 1 else dk.view(b, hkv, m, d)  # (B, Hkv, M, d)
     dv = dv.sum(dim=2).to(v.dtype) if splits > 1 else dv.view(b, hkv, m, d)
     if token_index is None:

@@ -30,6 +30,16 @@ HEADS = [(1, 1), (3, 1), (3, 3), (6, 1), (6, 6)]  # (Hq, Hkv)
 SELECT = [None, "one", "half", "all"]  # token_index: none, K = 1, K = N // 2, K = N
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_intra_op_thread():
+    """These tensors are small: one intra-op thread is about as fast, and does not stall waiting for a descheduled
+    second thread when other processes share the cores (restored afterwards for the rest of the session)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

@@ -17,6 +17,7 @@ import sys
 
 import pytest
 import torch
+
 from squad.kernels import explicit_attention, routed_attention, triton_available
 from squad.kernels.reference import attention_backward_chunked, attention_forward_chunked
 
@@ -325,10 +326,11 @@ GPU_COMPILE = [  # (kernel, dtype, HAS_INDEX, d): every kernel, 16-bit and fp32,
 def test_triton_kernels_compile_for_gpu(kernel, dtype, has_index, d):
     """Lowers the kernel for an sm_80 GPU down to a cubin (no GPU needed): the interpreter alone proves no compile."""
     import triton
-    from squad.kernels import triton_attention as ta
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
+
+    from squad.kernels import triton_attention as ta
 
     fn = getattr(ta, kernel)
     torch_dtype = {"bf16": BF16, "fp16": F16, "fp32": F32}[dtype]

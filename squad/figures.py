@@ -1,4 +1,5 @@
-"""Figures of expert usage: tasks × experts selection heatmaps per routed layer (paper Fig. 4 style)."""
+"""Figures of expert usage: tasks × experts selection heatmaps per routed layer (paper Fig. 4 style) and task × task
+relation matrices (paper Fig. 5 style)."""
 
 from __future__ import annotations
 
@@ -43,3 +44,15 @@ def usage_figure(share: np.ndarray, tasks: Sequence[str], layer: str):
     """Expert selection frequency per task for one layer: rows = tasks, columns = experts (rows sum to 1)."""
     experts = [str(e) for e in range(share.shape[1])]
     return heatmap(share, tasks, experts, f"expert selection frequency — {layer}", "share of selections")
+
+
+def relation_figure(matrix: np.ndarray, tasks: Sequence[str], title: str):
+    """Task × task relation matrix (mean share of experts two tasks select for the same token), in [0, 1]."""
+    return heatmap(matrix, tasks, tasks, f"task relations — {title}", "mean share of shared experts", vmin=0.0,
+                   vmax=1.0)
+
+
+def save_figure(fig, path) -> None:
+    """Writes a figure as PNG and closes it."""
+    fig.savefig(path, dpi=130, bbox_inches="tight")
+    plt.close(fig)

@@ -3,7 +3,9 @@
 MACs per image per task are summed from every layer's ``macs(n)`` at the token counts it actually sees: routed
 layers count k experts per token plus the router, MoD blocks count their block at k = ceil(C·N) tokens, MoNE blocks
 count each nested width at its group size. Attention matmuls (QKᵀ and AV) are included, norms and softmax are not.
-`tests/test_profile.py` checks these counts against PyTorch's FLOP counter on real forward passes.
+Pruned (extracted) layers count the experts and top-k they have now; an exactly routed router still scores every
+original expert and is counted that way. `tests/test_profile.py` and `tests/test_extract.py` check these counts
+against PyTorch's FLOP counter on real forward passes.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from collections.abc import Sequence
 
 import torch.nn as nn
 
+from squad.layers.mod import MoDBlock
 from squad.layers.moe_attention import MoEAttention
 from squad.layers.moe_mlp import ExpertMLP
 from squad.layers.mone import MoNEBlock, capacity_distribution
@@ -27,9 +30,10 @@ def _active_params(model: SquadViT, task: int) -> int:
     """Parameters one token of ``task`` touches: shared weights, its own router rows/embedding/head, k experts."""
     total = 0
     seen = set()
+    embed_counted = False
     for name, module in model.named_modules():
-        if isinstance(module, TaskLinear):
-            total += module.weight[task].numel() + (module.bias[task].numel() if module.bias is not None else 0)
+        if isinstance(module, TaskLinear):  # one row per task (rows of added tasks have the same size)
+            total += module.weight[0].numel() + (module.bias[0].numel() if module.bias is not None else 0)
             seen.update(id(p) for p in module.parameters())
         elif isinstance(module, ExpertMLP):
             per = sum(p[0].numel() for p in module.parameters())
@@ -42,8 +46,9 @@ def _active_params(model: SquadViT, task: int) -> int:
     for name, p in model.named_parameters():
         if id(p) in seen:
             continue
-        if name == "task_embed":
-            total += p.shape[1]
+        if name in ("task_embed", "task_embed_extra"):  # one row of the [T, D] table
+            total += 0 if embed_counted else p.shape[1]
+            embed_counted = True
         elif name.startswith("heads."):
             if name.split(".")[1] == model.task_names[task]:
                 total += p.numel()
@@ -62,7 +67,19 @@ def backbone_macs(model: SquadViT, mone_capacity: float | None = None) -> int:
                                 cfg.mone.beta, cfg.mone.delta)
     for block in model.blocks:
         macs += block.macs(n, cap) if isinstance(block, MoNEBlock) else block.macs(n)
-    return macs
+    return macs + _unpruned_router_macs(model, n)
+
+
+def _unpruned_router_macs(model: SquadViT, n: int) -> int:
+    """Router MACs a pruned MoE attention layer's own count misses: with exact routing its router still scores
+    every original expert, while the layer counts the router at the experts it holds."""
+    extra = 0
+    for block in model.blocks:
+        inner, tokens = (block.block, block.capacity_tokens(n)) if isinstance(block, MoDBlock) else (block, n)
+        attn = getattr(inner, "attn", None)
+        if isinstance(attn, MoEAttention):
+            extra += tokens * attn.kv.in_features * (attn.router.num_experts - attn.num_experts)
+    return extra
 
 
 def profile(model: SquadViT, tasks: Sequence[str] | None = None, mone_capacity: float | None = None) -> dict:

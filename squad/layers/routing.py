@@ -28,6 +28,8 @@ class RouterStats:
         tokens: [T] tokens routed per task.
         top_k: experts selected per token.
         aux_loss: a layer-specific auxiliary loss (e.g. MoD's router BCE), already averaged, or None.
+        experts: [R·N, k] the expert indices every token selected (row-major over the layer's input rows), only
+            when the forward pass records routing (``ForwardContext.record_routing``; task-relation analysis).
     """
 
     name: str
@@ -37,6 +39,7 @@ class RouterStats:
     tokens: torch.Tensor
     top_k: int
     aux_loss: torch.Tensor | None = None
+    experts: torch.Tensor | None = None
 
 
 @dataclasses.dataclass
@@ -51,6 +54,8 @@ class ForwardContext:
         mone: MoNE routing state shared by the MoNE blocks after the router (see squad.layers.mone).
         mone_capacity: effective capacity e_c used by MoNE blocks in this pass.
         moe_task_embed: [R, D] task embedding per row, added to routed sublayers' inputs (task_embed=moe_inputs).
+        record_routing: routers also report every token's selected experts (`RouterStats.experts`); off in
+            training, so the hot path keeps nothing extra.
     """
 
     task_ids: torch.Tensor
@@ -60,6 +65,7 @@ class ForwardContext:
     mone: object | None = None
     mone_capacity: float | None = None
     moe_task_embed: torch.Tensor | None = None
+    record_routing: bool = False
 
     def token_task_ids(self, tokens_per_row: int) -> torch.Tensor:
         """[R·N] task index of every token when rows hold ``tokens_per_row`` tokens each."""
@@ -76,12 +82,18 @@ class TaskLinear(nn.Module):
 
     Weight [T, D, O]; input [R, N, D] → [R, N, O]. Used by every per-task router (no loop over tasks, no host
     sync: the weights are gathered per row and applied with `torch.baddbmm`).
+
+    Tasks added to a trained model (router fine-tuning) get their rows in separate parameters ``extra`` [T', D, O]
+    (and ``extra_bias`` [T', O]) that follow the original T rows, so the original rows can stay truly frozen;
+    `merge_rows` folds them back into ``weight`` afterwards.
     """
 
     def __init__(self, num_tasks: int, dim: int, out: int, bias: bool = False, std: float = 0.02, zero: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_tasks, dim, out))
         self.bias = nn.Parameter(torch.zeros(num_tasks, out)) if bias else None
+        self.register_parameter("extra", None)
+        self.register_parameter("extra_bias", None)
         self.std = std
         self.zero = zero
         self.reset_parameters()
@@ -92,11 +104,76 @@ class TaskLinear(nn.Module):
         else:
             nn.init.trunc_normal_(self.weight, std=self.std)
 
+    @property
+    def num_tasks(self) -> int:
+        """Rows of the bank, added tasks included."""
+        return self.weight.shape[0] + (0 if self.extra is None else self.extra.shape[0])
+
+    def full_weight(self) -> torch.Tensor:
+        """[T + T', D, O]: the original rows followed by the added ones."""
+        return self.weight if self.extra is None else torch.cat([self.weight, self.extra])
+
+    def full_bias(self) -> torch.Tensor | None:
+        """[T + T', O] or None."""
+        if self.bias is None or self.extra_bias is None:
+            return self.bias
+        return torch.cat([self.bias, self.extra_bias])
+
     def forward(self, x: torch.Tensor, task_ids: torch.Tensor) -> torch.Tensor:
-        w = self.weight.index_select(0, task_ids)  # [R, D, O]
-        if self.bias is None:
+        w = self.full_weight().index_select(0, task_ids)  # [R, D, O]
+        bias = self.full_bias()
+        if bias is None:
             return torch.bmm(x, w)
-        return torch.baddbmm(self.bias.index_select(0, task_ids).unsqueeze(1), x, w)
+        return torch.baddbmm(bias.index_select(0, task_ids).unsqueeze(1), x, w)
+
+    @torch.no_grad()
+    def add_rows(self, count: int = 1, init: str = "mean") -> None:
+        """Appends ``count`` task rows as the trainable ``extra`` parameters.
+
+        Args:
+            count: tasks to add.
+            init: ``"mean"`` (the mean of the existing rows: the new task starts routing like an average task),
+                ``"zero"``, or ``"random"`` (this bank's own initialisation).
+        """
+        if init not in ("mean", "zero", "random"):
+            raise ValueError(f"init must be 'mean', 'zero' or 'random', got {init!r}")
+        w = self.full_weight()
+        if init == "mean":
+            rows = w.mean(0, keepdim=True).expand(count, -1, -1).clone()
+        elif init == "zero" or self.zero:
+            rows = torch.zeros(count, *w.shape[1:], dtype=w.dtype, device=w.device)
+        else:
+            rows = nn.init.trunc_normal_(torch.empty(count, *w.shape[1:], dtype=w.dtype, device=w.device), std=self.std)
+        self.extra = nn.Parameter(rows if self.extra is None else torch.cat([self.extra, rows]))
+        if self.bias is not None:
+            b = self.full_bias()
+            brows = b.mean(0, keepdim=True).expand(count, -1).clone() if init == "mean" else b.new_zeros(count,
+                                                                                                          b.shape[1])
+            self.extra_bias = nn.Parameter(brows if self.extra_bias is None else torch.cat([self.extra_bias, brows]))
+
+    @torch.no_grad()
+    def merge_rows(self) -> None:
+        """Folds the added rows into ``weight``/``bias`` (the bank becomes a plain [T + T', D, O] one)."""
+        if self.extra is None:
+            return
+        grad = self.weight.requires_grad
+        self.weight = nn.Parameter(self.full_weight().detach().clone(), requires_grad=grad)
+        if self.bias is not None:
+            self.bias = nn.Parameter(self.full_bias().detach().clone(), requires_grad=grad)
+        self.extra = None
+        self.extra_bias = None
+
+    @torch.no_grad()
+    def select_outputs(self, columns: torch.Tensor) -> None:
+        """Keeps only the output columns ``columns`` [O'] (in that order) of every task's map."""
+        self.weight = nn.Parameter(self.weight.index_select(2, columns).clone(), self.weight.requires_grad)
+        if self.bias is not None:
+            self.bias = nn.Parameter(self.bias.index_select(1, columns).clone(), self.bias.requires_grad)
+        if self.extra is not None:
+            self.extra = nn.Parameter(self.extra.index_select(2, columns).clone(), self.extra.requires_grad)
+        if self.extra_bias is not None:
+            self.extra_bias = nn.Parameter(self.extra_bias.index_select(1, columns).clone(),
+                                           self.extra_bias.requires_grad)
 
 
 @dataclasses.dataclass
@@ -121,6 +198,10 @@ class TaskRouter(nn.Module):
     is on; the kept probabilities are the gates (renormalised to sum to 1 if configured). Each row of the batch
     uses its own task's ``(W_g, W_noise)``.
 
+    A router of a pruned (extracted) layer may be restricted to some of its experts (`restrict`): with exact
+    routing it still scores all ``num_experts`` (the softmax runs over every expert) but selects only among the
+    kept ones, and it returns their positions in the kept list, i.e. the pruned layer's expert indices.
+
     Args:
         num_tasks: T.
         dim: token width D.
@@ -136,6 +217,37 @@ class TaskRouter(nn.Module):
         self.cfg = cfg
         self.gate = TaskLinear(num_tasks, dim, num_experts, zero=cfg.zero_init)
         self.noise = TaskLinear(num_tasks, dim, num_experts, zero=True) if cfg.noise else None
+        self.register_buffer("kept", None)  # [K] selectable router columns, in the pruned layer's expert order
+
+    @property
+    def choices(self) -> int:
+        """How many experts a token can choose from (all scored experts unless restricted)."""
+        return self.num_experts if self.kept is None else self.kept.numel()
+
+    def restrict(self, columns: list[int], exact: bool = True) -> None:
+        """Limits the choice to router columns ``columns`` (their order becomes the new expert numbering).
+
+        Args:
+            columns: distinct indices in [0, num_experts).
+            exact: keep scoring every expert (the softmax and the gates are the full router's; removed experts
+                are never selected); otherwise drop the other columns' weights, so the softmax runs over the
+                kept experts only (the paper's pruned router).
+
+        top-k shrinks to the number of kept columns when fewer remain.
+        """
+        if not columns or len(set(columns)) != len(columns) or not all(0 <= c < self.num_experts for c in columns):
+            raise ValueError(f"restrict: columns must be distinct indices in [0, {self.num_experts}), got {columns}")
+        if self.kept is not None:
+            raise ValueError("restrict: this router is already restricted")
+        cols = torch.as_tensor(columns, dtype=torch.long, device=self.gate.weight.device)
+        if exact:
+            self.kept = cols
+        else:
+            self.gate.select_outputs(cols)
+            if self.noise is not None:
+                self.noise.select_outputs(cols)
+            self.num_experts = len(columns)
+        self.top_k = min(self.top_k, len(columns))
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> Routing:
         """Routes x [R, N, D]; returns decisions for the R·N tokens (flattened row-major)."""
@@ -144,18 +256,21 @@ class TaskRouter(nn.Module):
             std = F.softplus(self.noise(x, ctx.task_ids)) + 1e-2
             logits = logits + torch.randn_like(logits) * std
         probs = logits.float().softmax(-1).reshape(-1, self.num_experts)  # [M, E]
+        if self.kept is not None:
+            probs = probs.index_select(1, self.kept)  # [M, K]: only the kept experts can be chosen
         gates, experts = probs.topk(self.top_k, dim=-1)
         if self.cfg.renormalize:
             gates = gates / gates.sum(-1, keepdim=True)
         return Routing(gates.to(x.dtype), experts, probs)
 
     def stats(self, name: str, kind: str, routing: Routing, ctx: ForwardContext, tokens_per_row: int) -> RouterStats:
-        """Per-task soft mass and hard counts of this routing decision."""
+        """Per-task soft mass and hard counts of this routing decision (over the selectable experts)."""
         r = ctx.task_ids.numel()
-        e = self.num_experts
+        e = routing.probs.shape[-1]
         mass = ctx.per_task_sum(routing.probs.view(r, tokens_per_row, e).sum(1))  # [T, E]
         hard = torch.zeros(r * tokens_per_row, e, device=routing.probs.device, dtype=torch.float32)
         hard.scatter_(1, routing.experts, 1.0)
         counts = ctx.per_task_sum(hard.view(r, tokens_per_row, e).sum(1))
         tokens = ctx.per_task_sum(torch.full((r,), float(tokens_per_row), device=counts.device))
-        return RouterStats(name, kind, mass, counts.detach(), tokens, self.top_k)
+        experts = routing.experts.detach() if ctx.record_routing else None
+        return RouterStats(name, kind, mass, counts.detach(), tokens, self.top_k, experts=experts)

@@ -43,7 +43,9 @@ def heatmap(matrix: np.ndarray, rows: Sequence[str], cols: Sequence[str], title:
 def usage_figure(share: np.ndarray, tasks: Sequence[str], layer: str):
     """Expert selection frequency per task for one layer: rows = tasks, columns = experts (rows sum to 1)."""
     experts = [str(e) for e in range(share.shape[1])]
-    return heatmap(share, tasks, experts, f"expert selection frequency — {layer}", "share of selections")
+    fig = heatmap(share, tasks, experts, f"expert selection frequency — {layer}", "share of selections")
+    fig.axes[0].set_xlabel("expert", fontsize=8)
+    return fig
 
 
 def relation_figure(matrix: np.ndarray, tasks: Sequence[str], title: str):

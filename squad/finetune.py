@@ -149,11 +149,16 @@ def _cycle(loader: DataLoader):
         yield from loader
 
 
+def make_optimizer(trainable: dict[str, nn.Parameter], cfg: FinetuneConfig) -> torch.optim.Optimizer:
+    """AdamW over exactly the trainable parameters (frozen ones are not even registered with it)."""
+    return torch.optim.AdamW(list(trainable.values()), lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
 def train_new_task(model: SquadViT, task: str, loader: DataLoader, trainable: dict[str, nn.Parameter],
                    cfg: FinetuneConfig) -> list[float]:
     """Trains ``trainable`` on the task's loss for ``cfg.steps`` steps (model in train mode); returns the losses."""
     spec = get_task(task)
-    opt = torch.optim.AdamW(list(trainable.values()), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    opt = make_optimizer(trainable, cfg)
     losses = []
     model.train()
     batches = _cycle(loader)

@@ -76,7 +76,7 @@ def select_tasks(model: SquadViT, tasks: Sequence[str]) -> SquadViT:
             if module in banks:
                 if leaf in ("extra", "extra_bias"):
                     continue
-                full = banks[module].full_weight() if leaf == "weight" else banks[module].full_bias()
+                full = banks[module].weight if leaf == "weight" else banks[module].bias  # added tasks' rows too
                 value = full.index_select(0, rows.to(full.device))
             elif key == "task_embed":
                 value = model.task_embeddings().index_select(0, rows.to(value.device))

@@ -102,7 +102,8 @@ def test_top_k_shrinks_when_fewer_experts_remain():
 
 @pytest.mark.parametrize("renormalize", [False, True])
 def test_profile_macs_of_pruned_models_match_flop_counter(renormalize):
-    model = tiny_model(HEADS)  # learned MoD (A-MoD's CPU score pass is an implementation cost, see test_profile)
+    # no MoD here: its router's cost is MoD's business (test_profile); this checks the pruned layers' counts
+    model = tiny_model(HEADS, plan=[{"attn": "moa", "mlp": "moe"}, {"attn": "dense", "mlp": "moe"}])
     usage = collect_usage(model, "depth", _calibration())
     ext = extract(model, "depth", usage, theta=0.3, renormalize=renormalize)
     assert any(layer.num_experts < 6 for layer in prunable_layers(ext.model).values())
@@ -202,7 +203,8 @@ def test_extract_tool_rejects_checkpoints_of_other_models(tmp_path, model_file, 
     payload["state_dict"] = big.state_dict()
     torch.save(payload, other)
     extracted = tmp_path / "ext.pt"
-    assert tool.main(["--checkpoint", str(model_file), "--task", "depth", "--saved-usage", "--out", str(extracted)]) == 0
+    args = ["--checkpoint", str(model_file), "--task", "depth", "--saved-usage", "--out", str(extracted)]
+    assert tool.main(args) == 0
     capsys.readouterr()
     cases = [(plain, "not a squad model file"), (other, "has shape"), (extracted, "is an extracted single-task model"),
              (tmp_path / "missing.pt", "not found"), (tmp_path, "holds no model.pt")]

@@ -84,44 +84,53 @@ class TaskLinear(nn.Module):
     sync: the weights are gathered per row and applied with `torch.baddbmm`).
 
     Tasks added to a trained model (router fine-tuning) get their rows in separate parameters ``extra`` [T', D, O]
-    (and ``extra_bias`` [T', O]) that follow the original T rows, so the original rows can stay truly frozen;
-    `merge_rows` folds them back into ``weight`` afterwards.
+    (and ``extra_bias`` [T', O]), so the original rows can stay truly frozen; `merge_rows` folds them back. Readers
+    never see the split: ``weight`` and ``bias`` are the whole bank, [T + T', D, O] and [T + T', O] (the stored
+    parameters keep the names ``weight``/``bias``, so state dicts do not change).
     """
 
     def __init__(self, num_tasks: int, dim: int, out: int, bias: bool = False, std: float = 0.02, zero: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_tasks, dim, out))
-        self.bias = nn.Parameter(torch.zeros(num_tasks, out)) if bias else None
         self.register_parameter("extra", None)
         self.register_parameter("extra_bias", None)
+        self.register_parameter("weight", nn.Parameter(torch.empty(num_tasks, dim, out)))
+        self.register_parameter("bias", nn.Parameter(torch.zeros(num_tasks, out)) if bias else None)
         self.std = std
         self.zero = zero
         self.reset_parameters()
 
+    def _stored(self, name: str) -> torch.Tensor | None:
+        if name not in self._parameters:
+            raise AttributeError(name)
+        return self._parameters[name]
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """[T + T', D, O]: the original rows followed by the added tasks' rows (one tensor: no copy without any)."""
+        w = self._stored("weight")
+        return w if self.extra is None else torch.cat([w, self.extra])
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        """[T + T', O] or None."""
+        b = self._stored("bias")
+        return b if b is None or self.extra_bias is None else torch.cat([b, self.extra_bias])
+
     def reset_parameters(self) -> None:
+        w = self._stored("weight")
         if self.zero:
-            nn.init.zeros_(self.weight)
+            nn.init.zeros_(w)
         else:
-            nn.init.trunc_normal_(self.weight, std=self.std)
+            nn.init.trunc_normal_(w, std=self.std)
 
     @property
     def num_tasks(self) -> int:
         """Rows of the bank, added tasks included."""
-        return self.weight.shape[0] + (0 if self.extra is None else self.extra.shape[0])
-
-    def full_weight(self) -> torch.Tensor:
-        """[T + T', D, O]: the original rows followed by the added ones."""
-        return self.weight if self.extra is None else torch.cat([self.weight, self.extra])
-
-    def full_bias(self) -> torch.Tensor | None:
-        """[T + T', O] or None."""
-        if self.bias is None or self.extra_bias is None:
-            return self.bias
-        return torch.cat([self.bias, self.extra_bias])
+        return self.weight.shape[0]
 
     def forward(self, x: torch.Tensor, task_ids: torch.Tensor) -> torch.Tensor:
-        w = self.full_weight().index_select(0, task_ids)  # [R, D, O]
-        bias = self.full_bias()
+        w = self.weight.index_select(0, task_ids)  # [R, D, O]
+        bias = self.bias
         if bias is None:
             return torch.bmm(x, w)
         return torch.baddbmm(bias.index_select(0, task_ids).unsqueeze(1), x, w)
@@ -137,7 +146,7 @@ class TaskLinear(nn.Module):
         """
         if init not in ("mean", "zero", "random"):
             raise ValueError(f"init must be 'mean', 'zero' or 'random', got {init!r}")
-        w = self.full_weight()
+        w = self.weight
         if init == "mean":
             rows = w.mean(0, keepdim=True).expand(count, -1, -1).clone()
         elif init == "zero" or self.zero:
@@ -145,35 +154,32 @@ class TaskLinear(nn.Module):
         else:
             rows = nn.init.trunc_normal_(torch.empty(count, *w.shape[1:], dtype=w.dtype, device=w.device), std=self.std)
         self.extra = nn.Parameter(rows if self.extra is None else torch.cat([self.extra, rows]))
-        if self.bias is not None:
-            b = self.full_bias()
+        b = self.bias
+        if b is not None:
             brows = b.mean(0, keepdim=True).expand(count, -1).clone() if init == "mean" else b.new_zeros(count,
                                                                                                           b.shape[1])
             self.extra_bias = nn.Parameter(brows if self.extra_bias is None else torch.cat([self.extra_bias, brows]))
 
     @torch.no_grad()
     def merge_rows(self) -> None:
-        """Folds the added rows into ``weight``/``bias`` (the bank becomes a plain [T + T', D, O] one)."""
+        """Folds the added rows into the stored ``weight``/``bias`` (an ordinary [T + T', D, O] bank again)."""
         if self.extra is None:
             return
-        grad = self.weight.requires_grad
-        self.weight = nn.Parameter(self.full_weight().detach().clone(), requires_grad=grad)
-        if self.bias is not None:
-            self.bias = nn.Parameter(self.full_bias().detach().clone(), requires_grad=grad)
+        grad = self._stored("weight").requires_grad
+        w, b = self.weight.detach().clone(), self.bias
         self.extra = None
         self.extra_bias = None
+        self.register_parameter("weight", nn.Parameter(w, requires_grad=grad))
+        if b is not None:
+            self.register_parameter("bias", nn.Parameter(b.detach().clone(), requires_grad=grad))
 
     @torch.no_grad()
     def select_outputs(self, columns: torch.Tensor) -> None:
         """Keeps only the output columns ``columns`` [O'] (in that order) of every task's map."""
-        self.weight = nn.Parameter(self.weight.index_select(2, columns).clone(), self.weight.requires_grad)
-        if self.bias is not None:
-            self.bias = nn.Parameter(self.bias.index_select(1, columns).clone(), self.bias.requires_grad)
-        if self.extra is not None:
-            self.extra = nn.Parameter(self.extra.index_select(2, columns).clone(), self.extra.requires_grad)
-        if self.extra_bias is not None:
-            self.extra_bias = nn.Parameter(self.extra_bias.index_select(1, columns).clone(),
-                                           self.extra_bias.requires_grad)
+        for name, dim in (("weight", 2), ("bias", 1), ("extra", 2), ("extra_bias", 1)):
+            p = self._parameters[name]
+            if p is not None:
+                self.register_parameter(name, nn.Parameter(p.index_select(dim, columns).clone(), p.requires_grad))
 
 
 @dataclasses.dataclass

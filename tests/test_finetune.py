@@ -1,0 +1,191 @@
+"""Router fine-tuning: adding a task to a trained model, truly frozen weights, learning from a subset, the table
+of modes × sizes, and the tool's errors."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import squad
+from squad.checkpoint import export_model
+from squad.data import build_dataset
+from squad.evaluation import eval_loader
+from squad.finetune import (
+    FinetuneConfig,
+    finetune_once,
+    make_optimizer,
+    select_trainable,
+    subset_indices,
+    with_new_task,
+)
+from squad.finetune_pipeline import finetune_table
+from squad.model import build_model
+from tests.helpers import ROOT
+from tests.tool_helpers import load_tool, tiny_data, tiny_model
+
+BASE = ["normal", "class_object"]
+PLANS = {
+    "moa_moe_mod": None,
+    "mone_moe_inputs": dict(plan=[{"attn": "moa", "mlp": "moe"}, {"mone": True}], depth=4, task_embed="moe_inputs"),
+}
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory):
+    return tiny_data(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def base_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("base") / "model.pt"
+    export_model(path, tiny_model(BASE), None, {"trained_tasks": BASE})
+    return path
+
+
+@pytest.mark.parametrize("name", sorted(PLANS))
+def test_add_task_keeps_old_tasks_and_merges_into_an_ordinary_model(name, tmp_path):
+    model = tiny_model(BASE, **(PLANS[name] or {}))
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        before = model(x).preds
+    grown = with_new_task(model, "class_scene")
+    extra = grown.added_task_parameters()
+    banks = [n for n, m in grown.named_modules() if isinstance(m, squad.layers.routing.TaskLinear)]
+    assert set(extra) == {f"{b}.extra" for b in banks} | {f"{b}.extra_bias" for b in banks
+                                                           if grown.get_submodule(b).bias is not None} | {
+        "task_embed_extra"}
+    with torch.no_grad():
+        after = grown(x).preds
+        for t in BASE:  # the old tasks compute what they did (to float rounding: the batch holds more rows now)
+            torch.testing.assert_close(after[t], before[t], rtol=1e-5, atol=1e-6)
+        assert after["class_scene"].shape == (2, 365)
+        grown.merge_added_tasks()
+        assert grown.added_task_parameters() == {}
+        merged = grown(x).preds
+    for t in [*BASE, "class_scene"]:
+        torch.testing.assert_close(merged[t], after[t], rtol=1e-6, atol=1e-6)
+    fresh = build_model(grown.cfg).state_dict()
+    assert {k: v.shape for k, v in grown.state_dict().items()} == {k: v.shape for k, v in fresh.items()}
+    export_model(tmp_path / "model.pt", grown, None)
+    loaded = squad.load_model(tmp_path / "model.pt")
+    assert loaded.task_names == [*BASE, "class_scene"]
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x).preds["class_scene"], merged["class_scene"])
+
+
+def test_add_task_rejects_a_task_the_model_has():
+    with pytest.raises(ValueError, match="already has task 'normal'"):
+        tiny_model(BASE).add_task("normal")
+
+
+def test_router_mode_trains_only_the_new_rows_and_leaves_the_rest_bitwise_unchanged(data_root):
+    base = tiny_model(BASE)
+    model = with_new_task(base, "depth_euclidean")
+    trainable = select_trainable(model, "depth_euclidean", "router")
+    assert set(trainable) == set(model.added_task_parameters()) | {
+        f"heads.depth_euclidean.{n}" for n, _ in model.heads["depth_euclidean"].named_parameters()}
+    opt = make_optimizer(trainable, FinetuneConfig())
+    in_opt = {id(p) for g in opt.param_groups for p in g["params"]}
+    frozen = {n: p for n, p in model.named_parameters() if n not in trainable}
+    assert in_opt == {id(p) for p in trainable.values()}
+    assert all(not p.requires_grad and id(p) not in in_opt for p in frozen.values())
+
+    cfg = FinetuneConfig(steps=6, batch_size=4, lr=1e-2)
+    train = build_dataset(data_root, ["depth_euclidean"], "train", image_size=32)
+    loader = eval_loader(build_dataset(data_root, ["depth_euclidean"], "val", image_size=32), 4)
+    snapshot = {n: p.detach().clone() for n, p in base.named_parameters()}
+    row, tuned = finetune_once(base, "depth_euclidean", "router", train, range(8), loader, cfg)
+    assert row["frozen_unchanged"] is True and row["train_images"] == 8
+    assert row["trainable_params"] == sum(p.numel() for p in trainable.values())
+    old = dict(tuned.named_parameters())
+    for n, p in snapshot.items():
+        assert torch.equal(old[n], p), n  # every original parameter, bit for bit
+        assert torch.equal(dict(base.named_parameters())[n], p), n  # and the base model is untouched
+    moved = [n for n, p in tuned.added_task_parameters().items()
+             if not torch.equal(p, with_new_task(base, "depth_euclidean").added_task_parameters()[n])]
+    assert moved  # the new task's router rows / embedding did learn
+
+
+def test_subsets_are_deterministic_and_nested():
+    a = subset_indices(1000, fraction=0.01, seed=3)
+    b = subset_indices(1000, fraction=0.05, seed=3)
+    assert len(a) == 10 and len(b) == 50 and b[:10] == a and a == subset_indices(1000, fraction=0.01, seed=3)
+    assert len(subset_indices(1000, fraction=0.0001)) == 1
+    labels = torch.tensor([0, 1, 2, -1] * 5)
+    shots = subset_indices(20, shots=2, labels=labels, seed=0)
+    assert sorted(int(labels[i]) for i in shots) == [0, 0, 1, 1, 2, 2]
+    with pytest.raises(ValueError, match="fraction must be in"):
+        subset_indices(10, fraction=1.5)
+
+
+def test_router_finetuning_beats_the_untrained_head_and_writes_json(base_file, data_root, tmp_path):
+    out = tmp_path / "ft.json"
+    cfg = FinetuneConfig(steps=40, batch_size=8, lr=1e-2)
+    result = finetune_table(base_file, "depth", data_root, ["router", "head"], fractions=[0.5, 1.0], cfg=cfg,
+                            save_dir=tmp_path / "models", out=out)
+    untrained = result["untrained"]["rmse"]
+    for row in result["runs"]:
+        assert row["frozen_unchanged"] is True
+        assert row["primary"] < 0.8 * untrained, (row["mode"], row["size"], row["primary"], untrained)
+    assert set(result["table"]) == {"router", "head"} and set(result["table"]["router"]) == {"0.5", "1"}
+    assert json.loads(out.read_text())["table"] == result["table"]
+    saved = squad.load_model(result["runs"][0]["saved"])
+    assert saved.task_names == [*BASE, "depth_euclidean"]
+
+
+def test_linear_probe_and_shots(base_file, data_root):
+    cfg = FinetuneConfig(steps=10, batch_size=4, lr=1e-2)
+    result = finetune_table(base_file, "scene", data_root, ["linear-probe", "full"], shots=[1], cfg=cfg)
+    rows = {r["mode"]: r for r in result["runs"]}
+    assert set(rows) == {"linear-probe", "full"}
+    assert rows["linear-probe"]["trainable_params"] == (32 + 1) * 365
+    assert rows["full"]["train_images"] == rows["linear-probe"]["train_images"] >= 1
+    for r in rows.values():
+        assert 0.0 <= r["metrics"]["accuracy"] <= 100.0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--task", "not_a_task"], "unknown task 'not_a_task'; valid names: class_object"),
+    (["--task", "normal"], "the model was trained with normal"),
+    (["--task", "depth", "--mode", "linear-probe"], "linear-probe needs a class task"),
+    (["--task", "depth", "--mode", "routers"], "unknown mode 'routers'"),
+    (["--task", "depth", "--fractions", "0"], "fraction must be in (0, 1]"),
+    (["--task", "depth", "--fractions", "1.5"], "fraction must be in (0, 1]"),
+])
+def test_tool_rejects_bad_arguments(base_file, data_root, args, message, capsys):
+    tool = load_tool("finetune_router")
+    assert tool.main(["--checkpoint", str(base_file), "--data", str(data_root), "--steps", "1", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_tool_rejects_checkpoints_of_other_models(tmp_path, data_root, capsys):
+    plain = tmp_path / "weights.pt"
+    torch.save(tiny_model(BASE).state_dict(), plain)
+    tool = load_tool("finetune_router")
+    assert tool.main(["--checkpoint", str(plain), "--data", str(data_root), "--task", "depth"]) == 2
+    assert "not a squad model file" in capsys.readouterr().err
+
+
+def test_other_ranks_of_a_launcher_do_nothing(base_file, data_root, tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    out = tmp_path / "r1.json"
+    assert load_tool("finetune_router").main(["--checkpoint", str(base_file), "--data", str(data_root), "--task",
+                                              "depth", "--out", str(out)]) == 0
+    assert not out.exists()
+
+
+def test_runs_under_the_deepspeed_launcher(base_file, data_root, tmp_path):
+    out = tmp_path / "ds.json"
+    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "tools/finetune_router.py",
+           "--checkpoint", str(base_file), "--data", str(data_root), "--task", "depth", "--steps", "2",
+           "--fractions", "0.5", "--out", str(out)]
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert json.loads(out.read_text())["runs"][0]["frozen_unchanged"] is True

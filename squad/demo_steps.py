@@ -18,7 +18,7 @@ def extract_and_compare(run: str | Path, data: str | Path, task: str = "depth_eu
     run = Path(run)
     out = run / f"{task}_theta{theta:g}.pt"
     report = extract_to_file(run, task, out, theta=theta, data=data, calib_batches=calib_batches, eval_split=split)
-    print(format_report(report))
+    print(format_report({**report, "metrics": None}))  # the metrics follow as a side-by-side table
     m = report["metrics"]
     if m:
         print(f"\n{task} on {m['split']} ({m['images']} images), full model beside the extracted one:")

@@ -134,6 +134,16 @@ def test_renormalized_routing_softmaxes_over_kept_experts():
     torch.testing.assert_close(routing.probs.sum(-1), torch.ones(5))
 
 
+def test_renormalized_extraction_round_trips_through_its_file(tmp_path):
+    model = tiny_model(HEADS)
+    ext = extract(model, "depth", collect_usage(model, "depth", _calibration()), theta=0.2, renormalize=True)
+    back = load_extracted(save_extracted(tmp_path / "depth.pt", ext))
+    assert not back.exact and back.kept == ext.kept
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(back(x), ext(x))
+
+
 def test_saved_file_loads_in_a_fresh_process_without_deepspeed(tmp_path):
     model = tiny_model(HEADS)
     images = _calibration()

@@ -9,7 +9,15 @@ import torch.nn.functional as F
 from squad.config import BlockSpec, MoAConfig, MoDConfig, MoEConfig, MoNEConfig, RouterConfig
 from squad.layers.attention import Mlp
 from squad.layers.block import Block
-from squad.layers.grouped import combine, dispatch_tokens, grouped_matmul, plan_dispatch
+from squad.layers.grouped import (
+    combine,
+    dispatch_matmul,
+    dispatch_tokens,
+    grouped_matmul,
+    matmul_combine,
+    native_grouped_mm,
+    plan_dispatch,
+)
 from squad.layers.mod import MoDBlock
 from squad.layers.moe_attention import MoEAttention
 from squad.layers.moe_mlp import MoEMlp, apply_capacity
@@ -18,6 +26,8 @@ from squad.layers.mone import (
     capacity_distribution,
     expert_preferred_routing,
     group_sizes,
+    nested_linear_in,
+    nested_linear_out,
 )
 from squad.layers.routing import ForwardContext, Routing
 from tests.helpers import tiny_model_cfg
@@ -57,6 +67,69 @@ def test_grouped_mlp_matches_per_token_loop(m, k, e, noop):
     ref_grads = torch.autograd.grad(ref, (x, w1, b1, w2, gates), g)
     for a, b in zip(grads, ref_grads, strict=True):
         assert torch.allclose(a, b, atol=1e-10)
+
+
+@pytest.mark.parametrize("m,k,e,noop,bias", [(1, 1, 1, 0, True), (7, 2, 3, 0, False), (50, 4, 16, 0, True),
+                                             (33, 3, 5, 2, True), (20, 2, 8, 0, False)])
+def test_fused_dispatch_matmul_and_matmul_combine_match_composition(m, k, e, noop, bias):
+    """The fused input/output projections equal dispatch_tokens → grouped_matmul and grouped_matmul → combine,
+    values and every gradient (experts left empty, no-op slots and missing biases included)."""
+    din, dh, dout = 12, 7, 9
+    x = torch.randn(m, din, dtype=torch.float64, requires_grad=True)
+    w1 = torch.randn(e, din, dh, dtype=torch.float64, requires_grad=True)
+    w2 = torch.randn(e, dh, dout, dtype=torch.float64, requires_grad=True)
+    b1 = torch.randn(e, dh, dtype=torch.float64, requires_grad=True) if bias else None
+    b2 = torch.randn(e, dout, dtype=torch.float64, requires_grad=True) if bias else None
+    experts = torch.stack([torch.randperm(e + noop)[:k] for _ in range(m)])
+    gates = torch.rand(m, k, dtype=torch.float64, requires_grad=True)
+    plan = plan_dispatch(experts, e)
+
+    y = matmul_combine(torch.tanh(dispatch_matmul(x, w1, plan, b1)), w2, gates, plan, b2)
+    ref = combine(grouped_matmul(torch.tanh(grouped_matmul(dispatch_tokens(x, plan), w1, plan, b1)), w2, plan, b2),
+                  gates, plan)
+    assert torch.allclose(y, ref, atol=1e-12)
+    inputs = [t for t in (x, w1, b1, w2, b2, gates) if t is not None]
+    g = torch.randn_like(y)
+    for a, b in zip(torch.autograd.grad(y, inputs, g), torch.autograd.grad(ref, inputs, g), strict=True):
+        assert torch.allclose(a, b, atol=1e-10)
+
+
+@pytest.mark.parametrize("noop", [0, 2])
+def test_native_grouped_mm_path_matches_float64_loop(noop):
+    """float32 operands with 16-byte strides take PyTorch's grouped_mm (one call for all groups); its results and
+    gradients match the float64 looped path, including empty experts and no-op rows (which must come out zero)."""
+    m, k, e, din, dh, dout = 40, 3, 6, 16, 8, 12
+    experts = torch.stack([torch.randperm(e + noop)[:k] for _ in range(m)])
+    experts[experts == 2] = 1  # expert 2 stays empty
+    x = torch.randn(m, din, dtype=torch.float64)
+    w1, b1 = torch.randn(e, din, dh, dtype=torch.float64), torch.randn(e, dh, dtype=torch.float64)
+    w2, b2 = torch.randn(e, dh, dout, dtype=torch.float64), torch.randn(e, dout, dtype=torch.float64)
+    gates = torch.rand(m, k, dtype=torch.float64)
+    g = torch.randn(m, dout, dtype=torch.float64)
+    results = []
+    for dtype in (torch.float64, torch.float32):
+        leaves = [t.to(dtype).requires_grad_() for t in (x, w1, b1, w2, b2, gates)]
+        plan = plan_dispatch(experts, e, host_sizes=False)
+        assert native_grouped_mm(leaves[0], leaves[1]) == (dtype == torch.float32)
+        y = matmul_combine(F.gelu(dispatch_matmul(leaves[0], leaves[1], plan, leaves[2])), leaves[3], leaves[5], plan,
+                           leaves[4])
+        results.append([y.double(), *(t.double() for t in torch.autograd.grad(y, leaves, g.to(dtype)))])
+    for a, b in zip(*results, strict=True):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_fused_ops_gradcheck():
+    m, k, e = 6, 2, 3
+    x = torch.randn(m, 4, dtype=torch.float64, requires_grad=True)
+    w1 = torch.randn(e, 4, 3, dtype=torch.float64, requires_grad=True)
+    b1 = torch.randn(e, 3, dtype=torch.float64, requires_grad=True)
+    w2 = torch.randn(e, 3, 5, dtype=torch.float64, requires_grad=True)
+    b2 = torch.randn(e, 5, dtype=torch.float64, requires_grad=True)
+    gates = torch.rand(m, k, dtype=torch.float64, requires_grad=True)
+    plan = plan_dispatch(torch.stack([torch.randperm(e + 1)[:k] for _ in range(m)]), e)  # one no-op expert
+    assert torch.autograd.gradcheck(lambda *t: dispatch_matmul(t[0], t[1], plan, t[2]), (x, w1, b1))
+    rows = torch.randn(m * k, 3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda *t: matmul_combine(t[0], t[1], t[3], plan, t[2]), (rows, w2, b2, gates))
 
 
 def test_capacity_drops_late_tokens():
@@ -278,3 +351,45 @@ def test_mone_small_capacity_uses_slices():
     y.sum().backward()
     assert mone.router.proj.weight.grad is None or True  # router gets gradient only through alpha (0 at init)
     assert mone.alpha.grad is not None
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_nested_linear_ops_match_sliced_linear(bias):
+    """Nested projections on token-major group blocks equal per-group F.linear on sliced features / weight rows
+    (zero-padded), values and gradients; an empty group is allowed."""
+    din, c = 8, 6
+    blocks = [(0, 5, 8), (5, 5, 4), (5, 12, 2), (12, 15, 1)]  # (row start, row end, width), one empty group
+    x = torch.randn(15, din, dtype=torch.float64, requires_grad=True)
+    w_in = torch.randn(c, din, dtype=torch.float64, requires_grad=True)
+    w_out = torch.randn(din, c, dtype=torch.float64, requires_grad=True)
+    b_in = torch.randn(c, dtype=torch.float64, requires_grad=True) if bias else None
+    b_out = torch.randn(din, dtype=torch.float64, requires_grad=True) if bias else None
+
+    h = nested_linear_in(x, w_in, b_in, blocks)
+    y = nested_linear_out(torch.tanh(h), w_out, b_out, blocks)
+    ref_h = torch.cat([F.linear(x[s:e, :k], w_in[:, :k], b_in) for s, e, k in blocks])
+    ref_y = torch.cat([F.pad(F.linear(torch.tanh(ref_h[s:e]), w_out[:k], None if b_out is None else b_out[:k]),
+                             (0, din - k)) for s, e, k in blocks])
+    assert torch.allclose(y, ref_y, atol=1e-12)
+    inputs = [t for t in (x, w_in, b_in, w_out, b_out) if t is not None]
+    g = torch.randn_like(y)
+    for a, b in zip(torch.autograd.grad(y, inputs, g), torch.autograd.grad(ref_y, inputs, g), strict=True):
+        assert torch.allclose(a, b, atol=1e-10)
+    if bias:
+        def chain(*t):
+            return nested_linear_out(nested_linear_in(t[0], t[1], t[2], blocks), t[3], t[4], blocks)
+
+        assert torch.autograd.gradcheck(chain, (x, w_in, b_in, w_out, b_out))
+
+
+def test_mone_blocks_pass_token_major_layout():
+    """The router hands on [R, N, D] views of token-major memory; blocks accept either layout with equal results."""
+    cfg = MoNEConfig(num_experts=4, capacity=0.4)
+    torch.manual_seed(1)
+    first = MoNEBlock(32, 4, 64, cfg, num_tasks=2, has_router=True).eval()
+    second = MoNEBlock(32, 4, 64, cfg, num_tasks=2, has_router=False).eval()
+    x = torch.randn(3, 10, 32)
+    ctx = ForwardContext(task_ids=torch.tensor([0, 1, 0]), num_tasks=2)
+    y = first(x, ctx)
+    assert y.transpose(0, 1).is_contiguous()
+    assert torch.allclose(second(y, ctx), second(y.contiguous(), ctx), atol=1e-6)

@@ -1,11 +1,24 @@
 """Grouped expert matmuls and token dispatch: the hot path of every MoE layer.
 
 Tokens are grouped by expert ONCE per layer (`Dispatch`): the (token, slot) pairs are sorted by expert, every
-expert's rows are then contiguous, and each projection is one grouped matmul over those rows
-(`grouped_matmul`). On CUDA with bf16, PyTorch's `grouped_mm` runs the groups in one kernel from a device-side
-offsets tensor (no host sync). Elsewhere a fused autograd op loops over the groups with `addmm(out=...)` into one
-preallocated output and computes weight gradients in place: no concatenation copies, one host read of the group
-sizes per layer (free on the CPU).
+expert's rows are then contiguous, and each projection is one grouped matmul over those rows. The grouped matmul
+primitive is PyTorch's `grouped_mm` (one call for all groups, from a device-side offsets tensor: no host sync, no
+Python loop) for float32/bf16/fp16 operands whose strides it accepts, on the CPU as on CUDA; otherwise (float64,
+odd widths) a loop over the groups with ``mm(out=...)`` into one preallocated output, reading the group sizes to the
+host once per layer. Weight gradients are grouped matmuls too (``xᵀ · grad`` partitioned by the same offsets).
+
+The layers use two fused ops, one per side of the experts, each a handful of whole-tensor calls (gather, one
+grouped matmul, one `embedding_bag`) rather than a Python loop over the experts, which keeps both cores busy
+and the op count low:
+
+- `dispatch_matmul` = ``grouped_matmul(dispatch_tokens(x))``: one gather of the k copies of every token, one
+  grouped matmul; backward sums each token's k slot gradients with one `embedding_bag` pass.
+- `matmul_combine` = ``combine(grouped_matmul(rows))``: the gate is folded into the input rows, so the outputs
+  are summed per token with one unweighted `embedding_bag` and the gate's gradient is a dot product on the input
+  side (64 wide for MoA heads).
+
+`dispatch_tokens`, `grouped_matmul`, `to_slots`, `from_slots` and `combine` are the readable pieces; the tests
+check the fused ops against their composition.
 """
 
 from __future__ import annotations
@@ -14,6 +27,8 @@ import dataclasses
 
 import torch
 import torch.nn.functional as F
+
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclasses.dataclass
@@ -24,10 +39,14 @@ class Dispatch:
         order: [M·k] flat slot index (token·k + slot) of each row in expert-sorted order.
         inverse: [M·k] position in sorted order of each flat slot (inverse permutation of ``order``).
         counts: [E] rows per expert (long, on the tokens' device).
-        sizes: the same as host ints (for the looped path); None when the device path needs no host copy.
+        sizes: the same as host ints, read on first use by the looped fallback (None until then).
         offsets: [E] int32 cumulative end of each group (for `torch.nn.functional.grouped_mm`).
         k: slots per token.
-        active_rows: rows that belong to real experts (slots routed to no-op experts sort to the end).
+        active_rows: rows that belong to real experts (slots routed to no-op experts sort to the end); host int,
+            set together with ``sizes``.
+        token: [M·k] token index of each row in expert-sorted order (``order // k``).
+        row_expert: [M·k] expert of each sorted row; no-op rows get E (bias lookups use a zero row there).
+        starts: [E + 1] int64 first row of each group and of the no-op tail (segment sums per expert).
     """
 
     order: torch.Tensor
@@ -37,10 +56,20 @@ class Dispatch:
     offsets: torch.Tensor
     k: int
     active_rows: int | None
+    token: torch.Tensor | None = None
+    row_expert: torch.Tensor | None = None
+    starts: torch.Tensor | None = None
 
+    @property
+    def num_experts(self) -> int:
+        return self.counts.shape[0]
 
-def _use_device_grouped_mm(x: torch.Tensor) -> bool:
-    return x.is_cuda and x.dtype == torch.bfloat16 and hasattr(F, "grouped_mm")
+    def host_sizes(self) -> list[int]:
+        """Group sizes on the host (one device read, cached)."""
+        if self.sizes is None:
+            self.sizes = self.counts.tolist()
+            self.active_rows = sum(self.sizes)
+        return self.sizes
 
 
 def plan_dispatch(experts: torch.Tensor, num_experts: int, host_sizes: bool = True) -> Dispatch:
@@ -50,7 +79,7 @@ def plan_dispatch(experts: torch.Tensor, num_experts: int, host_sizes: bool = Tr
         experts: [M, k] expert index per token and slot; indices >= num_experts are no-op/dropped slots and are
             sorted after every real expert's rows.
         num_experts: number of real experts E.
-        host_sizes: also read the group sizes to the host (needed by the looped grouped matmul).
+        host_sizes: read the group sizes to the host now (otherwise only if a looped fallback needs them).
 
     Returns:
         The `Dispatch` plan.
@@ -61,62 +90,114 @@ def plan_dispatch(experts: torch.Tensor, num_experts: int, host_sizes: bool = Tr
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
     counts = torch.bincount(flat.clamp(max=num_experts), minlength=num_experts + 1)[:num_experts]
-    offsets = counts.cumsum(0).to(torch.int32)
-    sizes = None
-    active = None
+    ends = counts.cumsum(0)
+    starts = torch.cat([ends.new_zeros(1), ends])  # [E + 1]
+    row_expert = flat.index_select(0, order).clamp(max=num_experts)
+    token = torch.div(order, k, rounding_mode="floor")
+    plan = Dispatch(order, inverse, counts, None, ends.to(torch.int32), k, None, token, row_expert, starts)
     if host_sizes:
-        sizes = counts.tolist()
-        active = sum(sizes)
-    return Dispatch(order, inverse, counts, sizes, offsets, k, active)
+        plan.host_sizes()
+    return plan
 
 
-class _GroupedMatmul(torch.autograd.Function):
-    """y[rows of group e] = x[rows of group e] @ w[e] (+ b[e]); rows past the last group are zero."""
+# -------------------------------------------------------------------------------------- grouped matmul primitive
+def native_grouped_mm(*tensors: torch.Tensor) -> bool:
+    """Whether `torch.nn.functional.grouped_mm` takes these operands: float32/bf16/fp16, one dtype, 16-byte
+    aligned base pointers and strides (on CUDA only bf16, which is what its kernels support)."""
+    if not hasattr(F, "grouped_mm"):
+        return False
+    dtype = tensors[0].dtype
+    if dtype not in _NATIVE_DTYPES or (tensors[0].is_cuda and dtype != torch.bfloat16):
+        return False
+    for t in tensors:
+        if t.dtype != dtype or t.data_ptr() % 16:
+            return False
+        if any(s != 1 and n > 1 and (s * t.element_size()) % 16 for s, n in zip(t.stride(), t.shape, strict=True)):
+            return False
+    return True
 
-    @staticmethod
-    def forward(ctx, x, w, b, sizes):  # x [R, Din], w [E, Din, Dout], b [E, Dout] | None
-        out = x.new_empty(x.shape[0], w.shape[2])
+
+def _gmm(a: torch.Tensor, b: torch.Tensor, plan: Dispatch) -> torch.Tensor:
+    """Grouped matmul without autograd, in one of two forms (groups of rows given by ``plan``):
+
+    - a [R, K] × b [E, K, N] → [R, N]: rows of group e times b[e]; rows past the last group are zero.
+    - a [K, R] × b [R, N] → [E, K, N]: the weight-gradient form, a[:, rows of e] @ b[rows of e] (zero if empty).
+    """
+    if native_grouped_mm(a, b):
+        out = F.grouped_mm(a, b, offs=plan.offsets)
+        if b.dim() == 3:  # grouped_mm leaves the rows past the last group unwritten
+            _zero_tail(out, plan)
+        return out
+    sizes = plan.host_sizes()
+    if b.dim() == 3:
+        out = a.new_empty(a.shape[0], b.shape[2])
         start = 0
         for e, n in enumerate(sizes):
             if n:
-                seg = out[start : start + n]
-                if b is None:
-                    torch.mm(x[start : start + n], w[e], out=seg)
-                else:
-                    torch.addmm(b[e], x[start : start + n], w[e], out=seg)
+                torch.mm(a[start : start + n], b[e], out=out[start : start + n])
             start += n
-        if start < x.shape[0]:
+        if start < a.shape[0]:
             out[start:].zero_()
-        ctx.sizes = sizes
-        ctx.has_bias = b is not None
-        ctx.save_for_backward(x, w)
         return out
+    out = a.new_empty(len(sizes), a.shape[0], b.shape[1])
+    start = 0
+    for e, n in enumerate(sizes):
+        if n:
+            torch.mm(a[:, start : start + n], b[start : start + n], out=out[e])
+        else:
+            out[e].zero_()
+        start += n
+    return out
+
+
+def _zero_tail(out: torch.Tensor, plan: Dispatch) -> None:
+    """Zeroes the no-op rows after the last group: a slice on the CPU (host sizes are free), a mask on CUDA."""
+    if out.is_cuda:
+        out.masked_fill_((plan.row_expert == plan.num_experts).unsqueeze(1), 0)
+        return
+    plan.host_sizes()
+    if plan.active_rows < out.shape[0]:
+        out[plan.active_rows :].zero_()
+
+
+def _row_bias(bias: torch.Tensor, plan: Dispatch) -> torch.Tensor:
+    """[M·k, N] bias of each sorted row's expert (zero on no-op rows)."""
+    padded = torch.cat([bias, bias.new_zeros(1, bias.shape[1])])  # [E + 1, N]
+    return padded.index_select(0, plan.row_expert)
+
+
+def _slot_experts(plan: Dispatch) -> torch.Tensor:
+    """[M, k] expert of every (token, slot), no-op slots as E (the sorted rows' experts put back in slot order)."""
+    return plan.row_expert.index_select(0, plan.inverse).view(-1, plan.k)
+
+
+def _segment_sum(rows: torch.Tensor, plan: Dispatch) -> torch.Tensor:
+    """[M·k, N] sorted rows → [E, N] sums per expert (the no-op tail is its own bag and dropped)."""
+    idx = torch.arange(rows.shape[0], device=rows.device)
+    return F.embedding_bag(idx, rows, offsets=plan.starts, mode="sum")[: plan.num_experts]
+
+
+class _GroupedMatmul(torch.autograd.Function):
+    """y[rows of group e] = x[rows of e] @ w[e] (+ b[e]); rows past the last group are zero."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, plan):  # x [R, Din], w [E, Din, Dout], b [E, Dout] | None
+        y = _gmm(x, w, plan)
+        if b is not None:
+            y += _row_bias(b, plan)
+        ctx.save_for_backward(x, w)
+        ctx.plan, ctx.has_bias = plan, b is not None
+        return y
 
     @staticmethod
     def backward(ctx, grad):
         x, w = ctx.saved_tensors
+        plan = ctx.plan
         grad = grad.contiguous()
-        gx = gw = gb = None
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        if need_x:
-            gx = torch.zeros_like(x) if sum(ctx.sizes) < x.shape[0] else torch.empty_like(x)
-        if need_w:
-            gw = torch.empty_like(w)
-        if need_b and ctx.has_bias:
-            gb = w.new_empty(w.shape[0], w.shape[2])
-        start = 0
-        for e, n in enumerate(ctx.sizes):
-            g = grad[start : start + n]
-            if need_x and n:
-                torch.mm(g, w[e].t(), out=gx[start : start + n])
-            if need_w:
-                if n:
-                    torch.mm(x[start : start + n].t(), g, out=gw[e])
-                else:
-                    gw[e].zero_()
-            if gb is not None:
-                torch.sum(g, 0, out=gb[e]) if n else gb[e].zero_()
-            start += n
+        gx = _gmm(grad, w.transpose(1, 2), plan) if need_x else None
+        gw = _gmm(x.t(), grad, plan) if need_w else None
+        gb = _segment_sum(grad, plan) if (need_b and ctx.has_bias) else None
         return gx, gw, gb, None
 
 
@@ -132,33 +213,24 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, plan: Dispatch, bias: torch
     Returns:
         [R, Dout].
     """
-    if _use_device_grouped_mm(x) and plan.active_rows is None:
-        y = F.grouped_mm(x, w, offs=plan.offsets)
-        if bias is not None:
-            group = torch.repeat_interleave(torch.arange(w.shape[0], device=x.device), plan.counts,
-                                            output_size=x.shape[0])
-            y = y + bias[group]
-        return y
-    if plan.sizes is None:
-        raise ValueError("this Dispatch was planned without host sizes; plan_dispatch(..., host_sizes=True)")
-    return _GroupedMatmul.apply(x, w, bias, plan.sizes)
+    return _GroupedMatmul.apply(x, w, bias, plan)
 
 
+# ------------------------------------------------------------------------------------------- readable pieces
 class _GatherSlots(torch.autograd.Function):
-    """rows[i] = x[order[i] // k]: every token copied once per slot, in expert order. Backward sums the k copies
-    through the inverse permutation (a gather + a sum, no scatter-add)."""
+    """rows[i] = x[token[i]]: every token copied once per slot, in expert order. Backward sums each token's k
+    copies with one `embedding_bag` pass over the inverse permutation."""
 
     @staticmethod
-    def forward(ctx, x, order, inverse, k):  # x [M, D]
+    def forward(ctx, x, token, inverse, k):  # x [M, D]
         ctx.save_for_backward(inverse)
         ctx.k = k
-        return x.index_select(0, torch.div(order, k, rounding_mode="floor"))
+        return x.index_select(0, token)
 
     @staticmethod
     def backward(ctx, grad):  # grad [M·k, D]
         (inverse,) = ctx.saved_tensors
-        g = grad.index_select(0, inverse)  # [M·k, D] in (token, slot) order
-        return g.view(-1, ctx.k, grad.shape[-1]).sum(1), None, None, None
+        return F.embedding_bag(inverse.view(-1, ctx.k), grad.contiguous(), mode="sum"), None, None, None
 
 
 class _Permute(torch.autograd.Function):
@@ -177,7 +249,7 @@ class _Permute(torch.autograd.Function):
 
 def dispatch_tokens(x: torch.Tensor, plan: Dispatch) -> torch.Tensor:
     """[M, D] tokens → [M·k, D] rows grouped by expert (each token once per slot)."""
-    return _GatherSlots.apply(x, plan.order, plan.inverse, plan.k)
+    return _GatherSlots.apply(x, plan.token, plan.inverse, plan.k)
 
 
 def to_slots(rows: torch.Tensor, plan: Dispatch) -> torch.Tensor:
@@ -193,33 +265,26 @@ def from_slots(slots: torch.Tensor, plan: Dispatch) -> torch.Tensor:
 
 
 class _Combine(torch.autograd.Function):
-    """out[m] = Σ_j gates[m, j] · rows[inverse[m·k + j]] — expert outputs gathered back to their tokens and mixed
-    by the gates in one pass (the gathered copy is recomputed in backward rather than kept)."""
+    """out[m] = Σ_j gates[m, j] · rows[inverse[m·k + j]]: a weighted `embedding_bag` over the token's k rows."""
 
     @staticmethod
-    def forward(ctx, rows, gates, order, inverse):  # rows [M·k, D], gates [M, k]
-        m, k = gates.shape
-        slots = rows.index_select(0, inverse).view(m, k, -1)  # [M, k, D]
+    def forward(ctx, rows, gates, order, inverse, token):  # rows [M·k, D], gates [M, k]
         g = gates.to(rows.dtype)
-        out = slots[:, 0] * g[:, :1]
-        for j in range(1, k):
-            out.addcmul_(slots[:, j], g[:, j : j + 1])
-        ctx.save_for_backward(rows, g, order, inverse)
+        out = F.embedding_bag(inverse.view(gates.shape), rows, per_sample_weights=g, mode="sum")  # [M, D]
+        ctx.save_for_backward(rows, g, order, inverse, token)
         ctx.gates_dtype = gates.dtype
         return out
 
     @staticmethod
     def backward(ctx, grad):  # grad [M, D]
-        rows, g, order, inverse = ctx.saved_tensors
-        m, k = g.shape
+        rows, g, order, inverse, token = ctx.saved_tensors
         grad_rows = grad_gates = None
+        dy = grad.contiguous().index_select(0, token)  # [M·k, D]: each sorted row's token gradient
         if ctx.needs_input_grad[1]:
-            slots = rows.index_select(0, inverse).view(m, k, -1)
-            grad_gates = (slots * grad.unsqueeze(1)).sum(-1).to(ctx.gates_dtype)  # [M, k]
+            grad_gates = torch.linalg.vecdot(dy, rows).index_select(0, inverse).view(g.shape).to(ctx.gates_dtype)
         if ctx.needs_input_grad[0]:
-            grad_slots = g.unsqueeze(-1) * grad.unsqueeze(1)  # [M, k, D]
-            grad_rows = grad_slots.view(m * k, -1).index_select(0, order)
-        return grad_rows, grad_gates, None, None
+            grad_rows = dy.mul_(g.reshape(-1).index_select(0, order).unsqueeze(1))
+        return grad_rows, grad_gates, None, None, None
 
 
 def combine(rows: torch.Tensor, gates: torch.Tensor, plan: Dispatch) -> torch.Tensor:
@@ -233,4 +298,130 @@ def combine(rows: torch.Tensor, gates: torch.Tensor, plan: Dispatch) -> torch.Te
     Returns:
         [M, D].
     """
-    return _Combine.apply(rows, gates, plan.order, plan.inverse)
+    return _Combine.apply(rows, gates, plan.order, plan.inverse, plan.token)
+
+
+# ---------------------------------------------------------------------------------------------------- fused ops
+def _add_row_bias_(out: torch.Tensor, bias: torch.Tensor, plan: Dispatch) -> None:
+    """out[rows of e] += bias[e], in place (on the CPU a slice per group: no [M·k, N] bias temporary)."""
+    if out.is_cuda:
+        out += _row_bias(bias, plan)
+        return
+    start = 0
+    for e, n in enumerate(plan.host_sizes()):
+        if n:
+            out[start : start + n] += bias[e]
+        start += n
+
+
+class _DispatchMatmul(torch.autograd.Function):
+    """rows[i] = x[token[i]] @ w[e(i)] (+ b[e(i)]) for expert-sorted rows i; no-op rows are zero."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, plan):  # x [M, Din], w [E, Din, Dout], b [E, Dout] | None
+        gathered = x.index_select(0, plan.token)  # [M·k, Din]: every token once per slot, grouped by expert
+        out = _gmm(gathered, w, plan)  # [M·k, Dout]
+        if b is not None:
+            _add_row_bias_(out, b, plan)
+        ctx.save_for_backward(gathered, w)
+        ctx.plan, ctx.has_bias = plan, b is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # grad [M·k, Dout]
+        gathered, w = ctx.saved_tensors
+        plan = ctx.plan
+        grad = grad.contiguous()
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        gx = gw = gb = None
+        if need_x:
+            d_rows = _gmm(grad, w.transpose(1, 2), plan)  # [M·k, Din], zero on no-op rows
+            gx = F.embedding_bag(plan.inverse.view(-1, plan.k), d_rows, mode="sum")  # [M, Din]: Σ over slots
+        if need_w:
+            gw = _gmm(gathered.t(), grad, plan)
+        if need_b and ctx.has_bias:
+            gb = _segment_sum(grad, plan)
+        return gx, gw, gb, None
+
+
+def dispatch_matmul(x: torch.Tensor, w: torch.Tensor, plan: Dispatch, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Tokens to their experts and through one projection: ``grouped_matmul(dispatch_tokens(x), w, bias)`` fused.
+
+    Args:
+        x: [M, Din] tokens.
+        w: [E, Din, Dout] expert weights.
+        plan: the layer's `Dispatch`.
+        bias: [E, Dout] or None.
+
+    Returns:
+        [M·k, Dout] rows in expert-sorted order (rows of no-op slots are zero).
+    """
+    return _DispatchMatmul.apply(x, w, bias, plan)
+
+
+class _MatmulCombine(torch.autograd.Function):
+    """out[m] = Σ_j g[m, j] · (rows[p] @ w[e] + b[e]) with p = inverse[m·k + j] and e the expert of row p.
+
+    The gate is folded into the input rows, ``g·(a W + b) = (g·a) W + g·b``: the gated rows go through one grouped
+    matmul and are summed per token with one `embedding_bag`; the bias term is a tiny weighted `embedding_bag` over
+    the [E, Dout] bias table. The gate's gradient then comes from the input side, ``dg = <d(g·a), a> + <dy, b>``
+    (narrow for MoA, where the input is one head), and nothing of width Dout is kept for backward.
+    """
+
+    @staticmethod
+    def forward(ctx, rows, w, b, gates, experts, plan):  # rows [M·k, Din], gates/experts [M, k]
+        g = gates.to(rows.dtype)
+        g_rows = g.reshape(-1).index_select(0, plan.order)  # [M·k] gate of each sorted row
+        scaled = rows * g_rows.unsqueeze(1)  # [M·k, Din]
+        y = _gmm(scaled, w, plan)  # [M·k, Dout]
+        out = F.embedding_bag(plan.inverse.view(gates.shape), y, mode="sum")  # [M, Dout]
+        if b is not None:  # Σ_j g_j · b[e_j]; no-op slots index the zero row E
+            table = torch.cat([b, b.new_zeros(1, b.shape[1])])  # [E + 1, Dout]
+            out += F.embedding_bag(experts.clamp(max=b.shape[0]), table, per_sample_weights=g, mode="sum")
+        ctx.save_for_backward(rows, scaled, w, b, g_rows, experts)
+        ctx.plan, ctx.gates_dtype = plan, gates.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # grad [M, Dout]
+        rows, scaled, w, b, g_rows, experts = ctx.saved_tensors
+        plan = ctx.plan
+        grad = grad.contiguous()
+        need_rows, need_w, need_b, need_g = ctx.needs_input_grad[:4]
+        m, k = experts.shape
+        dy = grad.index_select(0, plan.token)  # [M·k, Dout]: each sorted row's token gradient
+        gw = _gmm(scaled.t(), dy, plan) if need_w else None
+        d_rows = grad_gates = gb = None
+        if need_rows or need_g:
+            d_scaled = _gmm(dy, w.transpose(1, 2), plan)  # [M·k, Din] = d(g·a)
+            if need_g:
+                dg = torch.linalg.vecdot(d_scaled, rows).index_select(0, plan.inverse).view(m, k)
+                if b is not None:  # + <grad_m, b[e_mj]>
+                    gb_dot = F.pad(grad @ b.t(), (0, 1))  # [M, E + 1], zero column for no-op slots
+                    dg = dg + gb_dot.gather(1, experts.clamp(max=b.shape[0]))
+                grad_gates = dg.to(ctx.gates_dtype)
+            if need_rows:
+                d_rows = d_scaled.mul_(g_rows.unsqueeze(1))
+        if need_b and b is not None:  # Σ over slots routed to e of g · grad_m
+            weights = grad.new_zeros(m, b.shape[0] + 1).scatter_add_(1, experts.clamp(max=b.shape[0]),
+                                                                     g_rows.index_select(0, plan.inverse).view(m, k))
+            gb = weights[:, : b.shape[0]].t() @ grad  # [E, Dout]
+        return d_rows, gw, gb, grad_gates, None, None
+
+
+def matmul_combine(rows: torch.Tensor, w: torch.Tensor, gates: torch.Tensor, plan: Dispatch,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """One grouped projection of expert-sorted rows, then back to the tokens mixed by the gates:
+    ``combine(grouped_matmul(rows, w, bias), gates)`` fused.
+
+    Args:
+        rows: [M·k, Din] in expert-sorted order.
+        w: [E, Din, Dout] expert weights.
+        gates: [M, k] gate weight of each slot.
+        plan: the layer's `Dispatch`.
+        bias: [E, Dout] or None.
+
+    Returns:
+        [M, Dout] = Σ_slots gate · (row @ w[e] + b[e]); no-op slots contribute nothing.
+    """
+    return _MatmulCombine.apply(rows, w, bias, gates, _slot_experts(plan), plan)

@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from squad.config import MoAConfig
 from squad.layers.attention import attend
-from squad.layers.grouped import combine, dispatch_tokens, from_slots, grouped_matmul, plan_dispatch, to_slots
+from squad.layers.grouped import dispatch_matmul, from_slots, matmul_combine, plan_dispatch, to_slots
 from squad.layers.routing import ForwardContext, TaskRouter
 
 
@@ -51,10 +51,9 @@ class MoEAttention(nn.Module):
         k, dh = self.top_k, self.head_dim
         routing = self.router(x, ctx)
         ctx.stats.append(self.router.stats(self.layer_name, "moa", routing, ctx, n))
-        plan = plan_dispatch(routing.experts, self.num_experts)
+        plan = plan_dispatch(routing.experts, self.num_experts, host_sizes=False)
 
-        rows = dispatch_tokens(x.reshape(r * n, d), plan)  # [M·k, D] grouped by head
-        q = to_slots(grouped_matmul(rows, self.q, plan), plan)  # [M, k, d]
+        q = to_slots(dispatch_matmul(x.reshape(r * n, d), self.q, plan), plan)  # [M, k, d]
         q = q.view(r, n, k, dh).transpose(1, 2)  # [R, k, N, d]: slot j of every token is query head j
         kv = self.kv(x).view(r, n, 2, 1, dh).permute(2, 0, 3, 1, 4)  # [2, R, 1, N, d]
         want = self.want_scores
@@ -62,7 +61,7 @@ class MoEAttention(nn.Module):
         if want:
             ctx.attn_scores = scores
         out = from_slots(out.transpose(1, 2).reshape(r * n, k, dh), plan)  # [M·k, d] grouped by head
-        y = combine(grouped_matmul(out, self.o, plan), routing.gates, plan)  # [M, D]
+        y = matmul_combine(out, self.o, routing.gates, plan)  # [M, D]
         return (y + self.proj_bias).view(r, n, d)
 
     def macs(self, n: int) -> int:

@@ -2,7 +2,8 @@
 (MoDE, integrated variant) and optional capacity dropping.
 
 Expert weights are stacked ([E, D, H] and [E, H, D]) and applied with grouped matmuls over tokens grouped by
-expert once per layer (squad.layers.grouped).
+expert once per layer (squad.layers.grouped): the first projection gathers each expert's tokens itself
+(`dispatch_matmul`), the second folds the gates in and sums the outputs back to the tokens (`matmul_combine`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from squad.config import MoEConfig
-from squad.layers.grouped import combine, dispatch_tokens, grouped_matmul, plan_dispatch
+from squad.layers.grouped import dispatch_matmul, matmul_combine, plan_dispatch
 from squad.layers.routing import ForwardContext, Routing, TaskRouter
 
 
@@ -40,11 +41,9 @@ class ExpertMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, gates: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """x [M, D], gates/experts [M, k] → [M, D] = Σ_slots gate · expert(x)."""
-        plan = plan_dispatch(experts, self.num_experts)
-        rows = dispatch_tokens(x, plan)  # [M·k, D], grouped by expert
-        h = F.gelu(grouped_matmul(rows, self.w1, plan, self.b1))  # [M·k, H]
-        y = grouped_matmul(h, self.w2, plan, self.b2)  # [M·k, D]
-        return combine(y, gates, plan)
+        plan = plan_dispatch(experts, self.num_experts, host_sizes=False)
+        h = F.gelu(dispatch_matmul(x, self.w1, plan, self.b1))  # [M·k, H], rows grouped by expert
+        return matmul_combine(h, self.w2, gates, plan, self.b2)  # [M, D]
 
 
 def apply_capacity(routing: Routing, num_experts: int, capacity_factor: float) -> Routing:

@@ -7,6 +7,11 @@ distribution solved from the effective capacity e_c; its decision is reused by e
 permuted ONCE so each expert's tokens are contiguous in every row (the group sizes are static for a given N and
 e_c), so each width runs dense matmuls; the model undoes the permutation before the heads.
 
+Memory layout: the blocks keep the routed tokens token-major ([N, R, D] in memory, handed between blocks as the
+[R, N, D] view), so the rows of one expert group over the whole batch form ONE contiguous [n_j·R, D] block. Each
+nested projection is then one matmul per group that reads its feature slice in place and writes into a
+preallocated output (`nested_linear_in` / `nested_linear_out`): no concatenation, padding or slicing copies.
+
 Update (paper Eq. 1): ``z = x + SA_j(x)``, ``x' = z + (α · r_ij + 1) · FFN_j(z)``, α learnable from 0.
 """
 
@@ -155,25 +160,115 @@ class MoNERouter(nn.Module):
         tokens = ctx.per_task_sum(torch.full((r,), float(n), device=x.device))
         ctx.stats.append(RouterStats(self.layer_name, "mone", ctx.per_task_sum(probs.sum(1)),
                                      ctx.per_task_sum(hard), tokens, 1))
-        return x.gather(1, order.unsqueeze(-1).expand(r, n, d))
+        xt = x.transpose(0, 1)  # [N, R, D] view
+        routed = torch.gather(xt, 0, order.t().unsqueeze(-1).expand(n, r, d))  # [N, R, D] token-major memory
+        return routed.transpose(0, 1)  # [R, N, D] in routed order
 
     def macs(self, n: int) -> int:
         return n * self.dim * self.cfg.num_experts
 
 
-def _nested_linear_in(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, slices) -> torch.Tensor:
-    """Per group: first ``width`` input features × the matching weight columns; full output width."""
-    return torch.cat([F.linear(x[:, s:e, :w], weight[:, :w], bias) for s, e, w in slices], dim=1)
+class _NestedLinearIn(torch.autograd.Function):
+    """out[rows of group g] = x[rows of g, :w_g] @ W[:, :w_g]ᵀ + b: the first w_g input features, full output.
+
+    Works on 2-D token-major blocks (each group's rows contiguous), reading the feature slice in place (a strided
+    matmul operand) and writing each group's rows straight into one preallocated output.
+    """
+
+    @staticmethod
+    def forward(ctx, x, w, b, blocks):  # x [T, Din], w [C, Din], b [C] | None, blocks: (row start, row end, width)
+        out = x.new_empty(x.shape[0], w.shape[0])  # [T, C]
+        for s, e, k in blocks:
+            if b is None:
+                torch.mm(x[s:e, :k], w[:, :k].t(), out=out[s:e])
+            else:
+                torch.addmm(b, x[s:e, :k], w[:, :k].t(), out=out[s:e])
+        ctx.save_for_backward(x, w)
+        ctx.blocks, ctx.has_bias = blocks, b is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # grad [T, C]
+        x, w = ctx.saved_tensors
+        grad = grad.contiguous()
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        dx = torch.empty_like(x) if need_x else None
+        dw = torch.zeros_like(w) if need_w else None
+        for s, e, k in ctx.blocks:
+            if dx is not None:
+                torch.mm(grad[s:e], w[:, :k], out=dx[s:e, :k])
+                if k < x.shape[1]:
+                    dx[s:e, k:].zero_()
+            if dw is not None:
+                dw[:, :k].addmm_(grad[s:e].t(), x[s:e, :k])
+        db = grad.sum(0) if (need_b and ctx.has_bias) else None
+        return dx, dw, db, None
 
 
-def _nested_linear_out(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, slices) -> torch.Tensor:
-    """Per group: full input × the first ``width`` weight rows, padded back to full width."""
-    full = weight.shape[0]
-    outs = []
-    for s, e, w in slices:
-        y = F.linear(x[:, s:e], weight[:w], None if bias is None else bias[:w])
-        outs.append(F.pad(y, (0, full - w)) if w < full else y)
-    return torch.cat(outs, dim=1)
+class _NestedLinearOut(torch.autograd.Function):
+    """out[rows of group g, :w_g] = x[rows of g] @ W[:w_g]ᵀ + b[:w_g]; the features past w_g are zero (the pad)."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, blocks):  # x [T, C], w [Dout, C], b [Dout] | None
+        full = w.shape[0]
+        out = x.new_empty(x.shape[0], full)  # [T, Dout]
+        for s, e, k in blocks:
+            if b is None:
+                torch.mm(x[s:e], w[:k].t(), out=out[s:e, :k])
+            else:
+                torch.addmm(b[:k], x[s:e], w[:k].t(), out=out[s:e, :k])
+            if k < full:
+                out[s:e, k:].zero_()
+        ctx.save_for_backward(x, w)
+        ctx.blocks, ctx.has_bias = blocks, b is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # grad [T, Dout]
+        x, w = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        dx = torch.empty_like(x) if need_x else None
+        dw = torch.zeros_like(w) if need_w else None
+        db = w.new_zeros(w.shape[0]) if (need_b and ctx.has_bias) else None
+        for s, e, k in ctx.blocks:
+            g = grad[s:e, :k]
+            if dx is not None:
+                torch.mm(g, w[:k], out=dx[s:e])
+            if dw is not None:
+                dw[:k].addmm_(g.t(), x[s:e])
+            if db is not None:
+                db[:k] += g.sum(0)
+        return dx, dw, db, None
+
+
+def nested_linear_in(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     blocks: list[tuple[int, int, int]]) -> torch.Tensor:
+    """Nested input projection: rows ``s:e`` use the first ``w`` input features (``nn.Linear`` weight layout).
+
+    Args:
+        x: [T, Din] token rows, each group's rows contiguous.
+        weight: [C, Din]; bias: [C] or None.
+        blocks: (row start, row end, width) per group, covering every row.
+
+    Returns:
+        [T, C].
+    """
+    return _NestedLinearIn.apply(x, weight, bias, blocks)
+
+
+def nested_linear_out(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      blocks: list[tuple[int, int, int]]) -> torch.Tensor:
+    """Nested output projection: rows ``s:e`` produce the first ``w`` output features, zero-padded to full width.
+
+    Args:
+        x: [T, C] token rows, each group's rows contiguous.
+        weight: [Dout, C]; bias: [Dout] or None.
+        blocks: (row start, row end, width) per group, covering every row.
+
+    Returns:
+        [T, Dout].
+    """
+    return _NestedLinearOut.apply(x, weight, bias, blocks)
 
 
 class MoNEBlock(nn.Module):
@@ -206,24 +301,31 @@ class MoNEBlock(nn.Module):
         self.want_scores = False
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """x [R, N, D] in routed order → [R, N, D], laid out token-major in memory (see the module docstring)."""
         if self.router is not None:
             x = self.router(x, ctx)
         st: MoNEState = ctx.mone
         if st is None:
             raise RuntimeError("MoNE block before its router: no routing decision in this forward pass")
         r, n, d = x.shape
-        h = self.norm1(x)
-        qkv = _nested_linear_in(h, self.attn.qkv.weight, self.attn.qkv.bias, st.slices)  # [R, N, 3D]
-        q, k, v = qkv.view(r, n, 3, self.num_heads, d // self.num_heads).permute(2, 0, 3, 1, 4).unbind(0)
+        xt = x.transpose(0, 1)  # [N, R, D]: each expert group's tokens are one contiguous block of rows
+        if not xt.is_contiguous():
+            xt = xt.contiguous()
+        x2 = xt.view(n * r, d)  # [T, D], T = N·R token-major
+        blocks = [(s * r, e * r, w) for s, e, w in st.slices if e > s]
+        h = self.norm1(x2)
+        qkv = nested_linear_in(h, self.attn.qkv.weight, self.attn.qkv.bias, blocks)  # [T, 3D]
+        q, k, v = qkv.view(n, r, 3, self.num_heads, d // self.num_heads).permute(2, 1, 3, 0, 4).unbind(0)
         out, scores = attend(q, k, v, want_scores=self.want_scores, key_mask=key_mask)  # [R, H, N, d/H]
         if self.want_scores:
             ctx.attn_scores = scores
-        out = out.transpose(1, 2).reshape(r, n, d)
-        x = x + _nested_linear_out(out, self.attn.proj.weight, self.attn.proj.bias, st.slices)
-        h = self.norm2(x)
-        hidden = F.gelu(_nested_linear_in(h, self.mlp.fc1.weight, self.mlp.fc1.bias, st.slices))  # [R, N, 4D]
-        y = _nested_linear_out(hidden, self.mlp.fc2.weight, self.mlp.fc2.bias, st.slices)
-        return x + (self.alpha * st.gate + 1.0).unsqueeze(-1) * y
+        out = out.permute(2, 0, 1, 3).reshape(n * r, d)  # [T, D] token-major
+        z = x2 + nested_linear_out(out, self.attn.proj.weight, self.attn.proj.bias, blocks)
+        h = self.norm2(z)
+        hidden = F.gelu(nested_linear_in(h, self.mlp.fc1.weight, self.mlp.fc1.bias, blocks))  # [T, 4D]
+        y = nested_linear_out(hidden, self.mlp.fc2.weight, self.mlp.fc2.bias, blocks)  # [T, D]
+        scale = (self.alpha * st.gate.t() + 1.0).reshape(n * r, 1)  # [T, 1] = α · r + 1
+        return torch.addcmul(z, y, scale).view(n, r, d).transpose(0, 1)
 
     def macs(self, n: int, capacity: tuple | None = None) -> int:
         """Multiply-accumulates per sequence of n tokens at a capacity distribution (default: the config's)."""

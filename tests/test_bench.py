@@ -1,0 +1,75 @@
+"""tools/bench.py end to end at --quick sizes, and the case registry's error handling (no assertions on timings)."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from squad import bench_cases
+from squad.benchmark import BenchResult
+from tests.helpers import ROOT
+
+TOOL = ROOT / "tools" / "bench.py"
+ROW_FIELDS = {"case", "value", "target", "unit", "ok", "details"}
+
+
+def run_tool(*args, cwd):
+    return subprocess.run([sys.executable, str(TOOL), *args], cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+def test_quick_case_writes_table_and_json(tmp_path):
+    out = tmp_path / "res" / "bench.json"
+    proc = run_tool("--quick", "--only", "mod", "--json", str(out), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    header = next(line for line in proc.stdout.splitlines() if line.startswith("case"))
+    assert header.split() == ["case", "value", "target", "unit", "ok"]
+    assert "mod_vit_s_forward_vs_dense" in proc.stdout
+    report = json.loads(out.read_text())
+    assert report["quick"] is True
+    assert {"torch", "threads", "load_average", "omp_wait_policy", "malloc_tuned"} <= set(report["environment"])
+    (row,) = report["results"]
+    assert set(row) == ROW_FIELDS
+    assert row["case"] == "mod_vit_s_forward_vs_dense" and row["target"] == ">= 1.6" and row["unit"] == "x faster"
+    assert isinstance(row["value"], float) and row["value"] > 0 and isinstance(row["ok"], bool)
+    assert {"candidate_s", "baseline_s", "batch"} <= set(row["details"])
+
+
+def test_default_json_path_and_profile(tmp_path):
+    proc = run_tool("--profile", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "modsquad_vit_b" in proc.stdout and "GMACs" in proc.stdout
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["results"] == []
+    names = [r["config"] for r in report["profile"]]
+    assert names == bench_cases.PROFILE_CONFIGS
+
+
+def test_unknown_case_is_rejected(tmp_path):
+    proc = run_tool("--only", "no_such_case", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "no_such_case" in proc.stderr and "moe_mlp" in proc.stderr
+
+
+def test_missing_or_failing_case_becomes_error_row():
+    missing = bench_cases.Case("ghost", "squad.no_such_module:bench")
+    (row,) = bench_cases.run_case(missing, quick=True)
+    assert row.case == "ghost" and row.unit == "error" and row.ok is False and math.isnan(row.value)
+    assert "squad.no_such_module" in row.details["error"]
+
+    broken = bench_cases.Case("broken", "squad.bench_cases:get_case")  # raises: wrong arguments for a case
+    (row,) = bench_cases.run_case(broken, quick=True)
+    assert row.unit == "error" and "TypeError" in row.details["error"]
+
+    table = bench_cases.format_table([row, BenchResult("fine", 1.0, "<= 2", "x time", True)])
+    assert "ERROR" in table and "broken: TypeError" in table and "yes" in table
+    assert bench_cases.result_dict(row)["value"] is None
+
+
+def test_registry_names_every_case_once():
+    names = bench_cases.case_names()
+    assert len(names) == len(set(names))
+    assert {"moe_mlp", "moa", "fused_step", "mod", "mone", "routed_attention", "data"} <= set(names)
+    with pytest.raises(ValueError, match="known"):
+        bench_cases.get_case("nope")

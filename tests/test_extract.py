@@ -12,6 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry
 import squad
 from squad.checkpoint import export_model
 from squad.extract import collect_usage, extract, load_extracted, save_extracted
+from squad.layers.grouped import grouped_mm_flops
 from squad.pruning import choose_experts, prunable_layers
 from tests.helpers import ROOT
 from tests.tool_helpers import load_tool, tiny_data, tiny_model
@@ -25,6 +26,7 @@ PLANS = {
 }
 
 _cpu_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_grouped_mm = torch.ops.aten._grouped_mm  # the routed layers' expert matmuls (squad.layers.grouped)
 
 
 def _cpu_flash_flops(q, k, v, *args, out_val=None, **kwargs):  # QKᵀ and AV, 2 FLOPs per MAC
@@ -34,14 +36,15 @@ def _cpu_flash_flops(q, k, v, *args, out_val=None, **kwargs):  # QKᵀ and AV, 2
 
 @pytest.fixture
 def count_cpu_attention():
-    """Teaches the FLOP counter the CPU flash-attention op for one test (test_profile registers it for good at
-    import; registering twice is an error, so this only fills the gap and leaves no trace)."""
-    added = _cpu_flash not in flop_registry
-    if added:
-        flop_registry[_cpu_flash] = _cpu_flash_flops
+    """Teaches the FLOP counter the CPU flash-attention and grouped-matmul ops for one test (test_profile registers
+    them for good at import; registering twice is an error, so this only fills the gap and leaves no trace)."""
+    added = [op for op in (_cpu_flash, _grouped_mm) if op not in flop_registry]
+    formulas = {_cpu_flash: _cpu_flash_flops, _grouped_mm: grouped_mm_flops}
+    for op in added:
+        flop_registry[op] = formulas[op]
     yield
-    if added:
-        del flop_registry[_cpu_flash]
+    for op in added:
+        del flop_registry[op]
 
 
 def _calibration(seed=0, batches=3):

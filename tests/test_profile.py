@@ -5,6 +5,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode, register_flop_formula
 
 import squad
+from squad.layers.grouped import grouped_mm_flops
 from tests.helpers import MODEL_CONFIGS, tiny_config
 
 _cpu_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -16,11 +17,7 @@ def _cpu_flash_flops(q, k, v, *args, out_val=None, **kwargs):  # QKᵀ and AV, 2
     return 2 * 2 * b * h * n * k.shape[2] * d
 
 
-@register_flop_formula(torch.ops.aten._grouped_mm, get_raw=True)
-def _grouped_mm_flops(a, b, *args, out_val=None, **kwargs):  # squad.layers.grouped: 2 FLOPs per MAC, all groups
-    if b.dim() == 3:  # a [R, K] rows in groups × b [E, K, N]: each row meets one group's K×N (rows past offs unused)
-        return 2 * out_val.shape[0] * a.shape[1] * b.shape[2]
-    return 2 * a.shape[0] * a.shape[1] * b.shape[1]  # a [K, R] × b [R, N] partitioned along R
+register_flop_formula(torch.ops.aten._grouped_mm, get_raw=True)(grouped_mm_flops)  # the routed layers' matmuls
 
 
 def _counted_macs(model, task):

@@ -150,6 +150,15 @@ def _gmm(a: torch.Tensor, b: torch.Tensor, plan: Dispatch) -> torch.Tensor:
     return out
 
 
+def grouped_mm_flops(a: torch.Tensor, b: torch.Tensor, *args, out_val: torch.Tensor | None = None, **kwargs) -> int:
+    """FLOPs (2 per multiply-accumulate) of one ``aten._grouped_mm`` call as `_gmm` uses it, in the raw form of
+    ``torch.utils.flop_counter.register_flop_formula(..., get_raw=True)``; PyTorch's counter has no formula for
+    grouped matmuls, so whoever counts FLOPs of routed layers registers this one (tests/test_profile.py does)."""
+    if b.dim() == 3:  # a [R, K] in groups × b [E, K, N]: every row meets one group's K × N
+        return 2 * a.shape[0] * a.shape[1] * b.shape[2]
+    return 2 * a.shape[0] * a.shape[1] * b.shape[1]  # a [K, R] × b [R, N], partitioned along R
+
+
 def _zero_tail(out: torch.Tensor, plan: Dispatch) -> None:
     """Zeroes the no-op rows after the last group: a slice on the CPU (host sizes are free), a mask on CUDA."""
     if out.is_cuda:

@@ -61,8 +61,8 @@ class MoEAttention(nn.Module):
         if want:
             ctx.attn_scores = scores
         out = from_slots(out.transpose(1, 2).reshape(r * n, k, dh), plan)  # [M·k, d] grouped by head
-        y = matmul_combine(out, self.o, routing.gates, plan)  # [M, D]
-        return (y + self.proj_bias).view(r, n, d)
+        y = matmul_combine(out, self.o, routing.gates, plan)  # [M, D], a fresh tensor nobody saved
+        return y.add_(self.proj_bias).view(r, n, d)
 
     def macs(self, n: int) -> int:
         """Multiply-accumulates per sequence of n tokens."""

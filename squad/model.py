@@ -163,10 +163,16 @@ class SquadViT(nn.Module):
             return float(choices[int(torch.randint(len(choices), ()).item())])
         return self.mone_capacity
 
-    def forward_tokens(self, x: torch.Tensor, task_ids: torch.Tensor) -> tuple[torch.Tensor, ForwardContext]:
-        """Runs the blocks on rows x [R, N, D] tagged with ``task_ids`` [R]; returns normed tokens and the context."""
+    def forward_tokens(self, x: torch.Tensor, task_ids: torch.Tensor,
+                       segments: list[tuple[int, int, int]] | None = None) -> tuple[torch.Tensor, ForwardContext]:
+        """Runs the blocks on rows x [R, N, D] tagged with ``task_ids`` [R]; returns normed tokens and the context.
+
+        ``segments`` — ``(task, first_row, end_row)`` runs when rows are task-major — lets per-task routers run one
+        matmul per task.
+        """
         ctx = ForwardContext(task_ids=task_ids, num_tasks=len(self.task_names),
-                             mone_capacity=self._capacity_for_step(), record_routing=self.record_routing)
+                             mone_capacity=self._capacity_for_step(), record_routing=self.record_routing,
+                             segments=segments)
         emb = None
         if self.task_embed is not None:
             emb = self.task_embeddings().index_select(0, task_ids).to(x.dtype)  # [R, D]
@@ -208,7 +214,12 @@ class SquadViT(nn.Module):
         task_ids = torch.cat([torch.full((len(p),), t, device=x0.device, dtype=torch.long)
                               for p, t in zip(per_task, tidx, strict=True)])
         x = x0.index_select(0, rows) if assignment is not None or len(tasks) > 1 else x0
-        tokens, ctx = self.forward_tokens(x, task_ids)
+        segments, start = [], 0
+        for t, p in zip(tidx, per_task, strict=True):
+            if len(p):
+                segments.append((t, start, start + len(p)))
+            start += len(p)
+        tokens, ctx = self.forward_tokens(x, task_ids, segments)
         preds, index, start = {}, {}, 0
         for t, p in zip(tidx, per_task, strict=True):
             canonical = self.task_names[t]
@@ -225,7 +236,8 @@ class SquadViT(nn.Module):
             task = self.task_names[0]
         (t,) = self.task_index([task])
         x = self.embed(images)
-        tokens, _ = self.forward_tokens(x, torch.full((x.shape[0],), t, device=x.device, dtype=torch.long))
+        ids = torch.full((x.shape[0],), t, device=x.device, dtype=torch.long)
+        tokens, _ = self.forward_tokens(x, ids, [(t, 0, x.shape[0])])
         return tokens
 
     def has_task_specific_layers(self) -> bool:

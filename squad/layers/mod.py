@@ -47,7 +47,7 @@ class MoDBlock(nn.Module):
 
     def _scores(self, x: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.router is not None:
-            logits = self.router(x, ctx.task_ids).squeeze(-1)  # [R, N]
+            logits = self.router(x, ctx.task_ids, ctx.segments).squeeze(-1)  # [R, N]
             return logits.detach(), logits
         scores = ctx.attn_scores
         if scores is None or scores.shape != x.shape[:2]:

@@ -146,7 +146,7 @@ class MoNERouter(nn.Module):
         cap = ctx.mone_capacity if ctx.mone_capacity is not None else self.cfg.capacity
         c = capacity_distribution(round(float(cap), 6), e, self.cfg.beta, self.cfg.delta)
         sizes = group_sizes(n, c)
-        probs = self.proj(x, ctx.task_ids).float().softmax(-1)  # [R, N, E]
+        probs = self.proj(x, ctx.task_ids, ctx.segments).float().softmax(-1)  # [R, N, E]
         order = expert_preferred_routing(probs.detach(), sizes)
         slices, start = [], 0
         for j in range(e - 1, -1, -1):

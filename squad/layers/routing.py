@@ -56,6 +56,9 @@ class ForwardContext:
         moe_task_embed: [R, D] task embedding per row, added to routed sublayers' inputs (task_embed=moe_inputs).
         record_routing: routers also report every token's selected experts (`RouterStats.experts`); off in
             training, so the hot path keeps nothing extra.
+        segments: ``(task, first_row, end_row)`` when the rows are task-major runs known on the host (the model's
+            forward always lays them out so); per-task layers then run one matmul per task instead of gathering
+            a weight per row.
     """
 
     task_ids: torch.Tensor
@@ -66,6 +69,7 @@ class ForwardContext:
     mone_capacity: float | None = None
     moe_task_embed: torch.Tensor | None = None
     record_routing: bool = False
+    segments: list[tuple[int, int, int]] | None = None
 
     def token_task_ids(self, tokens_per_row: int) -> torch.Tensor:
         """[R·N] task index of every token when rows hold ``tokens_per_row`` tokens each."""
@@ -128,9 +132,20 @@ class TaskLinear(nn.Module):
         """Rows of the bank, added tasks included."""
         return self.weight.shape[0]
 
-    def forward(self, x: torch.Tensor, task_ids: torch.Tensor) -> torch.Tensor:
-        w = self.weight.index_select(0, task_ids)  # [R, D, O]
-        bias = self.bias
+    def forward(self, x: torch.Tensor, task_ids: torch.Tensor,
+                segments: list[tuple[int, int, int]] | None = None) -> torch.Tensor:
+        """x [R, N, D] → [R, N, O]; with ``segments`` (task-major row runs) one matmul per task."""
+        weight, bias = self.weight, self.bias
+        if segments is not None:
+            outs = []
+            for t, start, end in segments:
+                rows = x[start:end]  # [R_t, N, D]
+                y = rows.reshape(-1, rows.shape[-1]) @ weight[t]
+                if bias is not None:
+                    y = y + bias[t]
+                outs.append(y.view(*rows.shape[:-1], -1))
+            return outs[0] if len(outs) == 1 else torch.cat(outs)
+        w = weight.index_select(0, task_ids)  # [R, D, O]
         if bias is None:
             return torch.bmm(x, w)
         return torch.baddbmm(bias.index_select(0, task_ids).unsqueeze(1), x, w)
@@ -257,9 +272,9 @@ class TaskRouter(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> Routing:
         """Routes x [R, N, D]; returns decisions for the R·N tokens (flattened row-major)."""
-        logits = self.gate(x, ctx.task_ids)  # [R, N, E]
+        logits = self.gate(x, ctx.task_ids, ctx.segments)  # [R, N, E]
         if self.noise is not None and self.training:
-            std = F.softplus(self.noise(x, ctx.task_ids)) + 1e-2
+            std = F.softplus(self.noise(x, ctx.task_ids, ctx.segments)) + 1e-2
             logits = logits + torch.randn_like(logits) * std
         probs = logits.float().softmax(-1).reshape(-1, self.num_experts)  # [M, E]
         if self.kept is not None:

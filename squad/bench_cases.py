@@ -76,7 +76,8 @@ CASES: list[Case] = [
     Case("mone", "squad.bench_cases:bench_mone", "MoNE ViT-S at e_c = 0.3 forward vs dense ViT-S"),
     Case("routed_attention", "squad.kernels.bench:bench_routed_attention", "routed attention with scores vs SDPA"),
     Case("data", "squad.data.hdf5:bench_shards_vs_png", "HDF5 shards vs PNG tree, 13 domains, images/s"),
-    Case("extraction", "squad.bench_extract:bench_extraction", "extracted depth (θ=0.01) params / full, forward vs full"),
+    Case("extraction", "squad.bench_extract:bench_extraction",
+         "extracted depth (θ=0.01) params / full, forward vs full"),
 ]
 
 

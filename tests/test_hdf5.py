@@ -10,7 +10,6 @@ from pathlib import Path
 import h5py
 import pytest
 import torch
-from squad.tasks import TASK_NAMES
 from torch.utils.data import DataLoader
 
 from squad.data import (
@@ -22,6 +21,7 @@ from squad.data import (
     pack_shards,
     write_random_tree,
 )
+from squad.tasks import TASK_NAMES
 
 REPO = Path(__file__).resolve().parents[1]
 

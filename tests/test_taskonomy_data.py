@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from squad.tasks import TASK_NAMES, get_task
 from torch.utils.data import DataLoader, DistributedSampler
 
 from squad.data import (
@@ -22,6 +21,7 @@ from squad.data import (
     write_random_tree,
 )
 from squad.data.transforms import resize_raw
+from squad.tasks import TASK_NAMES, get_task
 
 
 @pytest.fixture(scope="module")

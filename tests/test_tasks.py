@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from squad.tasks import ALIASES, TASK_NAMES, DecodeError, get_task, register_task, resolve_task_names, unregister_task
-from squad.tasks.base import Task
 
 from squad.data.taskonomy import read_raw
 from squad.metrics import MetricAccumulator, add_sums, delta_t
+from squad.tasks import ALIASES, TASK_NAMES, DecodeError, get_task, register_task, resolve_task_names, unregister_task
+from squad.tasks.base import Task
 
 EXPECTED_CHANNELS = {
     "class_object": 1000, "class_scene": 365, "depth_euclidean": 1, "depth_zbuffer": 1, "normal": 3,

@@ -23,14 +23,12 @@ Model cases here (ViT-S widths, D = 384, CPU float32):
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import importlib
 import logging
 import math
 import os
 import socket
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -38,6 +36,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from squad import runtime
 from squad.benchmark import BenchResult, ratio_row, time_interleaved
 
 log = logging.getLogger(__name__)
@@ -156,40 +155,11 @@ def result_dict(row: BenchResult) -> dict:
     return d
 
 
-_MALLOC_TUNED = False
-
-
-def tune_cpu_allocator() -> bool:
-    """Keeps freed multi-MB tensors in the process (glibc ``mallopt``) instead of returning them to the kernel.
-
-    PyTorch's CPU allocator gets every tensor from malloc, and glibc serves large blocks with fresh ``mmap``s (or
-    trims the heap after a free), so each new activation-sized tensor is faulted in page by page again — on this
-    VM that costs up to ~0.4 ms per MB, more than the arithmetic of many ops. Raising the mmap and trim thresholds
-    makes malloc reuse freed blocks, which is what jemalloc/tcmalloc (the usual advice for PyTorch on CPUs) do by
-    default. Process-wide; meant for entry points (the bench, training), never called on import.
-
-    Returns:
-        True when the thresholds were set (Linux with glibc), False otherwise.
-    """
-    global _MALLOC_TUNED
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
-    m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3  # <malloc.h>
-    ok = all(libc.mallopt(param, value) == 1 for param, value in
-             ((m_mmap_threshold, 1 << 30), (m_trim_threshold, 1 << 30), (m_top_pad, 64 << 20)))
-    _MALLOC_TUNED = _MALLOC_TUNED or ok
-    return ok
-
-
 def environment() -> dict:
     """What the figures depend on: torch version, threads, OpenMP wait policy, allocator tuning, CPU load."""
     env = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(libgomp default)"),
-           "malloc_tuned": _MALLOC_TUNED,
+           "malloc_tuned": runtime.malloc_tuned(),
            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
     try:
         env["load_average"] = list(os.getloadavg())

@@ -13,6 +13,8 @@ import socket
 import torch
 import torch.distributed as dist
 
+from squad import runtime
+
 
 def cuda_available() -> bool:
     return torch.cuda.is_available() and torch.cuda.device_count() > 0
@@ -45,6 +47,11 @@ def init_distributed() -> tuple[int, int, torch.device]:
     import deepspeed
 
     cuda = cuda_available()
+    if not cuda:
+        threads = runtime.cpu_threads_per_rank()
+        if threads:
+            torch.set_num_threads(threads)
+        runtime.tune_cpu_allocator()
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", verbose=False)
     local = int(os.environ.get("LOCAL_RANK", "0"))

@@ -11,7 +11,7 @@ target is printed as ``NO`` but is not an error.
 Timing hygiene on a shared CPU machine (both recorded in the JSON; ``--no-tuning`` turns them off):
 - OpenMP threads wait passively (``OMP_WAIT_POLICY=PASSIVE`` unless the variable is already set): with libgomp's
   default spinning, a core taken by another process stalls every parallel region and the ratios swing by 2-10x.
-- glibc malloc keeps freed blocks (`squad.bench_cases.tune_cpu_allocator`), so activation-sized tensors are not
+- glibc malloc keeps freed blocks (`squad.runtime.tune_cpu_allocator`), so activation-sized tensors are not
   faulted in afresh on every allocation (what jemalloc/tcmalloc do).
 """
 
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
 
-    from squad import bench_cases
+    from squad import bench_cases, runtime
 
     if args.list:
         for c in bench_cases.CASES:
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     if not args.no_tuning:
-        bench_cases.tune_cpu_allocator()
+        runtime.tune_cpu_allocator()
 
     report: dict = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "quick": args.quick,
                     "environment": bench_cases.environment(), "results": []}

@@ -13,10 +13,12 @@ continues the run in --out from its last complete checkpoint.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgomp (see squad/runtime.py)
 
 
 def main(argv: list[str] | None = None) -> int:

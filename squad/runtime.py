@@ -1,0 +1,61 @@
+"""Process-wide CPU settings for entry points (training, the bench): thread counts and malloc.
+
+Nothing here runs on import. The entry points also set ``OMP_WAIT_POLICY=PASSIVE`` before torch is imported
+(importing squad imports torch, so that line lives in the tools themselves): with libgomp's default spinning, a core
+shared with another process (a second rank, a data-loader worker) stalls every parallel region, which on small CPU
+machines costs more than the spinning saves.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+
+_MALLOC_TUNED = False
+
+
+def cpu_threads_per_rank() -> int | None:
+    """Intra-op threads for one of this node's ranks on a CPU-only run: cores / local ranks (None = leave as is).
+
+    The deepspeed launcher (without ``--bind_cores_to_rank``) and torchrun start every rank with all cores' worth of
+    threads; several ranks then oversubscribe the machine. An explicit ``OMP_NUM_THREADS`` wins.
+    """
+    if "OMP_NUM_THREADS" in os.environ:
+        return None
+    local = os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or "1"
+    try:
+        ranks = max(1, int(local))
+    except ValueError:
+        return None
+    return max(1, (os.cpu_count() or 1) // ranks)
+
+
+def tune_cpu_allocator() -> bool:
+    """Keeps freed multi-MB tensors in the process (glibc ``mallopt``) instead of returning them to the kernel.
+
+    PyTorch's CPU allocator gets every tensor from malloc, and glibc serves large blocks with fresh ``mmap``s (or
+    trims the heap after a free), so each new activation-sized tensor is faulted in page by page again — on small
+    VMs that costs up to ~0.4 ms per MB, more than the arithmetic of many ops. Raising the mmap and trim thresholds
+    makes malloc reuse freed blocks, which is what jemalloc/tcmalloc (the usual advice for PyTorch on CPUs) do by
+    default. Process-wide; meant for entry points (the bench, training), never called on import.
+
+    Returns:
+        True when the thresholds were set (Linux with glibc), False otherwise.
+    """
+    global _MALLOC_TUNED
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3  # <malloc.h>
+    ok = all(libc.mallopt(param, value) == 1 for param, value in
+             ((m_mmap_threshold, 1 << 30), (m_trim_threshold, 1 << 30), (m_top_pad, 64 << 20)))
+    _MALLOC_TUNED = _MALLOC_TUNED or ok
+    return ok
+
+
+def malloc_tuned() -> bool:
+    return _MALLOC_TUNED

@@ -9,6 +9,7 @@ with the key's full name; `load_dataclass` calls it on every node after building
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 import yaml
 
 T = TypeVar("T")
+_SCIENTIFIC = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
 class ConfigError(ValueError):
@@ -82,6 +84,8 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
             raise ConfigError(f"{key}: expected an integer, got {value!r}")
         return value
     if tp is float:
+        if isinstance(value, str) and _SCIENTIFIC.fullmatch(value.strip()):
+            return float(value)  # YAML 1.1 reads "1e-4" (no dot) as a string
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(f"{key}: expected a number, got {value!r}")
         return float(value)

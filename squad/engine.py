@@ -32,6 +32,10 @@ from squad.usage import ExpertUsage
 log = logging.getLogger("squad.train")
 
 
+class TrainingError(RuntimeError):
+    """The run cannot go on (e.g. too many non-finite losses in a row); the message says why and what to try."""
+
+
 class MultiTaskObjective(nn.Module):
     """The module DeepSpeed wraps: the model, its task losses and their learned weights."""
 
@@ -295,7 +299,7 @@ class Trainer:
                     if self.writer:
                         self.writer.add_scalar("train/nonfinite_skipped", self.state.nonfinite, self.state.step)
                     if self.state.nonfinite >= self.cfg.train.max_nonfinite:
-                        raise RuntimeError(f"{self.state.nonfinite} non-finite losses in a row at step "
+                        raise TrainingError(f"{self.state.nonfinite} non-finite losses in a row at step "
                                            f"{self.state.step}: stopping (lower optim.lr, check the data, or raise "
                                            f"train.max_nonfinite)")
                     continue

@@ -60,3 +60,37 @@ def test_base_inheritance(tmp_path):
 def test_missing_file():
     with pytest.raises(ConfigError, match="not found"):
         load_config("configs/model/does_not_exist.yaml")
+
+
+@pytest.mark.parametrize("path", ["configs/demo.yaml", "configs/taskonomy/modsquad_vit_b.yaml",
+                                  "configs/taskonomy/mtl_vit_b.yaml"])
+def test_run_configs_load(path):
+    from squad.train_config import RunConfig, deepspeed_config
+
+    cfg = load_config(path, cls=RunConfig)
+    assert len(cfg.train_tasks()) == 13
+    ds = deepspeed_config(cfg, cuda=False)
+    assert ds["train_micro_batch_size_per_gpu"] == cfg.optim.batch_per_rank and not ds["bf16"]["enabled"]
+
+
+@pytest.mark.parametrize("override, needle", [
+    (["optim.steps=0", "optim.epochs=0"], "optim.steps"),
+    (["train.zero_stage=3"], "train.zero_stage"),
+    (["train.tasks_per_image=20"], "train.tasks_per_image"),
+    (["data.tasks=[depth, flow]"], "data.tasks"),
+    (["data.image_size=32"], "data.image_size"),
+])
+def test_bad_run_config(override, needle):
+    from squad.train_config import RunConfig
+
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
+        load_config("configs/demo.yaml", override, cls=RunConfig)
+
+
+def test_scientific_notation_without_dot():
+    from squad.train_config import RunConfig
+
+    cfg = load_config("configs/demo.yaml", ["optim.lr=1e-4", "optim.min_lr=2E-7"], cls=RunConfig)
+    assert cfg.optim.lr == 1e-4 and cfg.optim.min_lr == 2e-7
+    with pytest.raises(ConfigError, match="optim.lr"):
+        load_config("configs/demo.yaml", ["optim.lr=fast"], cls=RunConfig)

@@ -168,3 +168,14 @@ def test_incomplete_checkpoint_is_never_resumed(tmp_path):
     assert ckpt.find_resume_tag(d) == "step00000003"
     ckpt.mark_complete(d, "step00000006", 6, keep=1)
     assert ckpt.find_resume_tag(d) == "step00000006" and not (d / "step00000003").exists()
+
+
+def test_non_finite_losses_skip_then_stop(tmp_path, run_config):
+    # an absurd learning rate blows the weights up after the first step: every later loss is non-finite
+    out = tmp_path / "nan"
+    res = _run([PY, "tools/train.py", "--config", str(run_config), "--out", str(out), "--set", "optim.lr=1e30",
+                "--set", "optim.warmup_steps=0", "--set", "optim.clip=0", "--set", "train.max_nonfinite=3"])
+    assert res.returncode == 3, res.stderr[-2000:]
+    assert "3 non-finite losses in a row" in res.stderr
+    assert "non-finite loss" in (out / "train.log").read_text()
+    assert not (out / "model.pt").exists() and ckpt.find_resume_tag(out / "checkpoints") is None

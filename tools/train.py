@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
 
     prepare_environment()  # before deepspeed is imported anywhere
     from squad.config import ConfigError, load_config
-    from squad.engine import train
+    from squad.engine import TrainingError, train
     from squad.train_config import RunConfig
 
     try:
@@ -49,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, PermissionError, ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except TrainingError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 3
     print(f"model: {path}")
     return 0
 

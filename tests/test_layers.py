@@ -349,8 +349,16 @@ def test_mone_small_capacity_uses_slices():
     xs = x.gather(1, ctx.mone.order[..., None].expand(-1, -1, cfg.embed_dim))
     assert torch.allclose(y[:, start:end, width:], xs[:, start:end, width:])
     y.sum().backward()
-    assert mone.router.proj.weight.grad is None or True  # router gets gradient only through alpha (0 at init)
-    assert mone.alpha.grad is not None
+    # the router learns only through (α·r + 1): at α = 0 (its init) its gradient is exactly zero
+    assert mone.router.proj.weight.grad.abs().max() == 0
+    assert mone.alpha.grad is not None and mone.alpha.grad.abs() > 0
+    mone.zero_grad()
+    with torch.no_grad():
+        mone.alpha.fill_(0.5)
+    ctx = ctx_for(2)
+    ctx.mone_capacity = 0.3
+    mone(x, ctx).sum().backward()
+    assert mone.router.proj.weight.grad.abs().max() > 0
 
 
 @pytest.mark.parametrize("bias", [True, False])

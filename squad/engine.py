@@ -217,8 +217,8 @@ class Trainer:
         if self.resume in (None, "none", "no"):
             return
         if self.resume == "auto":
-            tag = find_tag = ckpt.find_resume_tag(ckpt_dir)
-            if find_tag is None:
+            tag = ckpt.find_resume_tag(ckpt_dir)
+            if tag is None:
                 return
             load_dir = ckpt_dir
         else:

@@ -8,7 +8,6 @@ tokens together. Rows are independent, so the fused pass equals one pass per tas
 from __future__ import annotations
 
 import dataclasses
-import random
 from collections.abc import Sequence
 
 import torch
@@ -16,10 +15,8 @@ import torch.nn as nn
 
 from squad.config import HeadConfig, ModelConfig
 from squad.heads import build_head
-from squad.layers.attention import Attention
 from squad.layers.block import Block
 from squad.layers.mod import MoDBlock
-from squad.layers.moe_attention import MoEAttention
 from squad.layers.mone import MoNEBlock
 from squad.layers.routing import ForwardContext, RouterStats, TaskLinear, TaskRouter
 
@@ -246,10 +243,6 @@ class SquadViT(nn.Module):
             return True
         return any(hasattr(m, "layer_name") for m in self.modules())
 
-    def attention_layers(self) -> list[nn.Module]:
-        """Every attention module (dense, MoA, MoNE blocks) in order."""
-        return [m for m in self.modules() if isinstance(m, Attention | MoEAttention | MoNEBlock)]
-
     # ---------------------------------------------------------------------------------------------- new tasks
     def task_embeddings(self) -> torch.Tensor | None:
         """[T, D] task embeddings, added tasks' rows last (None when the model has none)."""
@@ -329,9 +322,3 @@ class SquadViT(nn.Module):
 def build_model(cfg: ModelConfig) -> SquadViT:
     """Builds a `SquadViT` from a validated `ModelConfig`."""
     return SquadViT(cfg)
-
-
-def seed_everything(seed: int) -> None:
-    """Seeds Python and torch RNGs."""
-    random.seed(seed)
-    torch.manual_seed(seed)

@@ -71,10 +71,6 @@ class ForwardContext:
     record_routing: bool = False
     segments: list[tuple[int, int, int]] | None = None
 
-    def token_task_ids(self, tokens_per_row: int) -> torch.Tensor:
-        """[R·N] task index of every token when rows hold ``tokens_per_row`` tokens each."""
-        return self.task_ids.repeat_interleave(tokens_per_row)
-
     def per_task_sum(self, values: torch.Tensor) -> torch.Tensor:
         """Sums row-level values [R, ...] into [T, ...] by task."""
         out = values.new_zeros(self.num_tasks, *values.shape[1:])

@@ -5,12 +5,12 @@ timm interop (`from_timm`), parameter/MAC counts (`profile`), trained models (`l
 models (`load_extracted`).
 """
 
-from squad.checkpoint import load_model
-from squad.config import ModelConfig, SquadConfig, load_config, model_config
-from squad.extract import SingleTaskModel, load_extracted
-from squad.model import SquadOutput, SquadViT, build_model
-from squad.profile import profile
-from squad.timm_compat import from_timm
+from squad.analysis.flops import profile
+from squad.config.model import ModelConfig, SquadConfig, load_config, model_config
+from squad.io import load_extracted, load_model
+from squad.models.single_task import SingleTaskModel
+from squad.models.timm import from_timm
+from squad.models.vit import SquadOutput, SquadViT, build_model
 
 __all__ = [
     "ModelConfig",

@@ -48,8 +48,10 @@ class Task:
         domain: the folder name on disk (Taskonomy's domain name); the same as `name` for the 13 tasks.
         head_kind: ``"dense"`` (per-pixel prediction) or ``"class"`` (one distribution per image).
         channels: output channels of the head (classes for class tasks).
-        primary_metric: the metric Δt uses (`squad.metrics.delta_t`).
-        lower_is_better: direction of `primary_metric`.
+        primary_metric: the metric Δt uses by default (`squad.eval.metrics.delta_t`).
+        higher_is_better: the names of the metrics (keys of `metrics`) for which higher is better, such as
+            accuracies and threshold shares; every other metric is an error, lower is better. The one source of
+            metric direction: `lower_is_better_for`, `lower_is_better`, Δt and the reports all read it.
         file_ext: ``".png"`` or ``".npy"``.
         bits: 8 or 16 for PNG domains (the bit depth `decode` expects), 0 for ``.npy``.
         geometric: the target only exists where the scene has geometry; the dataset ANDs the depth_zbuffer
@@ -64,7 +66,7 @@ class Task:
     head_kind: HeadKind
     channels: int
     primary_metric: str
-    lower_is_better: bool
+    higher_is_better: frozenset[str] = frozenset()
     file_ext: str = ".png"
     bits: int = 8
     geometric: bool = False
@@ -108,6 +110,17 @@ class Task:
     def metrics(self, sums: dict[str, torch.Tensor | float]) -> dict[str, float]:
         """Final metrics from summed statistics."""
         raise NotImplementedError
+
+    def lower_is_better_for(self, metric: str) -> bool:
+        """Direction of one metric of this task: True for errors, False for names in `higher_is_better`."""
+        if metric == self.primary_metric:
+            return self.lower_is_better  # a plug-in task may still declare `lower_is_better` alone
+        return metric not in self.higher_is_better
+
+    @property
+    def lower_is_better(self) -> bool:
+        """Direction of `primary_metric`, derived from `higher_is_better`."""
+        return self.primary_metric not in self.higher_is_better
 
     # ------------------------------------------------------------------------------------------- helpers
     def check_batch(self, pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

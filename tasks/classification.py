@@ -33,7 +33,7 @@ class ClassTask(Task):
 
     head_kind = "class"
     primary_metric = "accuracy"
-    lower_is_better = False
+    higher_is_better = frozenset({"accuracy", "top5"})
     file_ext = ".npy"
     bits = 0
     geometric = False

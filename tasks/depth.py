@@ -4,7 +4,7 @@
 * target: the authors' log scale, ``t = log(1 + 512·d) / log(65536)`` ∈ [0, 1] (their loader applies
   ``log(1 + code) / log(2^16)``), regressed with a masked L1 loss.
 * to_units: ``d = (exp(t · log 65536) − 1) / 512``, with t clamped at 0 so predictions are never negative.
-* metrics (paper Table 1, after Eigen et al.): RMSE in metres (primary, lower is better, the only one Δt uses),
+* metrics (paper Table 1, after Eigen et al.): RMSE in metres (primary, lower is better, Δt's default metric),
   absolute and squared relative error, and the share of pixels with ``max(d/d*, d*/d) < 1.25, 1.25², 1.25³`` (%).
   Pixels count when the mask is set and the true depth is > 0. The authors report RMSE after an extra remapping
   of depth onto [1, 80]; this project reports plain metres.
@@ -31,7 +31,7 @@ class DepthTask(Task):
     head_kind = "dense"
     channels = 1
     primary_metric = "rmse"
-    lower_is_better = True
+    higher_is_better = frozenset({"delta1", "delta2", "delta3"})
     bits = 16
     geometric = True
     resample = "bilinear"

@@ -30,7 +30,6 @@ class NormalTask(Task):
     head_kind = "dense"
     channels = 3
     primary_metric = "l1"
-    lower_is_better = True
     bits = 8
     geometric = True
     resample = "bilinear"

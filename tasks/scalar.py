@@ -93,7 +93,6 @@ class ScalarTask(Task):
     """A dense task defined by a `ScalarSpec` (see module docstring for the table)."""
 
     head_kind = "dense"
-    lower_is_better = True
 
     def __init__(self, spec: ScalarSpec) -> None:
         self.spec = spec

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import squad
-from squad.config import SquadConfig
+from squad.config.model import SquadConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_CONFIGS = sorted(p for p in (ROOT / "configs" / "model").glob("*.yaml") if not p.name.startswith("_"))

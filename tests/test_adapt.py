@@ -8,7 +8,7 @@ import timm
 import torch
 
 import squad
-from squad.adapt import fidelity, to_mod
+from squad.posttrain.adapt import fidelity, to_mod
 from tests.helpers import ROOT
 
 

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from squad import bench_cases
-from squad.benchmark import BenchResult
+from squad.bench import cases as bench_cases
+from squad.bench.harness import BenchResult
 from tests.helpers import ROOT
 
 TOOL = ROOT / "tools" / "bench.py"
@@ -58,7 +58,7 @@ def test_missing_or_failing_case_becomes_error_row():
     assert row.case == "ghost" and row.unit == "error" and row.ok is False and math.isnan(row.value)
     assert "squad.no_such_module" in row.details["error"]
 
-    broken = bench_cases.Case("broken", "squad.bench_cases:get_case")  # raises: wrong arguments for a case
+    broken = bench_cases.Case("broken", "squad.bench.cases:get_case")  # raises: wrong arguments for a case
     (row,) = bench_cases.run_case(broken, quick=True)
     assert row.unit == "error" and "TypeError" in row.details["error"]
 

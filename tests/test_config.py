@@ -2,8 +2,8 @@ import pytest
 import yaml
 
 import squad
-from squad.config import ConfigError, load_config
-from squad.configbase import write_yaml
+from squad.config.base import write_yaml
+from squad.config.model import ConfigError, load_config
 from tests.helpers import MODEL_CONFIGS
 
 
@@ -65,7 +65,7 @@ def test_missing_file():
 @pytest.mark.parametrize("path", ["configs/demo.yaml", "configs/taskonomy/modsquad_vit_b.yaml",
                                   "configs/taskonomy/mtl_vit_b.yaml"])
 def test_run_configs_load(path):
-    from squad.train_config import RunConfig, deepspeed_config
+    from squad.config.run import RunConfig, deepspeed_config
 
     cfg = load_config(path, cls=RunConfig)
     assert len(cfg.train_tasks()) == 13
@@ -81,14 +81,14 @@ def test_run_configs_load(path):
     (["data.image_size=32"], "data.image_size"),
 ])
 def test_bad_run_config(override, needle):
-    from squad.train_config import RunConfig
+    from squad.config.run import RunConfig
 
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
         load_config("configs/demo.yaml", override, cls=RunConfig)
 
 
 def test_scientific_notation_without_dot():
-    from squad.train_config import RunConfig
+    from squad.config.run import RunConfig
 
     cfg = load_config("configs/demo.yaml", ["optim.lr=1e-4", "optim.min_lr=2E-7"], cls=RunConfig)
     assert cfg.optim.lr == 1e-4 and cfg.optim.min_lr == 2e-7

@@ -10,10 +10,10 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 import squad
-from squad.checkpoint import export_model
-from squad.extract import collect_usage, extract, load_extracted, save_extracted
-from squad.layers.grouped import grouped_mm_flops
-from squad.pruning import choose_experts, prunable_layers
+from squad.io import export_model, load_extracted, save_extracted
+from squad.layers.experts import grouped_mm_flops
+from squad.posttrain.extract import collect_usage, extract
+from squad.posttrain.pruning import choose_experts, prunable_layers
 from tests.helpers import ROOT
 from tests.tool_helpers import load_tool, tiny_data, tiny_model
 
@@ -26,7 +26,7 @@ PLANS = {
 }
 
 _cpu_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_grouped_mm = torch.ops.aten._grouped_mm  # the routed layers' expert matmuls (squad.layers.grouped)
+_grouped_mm = torch.ops.aten._grouped_mm  # the routed layers' expert matmuls (squad.layers.experts)
 
 
 def _cpu_flash_flops(q, k, v, *args, out_val=None, **kwargs):  # QKᵀ and AV, 2 FLOPs per MAC

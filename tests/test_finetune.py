@@ -11,19 +11,19 @@ import pytest
 import torch
 
 import squad
-from squad.checkpoint import export_model
 from squad.data import build_dataset
-from squad.evaluation import eval_loader
-from squad.finetune import (
+from squad.eval.evaluate import eval_loader
+from squad.io import export_model
+from squad.models.vit import build_model
+from squad.posttrain.finetune import (
     FinetuneConfig,
     finetune_once,
+    finetune_table,
     make_optimizer,
     select_trainable,
     subset_indices,
     with_new_task,
 )
-from squad.finetune_pipeline import finetune_table
-from squad.model import build_model
 from tests.helpers import ROOT
 from tests.tool_helpers import load_tool, tiny_data, tiny_model
 

@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from squad.config import BlockSpec, MoAConfig, MoDConfig, MoEConfig, MoNEConfig, RouterConfig
-from squad.layers.attention import Mlp
+from squad.config.model import BlockSpec, MoAConfig, MoDConfig, MoEConfig, MoNEConfig, RouterConfig
 from squad.layers.block import Block
-from squad.layers.grouped import (
+from squad.layers.context import ForwardContext
+from squad.layers.experts import (
     combine,
     dispatch_matmul,
     dispatch_tokens,
@@ -18,18 +18,14 @@ from squad.layers.grouped import (
     native_grouped_mm,
     plan_dispatch,
 )
+from squad.layers.mlp import Mlp
 from squad.layers.mod import MoDBlock
 from squad.layers.moe_attention import MoEAttention
 from squad.layers.moe_mlp import MoEMlp, apply_capacity
-from squad.layers.mone import (
-    MoNEBlock,
-    capacity_distribution,
-    expert_preferred_routing,
-    group_sizes,
-    nested_linear_in,
-    nested_linear_out,
-)
-from squad.layers.routing import ForwardContext, Routing
+from squad.layers.mone import MoNEBlock
+from squad.layers.mone_capacity import capacity_distribution, expert_preferred_routing, group_sizes
+from squad.layers.nested import nested_linear_in, nested_linear_out
+from squad.layers.routing import Routing
 from tests.helpers import tiny_model_cfg
 
 torch.manual_seed(0)

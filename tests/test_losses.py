@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from squad.layers.routing import ForwardContext, RouterStats
-from squad.losses import TaskWeighting, all_reduce_mass, balance_loss, mutual_information
-from squad.usage import ExpertUsage
+from squad.analysis.usage import ExpertUsage
+from squad.layers.context import ForwardContext, RouterStats
+from squad.train.losses import TaskWeighting, all_reduce_mass, balance_loss, mutual_information
 
 
 def test_mi_independent_is_zero_and_separated_is_log_t():

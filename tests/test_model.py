@@ -5,7 +5,7 @@ import timm
 import torch
 
 import squad
-from squad.layers.routing import RouterStats
+from squad.layers.context import RouterStats
 from tests.helpers import MODEL_CONFIGS, tiny_config, tiny_model_cfg
 
 
@@ -108,7 +108,7 @@ def test_from_timm_forward_features_equal(arch):
 def test_from_timm_into_mod_plan_keeps_dense_weights():
     torch.manual_seed(0)
     vit = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8).eval()
-    plan = [squad.config.BlockSpec(), squad.config.BlockSpec(mod="attention")]
+    plan = [squad.config.model.BlockSpec(), squad.config.model.BlockSpec(mod="attention")]
     model = squad.from_timm(vit, plan=plan, overrides={"mod": {"capacity": 1.0}}).eval()
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():  # capacity 1.0 with attention routing is the dense model

@@ -5,7 +5,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode, register_flop_formula
 
 import squad
-from squad.layers.grouped import grouped_mm_flops
+from squad.layers.experts import grouped_mm_flops
 from tests.helpers import MODEL_CONFIGS, tiny_config
 
 _cpu_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu

@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 
 from squad.data.taskonomy import read_raw
-from squad.metrics import MetricAccumulator, add_sums, delta_t
+from squad.eval.metrics import MetricAccumulator, add_sums, delta_t
 from squad.tasks import ALIASES, TASK_NAMES, DecodeError, get_task, register_task, resolve_task_names, unregister_task
 from squad.tasks.base import Task
 

@@ -16,7 +16,7 @@ import torch
 import yaml
 
 import squad
-from squad import checkpoint as ckpt
+from squad.train import checkpoint as ckpt
 from tests.helpers import ROOT
 
 PY = sys.executable

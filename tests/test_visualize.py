@@ -5,11 +5,11 @@ import json
 import pytest
 import torch
 
-from squad.checkpoint import export_model
-from squad.extract import collect_usage
+from squad.analysis.figures import draw_figures
+from squad.analysis.relations import task_relations
+from squad.io import export_model
 from squad.layers.routing import TaskLinear
-from squad.relations import task_relations
-from squad.visualize import draw_figures
+from squad.posttrain.extract import collect_usage
 from tests.tool_helpers import load_tool, tiny_data, tiny_model
 
 HEADS = ["depth_euclidean", "normal", "edge_texture"]

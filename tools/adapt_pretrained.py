@@ -24,14 +24,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def load_dense(path: str, num_heads: int | None):
     """A dense SquadViT from a squad model file/run folder or a timm state dict on disk."""
-    from squad import checkpoint as ckpt
-    from squad.config import load_config
-    from squad.model import build_model
-    from squad.timm_compat import load_timm_file, load_timm_weights
+    from squad import io
+    from squad.config.model import load_config
+    from squad.models.timm import load_timm_file, load_timm_weights
+    from squad.models.vit import build_model
 
     p = Path(path)
     if p.is_dir() or (p.suffix == ".pt" and _is_squad_file(p)):
-        return ckpt.load_model(p)
+        return io.load_model(p)
     state = load_timm_file(p)
     if "patch_embed.proj.weight" not in state or "pos_embed" not in state:
         raise ValueError(f"{p}: neither a squad model file nor a timm VisionTransformer state dict "
@@ -56,10 +56,10 @@ def load_dense(path: str, num_heads: int | None):
 
 
 def _is_squad_file(p: Path) -> bool:
-    from squad import checkpoint as ckpt
+    from squad import io
 
     try:
-        ckpt.read_model_file(p)
+        io.read_payload(p)
         return True
     except ValueError:
         return False
@@ -85,8 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import torch
 
-    from squad import checkpoint as ckpt
-    from squad.adapt import fidelity, to_mod
+    from squad import io
+    from squad.posttrain.adapt import fidelity, to_mod
 
     torch.manual_seed(0)
     try:
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = {name: {} for name in models}
     if args.data:
         from squad.data import build_dataset
-        from squad.evaluation import eval_loader, evaluate, primary
+        from squad.eval.evaluate import eval_loader, evaluate, primary
         from squad.tasks import TASK_NAMES
 
         tasks = [t for t in dense.task_names if t in TASK_NAMES]
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     chosen = models[args.routing]
-    ckpt.export_model(out, chosen, None, {"adapted_from": str(args.checkpoint), "capacity": args.capacity,
+    io.export_model(out, chosen, None, {"adapted_from": str(args.checkpoint), "capacity": args.capacity,
                                           "routing": args.routing, "evaluation": rows})
     out.with_suffix(".json").write_text(json.dumps({"capacity": args.capacity, "every": args.every,
                                                     "results": rows}, indent=2))

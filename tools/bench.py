@@ -1,4 +1,4 @@
-"""squad's performance table: every case of `squad.bench_cases.CASES`, ratios timed side by side in one run.
+"""squad's performance table: every case of `squad.bench.cases.CASES`, ratios timed side by side in one run.
 
     python tools/bench.py                       # all cases, table on stdout, bench.json in the current folder
     python tools/bench.py --quick --only moe_mlp mod --json out.json
@@ -11,7 +11,7 @@ target is printed as ``NO`` but is not an error.
 Timing hygiene on a shared CPU machine (both recorded in the JSON; ``--no-tuning`` turns them off):
 - OpenMP threads wait passively (``OMP_WAIT_POLICY=PASSIVE`` unless the variable is already set): with libgomp's
   default spinning, a core taken by another process stalls every parallel region and the ratios swing by 2-10x.
-- glibc malloc keeps freed blocks (`squad.runtime.tune_cpu_allocator`), so activation-sized tensors are not
+- glibc malloc keeps freed blocks (`squad.train.runtime.tune_cpu_allocator`), so activation-sized tensors are not
   faulted in afresh on every allocation (what jemalloc/tcmalloc do).
 """
 
@@ -27,7 +27,7 @@ from pathlib import Path
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from squad.bench_cases import CASES
+    from squad.bench.cases import CASES
 
     names = [c.name for c in CASES]
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -59,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
 
-    from squad import bench_cases, runtime
+    from squad.bench import cases as bench_cases
+    from squad.train import runtime
 
     if args.list:
         for c in bench_cases.CASES:

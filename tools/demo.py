@@ -49,7 +49,7 @@ def train(out: Path, data: Path, steps: int | None, ranks: int) -> None:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     if not torch.cuda.is_available():
         env["DS_ACCELERATOR"] = "cpu"
-    from squad.distributed import free_port
+    from squad.train.distributed import free_port
 
     cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(ranks), "--master_port",
            str(free_port()), "tools/train.py", "--config", "configs/demo.yaml", "--out", str(out),
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     ensure_data(data, args.images)
 
     say("2. paper configs: parameters and MACs per image per task (counted from the routed shapes)")
-    from squad.bench_cases import profile_table
+    from squad.bench.cases import profile_table
 
     print(profile_table())
 
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     learned = compare_validation(out)
 
     say("5. extracting the depth subnetwork (θ = 0.01), evaluating it beside the full model, drawing figures")
-    from squad.demo_steps import draw_figures, extract_and_compare
+    from squad.demo import draw_figures, extract_and_compare
 
     extract_and_compare(out, data)
     figures = draw_figures(out, data)

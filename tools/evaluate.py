@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[squad] %(message)s")
 
-    from squad.compare import delta_against, evaluate_file, format_results, load_baseline
+    from squad.eval.evaluate import delta_against, evaluate_file, format_results, load_baseline
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else None
     taken: set[str] = set()

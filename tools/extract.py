@@ -52,8 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[squad] %(message)s")
 
-    from squad.configbase import ConfigError
-    from squad.extract_pipeline import extract_to_file, format_report
+    from squad.config.base import ConfigError
+    from squad.posttrain.extract import extract_to_file, format_report
 
     try:
         out = args.out or _default_out(args.checkpoint, args.task, args.theta, args.keep_top)

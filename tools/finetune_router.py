@@ -64,8 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0  # one process does the work; a launcher's other ranks have nothing to do
     logging.basicConfig(level=logging.INFO, format="[squad] %(message)s")
 
-    from squad.finetune import MODES, FinetuneConfig
-    from squad.finetune_pipeline import finetune_table, format_table
+    from squad.posttrain.finetune import MODES, FinetuneConfig, finetune_table, format_table
 
     modes = list(MODES) if args.mode == "all" else [m.strip() for m in args.mode.split(",") if m.strip()]
     fractions = args.fractions if args.fractions is not None or args.shots is not None else [0.01]

@@ -10,51 +10,16 @@ With no GPU, DeepSpeed's CPU accelerator, gloo and fp32 are selected automatical
 continues the run in --out from its last complete checkpoint.
 """
 
-from __future__ import annotations
-
-import argparse
 import os
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgomp (see squad/runtime.py)
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", required=True, help="run config YAML (configs/demo.yaml, configs/taskonomy/...)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key, e.g. --set optim.lr=1e-4 --set model.depth=6 (repeatable)")
-    p.add_argument("--out", default=None, help="run folder (default: runs/<config name>)")
-    p.add_argument("--resume", default="auto", help="auto (default), none, or a run/checkpoint folder")
-    p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the deepspeed launcher
-    args = p.parse_args(argv)
-
-    from squad.distributed import prepare_environment
-
-    prepare_environment()  # before deepspeed is imported anywhere
-    from squad.config import ConfigError, load_config
-    from squad.engine import TrainingError, train
-    from squad.train_config import RunConfig
-
-    try:
-        cfg = load_config(args.config, args.set, cls=RunConfig)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    out = Path(args.out or Path("runs") / Path(args.config).stem)
-    try:
-        path = train(cfg, out, args.resume)
-    except (FileNotFoundError, PermissionError, ConfigError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except TrainingError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 3
-    print(f"model: {path}")
-    return 0
-
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgomp (see squad/train/runtime.py)
+try:
+    from squad.cli.train import main  # the tool itself (argparse, error handling) lives in the package
+except ModuleNotFoundError as e:
+    print(f"error: {e} in {sys.executable}: install squad first (`make test` builds .venv, or `pip install -e .`)",
+          file=sys.stderr)
+    sys.exit(2)
 
 if __name__ == "__main__":
     sys.exit(main())

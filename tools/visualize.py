@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[squad] %(message)s")
 
-    from squad.visualize import draw_figures
+    from squad.analysis.figures import draw_figures
 
     folder = Path(args.checkpoint) if Path(args.checkpoint).is_dir() else Path(args.checkpoint).parent
     out = Path(args.out) if args.out else folder / "figures"

@@ -12,11 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
-from .hdf5 import INDEX_NAME, ShardDataset, bench_shards_vs_png, is_shard_root, pack_shards, write_random_tree
-from .taskonomy import (
+from squad.data.pack import pack_shards
+from squad.data.random_tree import write_random_tree
+from squad.data.shards import INDEX_NAME, ShardDataset, is_shard_root
+from squad.data.taskonomy import (
     CorruptFileError,
     EmptyDatasetError,
     TaskonomyBase,
@@ -27,11 +28,12 @@ from .taskonomy import (
     read_raw,
     read_split_csv,
 )
-from .transforms import SamplePipeline
+from squad.data.transforms import SamplePipeline
+from squad.train.distributed import has_process_group
 
 __all__ = [
     "INDEX_NAME", "CorruptFileError", "EmptyDatasetError", "SamplePipeline", "ShardDataset", "TaskonomyBase",
-    "TaskonomyDataset", "bench_shards_vs_png", "build_dataset", "build_loader", "collate", "find_split_csv",
+    "TaskonomyDataset", "build_dataset", "build_loader", "collate", "find_split_csv",
     "is_shard_root", "make_data_hint", "pack_shards", "read_raw", "read_split_csv", "set_epoch", "write_random_tree",
 ]
 
@@ -78,7 +80,7 @@ def build_loader(dataset: TaskonomyBase, batch_size: int, shuffle: bool = True, 
             after it, so leave it off when augmenting.
         pin_memory: pin batches (useful with GPUs).
     """
-    if dist.is_available() and dist.is_initialized():
+    if has_process_group():  # any process group, even one of a single rank
         sampler = DistributedSampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last)
         return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
                           collate_fn=collate, drop_last=drop_last, pin_memory=pin_memory,

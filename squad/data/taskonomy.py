@@ -38,9 +38,8 @@ import numpy as np
 from PIL import Image
 from torch.utils.data import Dataset, default_collate
 
+from squad.data.transforms import SamplePipeline
 from squad.tasks import DecodeError, get_task, resolve_task_names
-
-from .transforms import SamplePipeline
 
 logger = logging.getLogger(__name__)
 

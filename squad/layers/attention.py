@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from squad.layers.routing import ForwardContext
+from squad.layers.context import ForwardContext
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, want_scores: bool = False,
@@ -74,19 +74,3 @@ class Attention(nn.Module):
         inner = self.num_heads * self.head_dim
         d = self.qkv.in_features
         return n * d * 3 * inner + 2 * n * n * inner + n * inner * d
-
-
-class Mlp(nn.Module):
-    """Two-layer MLP with GELU (timm layout: ``fc1``, ``fc2``)."""
-
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.fc1 = nn.Linear(dim, hidden)
-        self.act = nn.GELU()
-        self.fc2 = nn.Linear(hidden, dim)
-
-    def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
-
-    def macs(self, n: int) -> int:
-        return 2 * n * self.fc1.in_features * self.fc1.out_features

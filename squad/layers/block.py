@@ -8,11 +8,12 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from squad.config import BlockSpec, ModelConfig
-from squad.layers.attention import Attention, Mlp
+from squad.config.model import BlockSpec, ModelConfig
+from squad.layers.attention import Attention
+from squad.layers.context import ForwardContext
+from squad.layers.mlp import Mlp
 from squad.layers.moe_attention import MoEAttention
 from squad.layers.moe_mlp import MoEMlp
-from squad.layers.routing import ForwardContext
 
 
 class Block(nn.Module):

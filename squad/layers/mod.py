@@ -12,15 +12,16 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
-from squad.config import MoDConfig
+from squad.config.model import MoDConfig
+from squad.layers.base import RoutedLayer
 from squad.layers.block import Block
-from squad.layers.routing import ForwardContext, RouterStats, TaskLinear
+from squad.layers.context import ForwardContext, RouterStats
+from squad.layers.routing import TaskLinear
 
 
-class MoDBlock(nn.Module):
+class MoDBlock(RoutedLayer):
     """Wraps any `Block` in Mixture-of-Depths routing.
 
     Args:
@@ -32,6 +33,8 @@ class MoDBlock(nn.Module):
         class_token: whether token 0 is a class token (kept when ``cfg.keep_cls``).
     """
 
+    kind = "mod"
+
     def __init__(self, block: Block, cfg: MoDConfig, routing: str, dim: int, num_tasks: int, class_token: bool):
         super().__init__()
         self.block = block
@@ -39,7 +42,6 @@ class MoDBlock(nn.Module):
         self.routing = routing
         self.keep_cls = cfg.keep_cls and class_token
         self.router = TaskLinear(num_tasks, dim, 1) if routing == "learned" else None
-        self.layer_name = "mod"
 
     def capacity_tokens(self, n: int) -> int:
         """k = ceil(C · N), at least 1."""
@@ -100,7 +102,7 @@ class MoDBlock(nn.Module):
         if self.cfg.aux_loss and logits is not None and self.training and idx is not None:
             target = torch.zeros_like(logits).scatter(1, idx, 1.0)
             aux = F.binary_cross_entropy_with_logits(logits.float(), target.float())
-        ctx.stats.append(RouterStats(self.layer_name, "mod", None, counts, tokens, 1, aux))
+        ctx.stats.append(RouterStats(self.layer_name, self.kind, None, counts, tokens, 1, aux))
 
     def macs(self, n: int) -> int:
         """Multiply-accumulates per sequence of n tokens (router + the block on k tokens)."""

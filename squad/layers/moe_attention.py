@@ -6,7 +6,7 @@ multi-query attention: k query heads per token over one shared K/V head, and the
 
     y_i = Σ_{j ≤ k} g_ij · W_o^{e_ij} · Attn(W_q^{e_ij} x_i, K, V)
 
-The query and output projections are grouped matmuls over tokens grouped by expert once (squad.layers.grouped).
+The query and output projections are grouped matmuls over tokens grouped by expert once (squad.layers.experts).
 """
 
 from __future__ import annotations
@@ -14,13 +14,15 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from squad.config import MoAConfig
+from squad.config.model import MoAConfig
 from squad.layers.attention import attend
-from squad.layers.grouped import dispatch_matmul, from_slots, matmul_combine, plan_dispatch, to_slots
-from squad.layers.routing import ForwardContext, TaskRouter
+from squad.layers.base import RoutedLayer
+from squad.layers.context import ForwardContext
+from squad.layers.experts import dispatch_matmul, from_slots, matmul_combine, plan_dispatch, to_slots
+from squad.layers.routing import TaskRouter
 
 
-class MoEAttention(nn.Module):
+class MoEAttention(RoutedLayer):
     """MoA with per-task routers.
 
     Args:
@@ -29,6 +31,8 @@ class MoEAttention(nn.Module):
         num_tasks: T routers.
         qkv_bias: bias on the shared key/value projection.
     """
+
+    kind = "moa"
 
     def __init__(self, dim: int, cfg: MoAConfig, num_tasks: int, qkv_bias: bool = True):
         super().__init__()
@@ -44,13 +48,12 @@ class MoEAttention(nn.Module):
         nn.init.trunc_normal_(self.q, std=0.02)
         nn.init.trunc_normal_(self.o, std=0.02)
         self.want_scores = False  # set by the model when the next block routes on this layer's attention
-        self.layer_name = "moa"
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, key_mask: torch.Tensor | None = None) -> torch.Tensor:
         r, n, d = x.shape
         k, dh = self.top_k, self.head_dim
         routing = self.router(x, ctx)
-        ctx.stats.append(self.router.stats(self.layer_name, "moa", routing, ctx, n))
+        ctx.stats.append(self.router.stats(self.layer_name, self.kind, routing, ctx, n))
         plan = plan_dispatch(routing.experts, self.num_experts, host_sizes=False)
 
         q = to_slots(dispatch_matmul(x.reshape(r * n, d), self.q, plan), plan)  # [M, k, d]

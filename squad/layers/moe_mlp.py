@@ -2,7 +2,7 @@
 (MoDE, integrated variant) and optional capacity dropping.
 
 Expert weights are stacked ([E, D, H] and [E, H, D]) and applied with grouped matmuls over tokens grouped by
-expert once per layer (squad.layers.grouped): the first projection gathers each expert's tokens itself
+expert once per layer (squad.layers.experts): the first projection gathers each expert's tokens itself
 (`dispatch_matmul`), the second folds the gates in and sums the outputs back to the tokens (`matmul_combine`).
 """
 
@@ -14,9 +14,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from squad.config import MoEConfig
-from squad.layers.grouped import dispatch_matmul, matmul_combine, plan_dispatch
-from squad.layers.routing import ForwardContext, Routing, TaskRouter
+from squad.config.model import MoEConfig
+from squad.layers.base import RoutedLayer
+from squad.layers.context import ForwardContext
+from squad.layers.experts import dispatch_matmul, matmul_combine, plan_dispatch
+from squad.layers.routing import Routing, TaskRouter
 
 
 class ExpertMLP(nn.Module):
@@ -67,7 +69,7 @@ def apply_capacity(routing: Routing, num_experts: int, capacity_factor: float) -
     return Routing(routing.gates, experts, routing.probs)
 
 
-class MoEMlp(nn.Module):
+class MoEMlp(RoutedLayer):
     """Mixture-of-experts MLP with one router per task.
 
     Args:
@@ -77,18 +79,19 @@ class MoEMlp(nn.Module):
         num_tasks: T routers.
     """
 
+    kind = "moe"
+
     def __init__(self, dim: int, hidden: int, cfg: MoEConfig, num_tasks: int):
         super().__init__()
         self.cfg = cfg
         self.num_experts = cfg.num_experts
         self.router = TaskRouter(num_tasks, dim, cfg.num_experts + cfg.noop_experts, cfg.top_k, cfg.router)
         self.experts = ExpertMLP(cfg.num_experts, dim, hidden, cfg.bias)
-        self.layer_name = "moe"
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         r, n, d = x.shape
         routing = self.router(x, ctx)
-        ctx.stats.append(self.router.stats(self.layer_name, "moe", routing, ctx, n))
+        ctx.stats.append(self.router.stats(self.layer_name, self.kind, routing, ctx, n))
         if self.cfg.capacity_factor > 0:
             routing = apply_capacity(routing, self.num_experts, self.cfg.capacity_factor)
         y = self.experts(x.reshape(r * n, d), routing.gates, routing.experts)

@@ -1,5 +1,5 @@
-"""Routers: per-task token-choice gates (MoE MLP, MoE attention), the statistics they report, and the context that
-carries task ids and statistics through one forward pass.
+"""Per-task routers: `TaskLinear`, the bank of per-task linear maps every router is made of (MoE, MoD, MoNE), and
+`TaskRouter`, the noisy top-k token-choice gate of MoE MLP and MoE attention, with its decision `Routing`.
 
 Routers live outside the experts: a router maps tokens to ``(gates, expert indices)`` plus a `RouterStats`, and
 experts consume ``(x, gates, indices)``, so per-task routing, MoD and MoNE all plug into the same expert code.
@@ -13,68 +13,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from squad.config import RouterConfig
-
-
-@dataclasses.dataclass
-class RouterStats:
-    """What one routed layer reports for one forward pass (per task, summed over the task's tokens).
-
-    Attributes:
-        name: the layer's module path, e.g. ``"blocks.3.mlp"``.
-        kind: ``"moe"``, ``"moa"``, ``"mod"`` or ``"mone"``.
-        mass: [T, E] soft router probabilities summed per task (differentiable; the MI loss uses it).
-        counts: [T, E] hard selections per task (no gradient; usage statistics and balance losses).
-        tokens: [T] tokens routed per task.
-        top_k: experts selected per token.
-        aux_loss: a layer-specific auxiliary loss (e.g. MoD's router BCE), already averaged, or None.
-        experts: [R·N, k] the expert indices every token selected (row-major over the layer's input rows), only
-            when the forward pass records routing (``ForwardContext.record_routing``; task-relation analysis).
-    """
-
-    name: str
-    kind: str
-    mass: torch.Tensor | None
-    counts: torch.Tensor
-    tokens: torch.Tensor
-    top_k: int
-    aux_loss: torch.Tensor | None = None
-    experts: torch.Tensor | None = None
-
-
-@dataclasses.dataclass
-class ForwardContext:
-    """Per-forward state passed explicitly down the blocks (never a global).
-
-    Attributes:
-        task_ids: [R] task index (into the model's task list) of every row of the batch.
-        num_tasks: T, the model's number of tasks.
-        stats: statistics appended by every routed layer, in order.
-        attn_scores: [R, N] A-MoD routing scores from the latest attention layer asked for them.
-        mone: MoNE routing state shared by the MoNE blocks after the router (see squad.layers.mone).
-        mone_capacity: effective capacity e_c used by MoNE blocks in this pass.
-        moe_task_embed: [R, D] task embedding per row, added to routed sublayers' inputs (task_embed=moe_inputs).
-        record_routing: routers also report every token's selected experts (`RouterStats.experts`); off in
-            training, so the hot path keeps nothing extra.
-        segments: ``(task, first_row, end_row)`` when the rows are task-major runs known on the host (the model's
-            forward always lays them out so); per-task layers then run one matmul per task instead of gathering
-            a weight per row.
-    """
-
-    task_ids: torch.Tensor
-    num_tasks: int
-    stats: list[RouterStats] = dataclasses.field(default_factory=list)
-    attn_scores: torch.Tensor | None = None
-    mone: object | None = None
-    mone_capacity: float | None = None
-    moe_task_embed: torch.Tensor | None = None
-    record_routing: bool = False
-    segments: list[tuple[int, int, int]] | None = None
-
-    def per_task_sum(self, values: torch.Tensor) -> torch.Tensor:
-        """Sums row-level values [R, ...] into [T, ...] by task."""
-        out = values.new_zeros(self.num_tasks, *values.shape[1:])
-        return out.index_add(0, self.task_ids, values)
+from squad.config.model import RouterConfig
+from squad.layers.context import ForwardContext, RouterStats
 
 
 class TaskLinear(nn.Module):

@@ -1,0 +1,173 @@
+"""Figures of expert usage: tasks × experts selection heatmaps per routed layer (paper Fig. 4 style) and task × task
+relation matrices (paper Fig. 5 style)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+import matplotlib
+import torch
+
+from squad.analysis.relations import TaskRelations, task_relations
+from squad.analysis.usage import ExpertUsage
+from squad.io import load_full_model
+from squad.models.vit import SquadViT
+
+matplotlib.use("Agg")  # files and TensorBoard only; never a window
+
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+
+def heatmap(matrix: np.ndarray, rows: Sequence[str], cols: Sequence[str], title: str, cbar: str = "",
+            annotate: bool | None = None, vmin: float | None = 0.0, vmax: float | None = None):
+    """A labelled heatmap figure (rows × columns); values annotated when the grid is small."""
+    matrix = np.asarray(matrix, dtype=float)
+    h, w = matrix.shape
+    fig, ax = plt.subplots(figsize=(max(4.0, 0.45 * w + 3.0), max(3.0, 0.38 * h + 1.5)), dpi=110)
+    im = ax.imshow(matrix, cmap="viridis", aspect="auto", vmin=vmin, vmax=vmax)
+    ax.set_xticks(range(w), labels=list(cols), rotation=90 if max(len(str(c)) for c in cols) > 3 else 0,
+                  fontsize=8)
+    ax.set_yticks(range(h), labels=list(rows), fontsize=8)
+    ax.set_title(title, fontsize=10)
+    cb = fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
+    if cbar:
+        cb.set_label(cbar, fontsize=8)
+    if annotate is None:
+        annotate = h * w <= 400
+    if annotate:
+        top = np.nanmax(matrix) if matrix.size else 0.0
+        for i in range(h):
+            for j in range(w):
+                v = matrix[i, j]
+                ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=6,
+                        color="black" if top and v > 0.6 * top else "white")
+    fig.tight_layout()
+    return fig
+
+
+def usage_figure(share: np.ndarray, tasks: Sequence[str], layer: str):
+    """Expert selection frequency per task for one layer: rows = tasks, columns = experts (rows sum to 1)."""
+    experts = [str(e) for e in range(share.shape[1])]
+    fig = heatmap(share, tasks, experts, f"expert selection frequency — {layer}", "share of selections")
+    fig.axes[0].set_xlabel("expert", fontsize=8)
+    return fig
+
+
+def relation_figure(matrix: np.ndarray, tasks: Sequence[str], title: str):
+    """Task × task relation matrix (mean share of experts two tasks select for the same token), in [0, 1]."""
+    return heatmap(matrix, tasks, tasks, f"task relations — {title}", "mean share of shared experts", vmin=0.0,
+                   vmax=1.0)
+
+
+def save_figure(fig, path) -> None:
+    """Writes a figure as PNG and closes it."""
+    fig.savefig(path, dpi=130, bbox_inches="tight")
+    plt.close(fig)
+
+
+log = logging.getLogger(__name__)
+
+
+KIND_NAMES = {"moe": "MoE MLP", "moa": "MoE attention"}
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
+
+
+def calibration_pass(model: SquadViT, data: str | Path, split: str = "val", batches: int = 4, batch_size: int = 8,
+                     device: str | torch.device = "cpu", workers: int = 0) -> tuple[ExpertUsage, TaskRelations]:
+    """Usage statistics and task relations of ``model`` over ``batches`` batches of ``split`` (every task fused)."""
+    from squad.data import build_dataset
+    from squad.eval.evaluate import eval_loader
+    from squad.tasks import TASK_NAMES
+
+    probe = next((t for t in model.task_names if t in TASK_NAMES), TASK_NAMES[0])  # images only: targets unused
+    ds = build_dataset(data, [probe], split, image_size=model.cfg.img_size, augment=False, missing="mask")
+    usage = ExpertUsage(model.task_names)
+    rel = task_relations(model, eval_loader(ds, batch_size, workers), max_batches=batches, device=device, usage=usage)
+    return usage, rel
+
+
+def draw_figures(source: str | Path | SquadViT, out_dir: str | Path, *, data: str | Path | None = None,
+                 split: str = "val", batches: int = 4, batch_size: int = 8, tb_dir: str | Path | None = None,
+                 device: str | torch.device = "cpu", workers: int = 0) -> dict:
+    """Draws every figure into ``out_dir`` (and TensorBoard) and returns what was written.
+
+    Args:
+        source: run folder, ``model.pt``, or a model in memory.
+        out_dir: folder for the PNGs and ``figures.json``.
+        data: dataset root for a calibration pass (recommended; needed for relation matrices).
+        split: split of the calibration pass.
+        batches: calibration batches (0 = the whole split).
+        batch_size: images per batch.
+        tb_dir: TensorBoard log folder (default: the run's ``tensorboard/`` when ``source`` is a run folder;
+            pass ``""`` to skip TensorBoard).
+        device: where to run.
+        workers: data loader workers.
+
+    Returns:
+        ``{"files": [png paths], "json": path, "usage_source": ..., "tensorboard": dir or None}``.
+
+    Raises:
+        ValueError: no data and no saved usage statistics.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    step = 0
+    if isinstance(source, SquadViT):
+        model, saved = source, None
+    else:
+        model, saved, meta = load_full_model(source)
+        step = int((meta.get("extra") or {}).get("step", 0) or 0)
+        if tb_dir is None and Path(source).is_dir() and (Path(source) / "tensorboard").is_dir():
+            tb_dir = Path(source) / "tensorboard"
+    model.to(device)
+    rel = None
+    if data is not None:
+        usage, rel = calibration_pass(model, data, split, batches, batch_size, device, workers)
+        usage_source = f"calibration pass over {data} ({split})"
+    elif saved is not None:
+        usage, usage_source = saved, "usage statistics saved in model.pt (training)"
+        log.warning("no data given: task-relation matrices need a calibration pass (--data); drawing heatmaps only")
+    else:
+        raise ValueError("no usage statistics saved with the model; pass data= (--data DIR) for a calibration pass")
+    writer = None
+    if tb_dir:
+        from torch.utils.tensorboard import SummaryWriter
+
+        writer = SummaryWriter(str(tb_dir))
+    files, numbers = [], {"usage_source": usage_source, "usage": {}, "relations": None}
+    try:
+        shares = usage.selection_share()
+        for layer, share in shares.items():
+            kind = KIND_NAMES.get(usage.kinds[layer], usage.kinds[layer])
+            fig = usage_figure(share.numpy(), usage.tasks, f"{layer} ({kind})")
+            if writer is not None:
+                writer.add_figure(f"figures/usage/{layer}", fig, step, close=False)
+            path = out_dir / f"usage_{_slug(layer)}.png"
+            save_figure(fig, path)
+            files.append(str(path))
+            numbers["usage"][layer] = {"kind": usage.kinds[layer], "share": share.tolist()}
+        if rel is not None:
+            for key, (title, matrix) in rel.summary().items():
+                fig = relation_figure(matrix.numpy(), rel.tasks, title)
+                if writer is not None:
+                    writer.add_figure(f"figures/relations/{key}", fig, step, close=False)
+                path = out_dir / f"relations_{key}.png"
+                save_figure(fig, path)
+                files.append(str(path))
+            numbers["relations"] = rel.to_dict()
+    finally:
+        if writer is not None:
+            writer.close()
+    json_path = out_dir / "figures.json"
+    json_path.write_text(json.dumps(numbers, indent=1) + "\n")
+    log.info("wrote %d figures to %s", len(files), out_dir)
+    return {"files": files, "json": str(json_path), "usage_source": usage_source,
+            "tensorboard": str(tb_dir) if tb_dir else None}

@@ -1,0 +1,430 @@
+"""The performance cases of `tools/bench.py` (DESIGN.md "Performance contract") and the registry that lists them.
+
+Each case is a function ``case(quick: bool) -> list[BenchResult]`` that builds what it measures, times candidate
+and baseline interleaved in this process (`squad.bench.harness.time_interleaved`) and returns rows whose value is a
+ratio of medians. `CASES` names every case by ``"module:function"``; a case's module is imported only when the case
+runs, so a missing or broken module becomes an error row (`run_case`) instead of hiding the other cases. To add a
+case, write the function anywhere under ``squad`` and append a `Case` to `CASES`.
+
+Model cases here (ViT-S widths, D = 384, CPU float32):
+
+- ``moe_mlp``: MoE MLP forward + backward (16 experts, top-4, expert width 4D/k) against the dense MLP with the same
+  active FLOPs, on 8 × 197 tokens; DeepSpeed's ``deepspeed.moe.layer.MoE`` (k = 4) on the same input as an
+  informational row.
+- ``moa``: MoE attention forward + backward (15 heads, top-6, head width 64) against multi-query attention with the
+  same active FLOPs (6 query heads over one shared K/V head, SDPA).
+- ``fused_step``: a 13-task training step of a small Mod-Squad model, one fused backbone pass against one pass per
+  task (the authors' design), at 4, 8 and 16 images per step.
+- ``mod``: Mixture-of-Depths ViT-S (12.5 %, every other block) forward against the dense ViT-S.
+- ``mone``: MoNE ViT-S at e_c = 0.3 forward against the dense ViT-S.
+
+`profile_table` prints parameters and MACs of every paper config (built on the meta device, nothing allocated).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import logging
+import math
+import os
+import socket
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from squad.bench.harness import BenchResult, ratio_row, time_interleaved
+from squad.train import runtime
+
+log = logging.getLogger(__name__)
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "model"
+VIT_S_DIM = 384
+
+
+# ------------------------------------------------------------------------------------------------------- registry
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """A named benchmark case.
+
+    Attributes:
+        name: what ``tools/bench.py --only`` selects.
+        ref: ``"package.module:function"``; the function takes ``quick`` and returns ``list[BenchResult]``.
+        help: one line for ``--help`` / ``--list``.
+    """
+
+    name: str
+    ref: str
+    help: str = ""
+
+    def load(self) -> Callable[..., list[BenchResult]]:
+        """Imports the case's function (ImportError / AttributeError when it is missing)."""
+        module, _, func = self.ref.partition(":")
+        return getattr(importlib.import_module(module), func)
+
+
+CASES: list[Case] = [
+    Case("moe_mlp", "squad.bench.cases:bench_moe_mlp",
+         "MoE MLP fwd+bwd / dense MLP of equal active FLOPs (+ DeepSpeed MoE)"),
+    Case("moa", "squad.bench.cases:bench_moa", "MoE attention fwd+bwd / multi-query attention of equal active FLOPs"),
+    Case("fused_step", "squad.bench.cases:bench_fused_step", "13-task step: one fused pass vs one pass per task"),
+    Case("mod", "squad.bench.cases:bench_mod", "MoD ViT-S (12.5 %, every other block) forward vs dense ViT-S"),
+    Case("mone", "squad.bench.cases:bench_mone", "MoNE ViT-S at e_c = 0.3 forward vs dense ViT-S"),
+    Case("routed_attention", "squad.kernels.bench:bench_routed_attention", "routed attention with scores vs SDPA"),
+    Case("data", "squad.bench.data:bench_shards_vs_png", "HDF5 shards vs PNG tree, 13 domains, images/s"),
+    Case("extraction", "squad.bench.extract:bench_extraction",
+         "extracted depth (θ=0.01) params / full, forward vs full"),
+]
+
+
+def case_names() -> list[str]:
+    return [c.name for c in CASES]
+
+
+def get_case(name: str) -> Case:
+    """The registered case called ``name`` (ValueError listing the known ones otherwise)."""
+    for case in CASES:
+        if case.name == name:
+            return case
+    raise ValueError(f"unknown bench case {name!r}; known: {', '.join(case_names())}")
+
+
+def error_row(case: str, message: str) -> BenchResult:
+    """A row standing for a case (or part of one) that could not run."""
+    return BenchResult(case, math.nan, "", "error", False, {"error": message})
+
+
+def run_case(case: Case, quick: bool = False) -> list[BenchResult]:
+    """Runs one case; any failure (missing module, exception, no rows) becomes one error row."""
+    try:
+        fn = case.load()
+    except (ImportError, AttributeError) as e:
+        return [error_row(case.name, f"cannot import {case.ref}: {type(e).__name__}: {e}")]
+    try:
+        rows = list(fn(quick=quick))
+    except Exception as e:  # noqa: BLE001 - a broken case must not hide the others
+        log.exception("bench case %s failed", case.name)
+        return [error_row(case.name, f"{type(e).__name__}: {e}")]
+    if not rows:
+        return [error_row(case.name, f"{case.ref} returned no rows")]
+    return rows
+
+
+def run_cases(names: Sequence[str] | None = None, quick: bool = False,
+              on_rows: Callable[[Case, list[BenchResult]], None] | None = None) -> list[BenchResult]:
+    """Runs the named cases (all when None) in registry order; ``on_rows`` sees each case's rows as they come."""
+    cases = CASES if not names else [get_case(n) for n in names]
+    out: list[BenchResult] = []
+    for case in cases:
+        log.info("bench case %s", case.name)
+        rows = run_case(case, quick)
+        if on_rows is not None:
+            on_rows(case, rows)
+        out.extend(rows)
+    return out
+
+
+def format_table(rows: Sequence[BenchResult]) -> str:
+    """The rows as a fixed-width text table: case, value, target, unit, ok."""
+    def ok_text(r: BenchResult) -> str:
+        if r.unit == "error":
+            return "ERROR"
+        return "" if r.ok is None else ("yes" if r.ok else "NO")
+
+    cells = [("case", "value", "target", "unit", "ok")]
+    for r in rows:
+        value = "-" if math.isnan(r.value) else f"{r.value:.3f}"
+        cells.append((r.case, value, r.target, r.unit, ok_text(r)))
+    widths = [max(len(c[i]) for c in cells) for i in range(5)]
+    lines = ["  ".join(c[i].ljust(widths[i]) if i != 1 else c[i].rjust(widths[i]) for i in range(5)).rstrip()
+             for c in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    for r in rows:
+        if r.unit == "error":
+            lines.append(f"{r.case}: {r.details.get('error', '')}")
+    return "\n".join(lines)
+
+
+def result_dict(row: BenchResult) -> dict:
+    """A row as JSON-safe data (NaN → None)."""
+    d = dataclasses.asdict(row)
+    d["value"] = None if math.isnan(row.value) else row.value
+    return d
+
+
+def environment() -> dict:
+    """What the figures depend on: torch version, threads, OpenMP wait policy, allocator tuning, CPU load."""
+    env = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
+           "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(libgomp default)"),
+           "malloc_tuned": runtime.malloc_tuned(),
+           "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+    try:
+        env["load_average"] = list(os.getloadavg())
+    except OSError:
+        env["load_average"] = None
+    return env
+
+
+# ------------------------------------------------------------------------------------------------------- helpers
+def _repeats(quick: bool, full: int) -> dict:
+    return {"repeats": 3, "warmup": 1} if quick else {"repeats": full, "warmup": 2}
+
+
+def _config(name: str, overrides: Sequence[str] = ()):
+    path = CONFIG_DIR / f"{name}.yaml"
+    if not path.is_file():
+        raise FileNotFoundError(f"model config {path} not found (the bench reads the repository's configs/model/)")
+    import squad
+
+    return squad.load_config(path, list(overrides)).model
+
+
+def _build(name: str, overrides: Sequence[str] = ()):
+    import squad
+
+    torch.manual_seed(0)
+    return squad.build_model(_config(name, overrides))
+
+
+def _fwd_bwd(fn: Callable[[], torch.Tensor], params: Sequence[torch.Tensor]) -> Callable[[], None]:
+    """A callable running forward + backward of ``fn`` (gradients cleared every call)."""
+    def step() -> None:
+        for p in params:
+            p.grad = None
+        fn().sum().backward()
+
+    return step
+
+
+def _router_config():
+    from squad.config.model import RouterConfig
+
+    # random (not zero) router weights: zero-initialised routers send every token to the same first k experts
+    return RouterConfig(noise=False, zero_init=False)
+
+
+def _task_context(rows: int, num_tasks: int):
+    from squad.layers.context import ForwardContext
+
+    ids = torch.arange(rows) % num_tasks
+    return lambda: ForwardContext(task_ids=ids, num_tasks=num_tasks)
+
+
+# ---------------------------------------------------------------------------------------------------------- MoE MLP
+def _deepspeed_moe(dim: int, hidden: int, num_experts: int, k: int) -> nn.Module:
+    """DeepSpeed's MoE layer with the same experts, in this process (CPU accelerator, gloo, world size 1)."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import torch.distributed as dist
+
+    from squad.train.distributed import has_process_group
+
+    if not has_process_group():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1",
+                           "LOCAL_RANK": "0"}.items():
+            os.environ.setdefault(key, value)
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    from deepspeed.moe.layer import MoE
+
+    expert = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
+    return MoE(hidden_size=dim, expert=expert, num_experts=num_experts, ep_size=1, k=k, capacity_factor=1.25)
+
+
+def bench_moe_mlp(quick: bool = False) -> list[BenchResult]:
+    """MoE MLP fwd+bwd against the dense MLP of equal active FLOPs (D 384, 16 experts, top-4, width 4D/k = 384)."""
+    from squad.config.model import MoEConfig
+    from squad.layers.mlp import Mlp
+    from squad.layers.moe_mlp import MoEMlp
+
+    d, e, k, tasks = VIT_S_DIM, 16, 4, 13
+    rows, tokens = (2 if quick else 8), 197
+    hidden = 4 * d // k
+    torch.manual_seed(0)
+    moe = MoEMlp(d, hidden, MoEConfig(num_experts=e, top_k=k, router=_router_config()), num_tasks=tasks)
+    dense = Mlp(d, 4 * d)
+    x = torch.randn(rows, tokens, d, requires_grad=True)
+    ctx = _task_context(rows, tasks)
+    fns = [_fwd_bwd(lambda: moe(x, ctx()), [x, *moe.parameters()]),
+           _fwd_bwd(lambda: dense(x), [x, *dense.parameters()])]
+    ds_error = None
+    try:
+        ds = _deepspeed_moe(d, hidden, e, k)
+        fns.append(_fwd_bwd(lambda: ds(x)[0], [x, *ds.parameters()]))  # (output, aux loss, counts)
+    except Exception as err:  # noqa: BLE001 - DeepSpeed is an informational comparison
+        ds_error = f"DeepSpeed MoE: {type(err).__name__}: {err}"
+    times = time_interleaved(fns, **_repeats(quick, 20))
+    shape = {"tokens": rows * tokens, "dim": d, "experts": e, "top_k": k, "expert_hidden": hidden,
+             "threads": torch.get_num_threads()}
+    out = [ratio_row("moe_mlp_fwd_bwd_vs_dense", times[0], times[1], "<= 1.15", **shape)]
+    if ds_error is None:
+        out.append(ratio_row("deepspeed_moe_fwd_bwd_vs_dense", times[2], times[1], "", capacity_factor=1.25, **shape))
+    else:
+        out.append(error_row("deepspeed_moe_fwd_bwd_vs_dense", ds_error))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------------- MoA
+class MultiQueryAttention(nn.Module):
+    """The MoA baseline with the same active FLOPs: k query heads of width d over one shared K/V head.
+
+    q = Linear(D, k·d), kv = Linear(D, 2·d), SDPA (grouped-query with one K/V head), out = Linear(k·d, D).
+    """
+
+    def __init__(self, dim: int, heads: int, head_dim: int):
+        super().__init__()
+        self.heads, self.head_dim = heads, head_dim
+        self.q = nn.Linear(dim, heads * head_dim)
+        self.kv = nn.Linear(dim, 2 * head_dim)
+        self.proj = nn.Linear(heads * head_dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        q = self.q(x).view(b, n, self.heads, self.head_dim).transpose(1, 2)  # [B, k, N, d]
+        kv = self.kv(x).view(b, n, 2, 1, self.head_dim).permute(2, 0, 3, 1, 4)  # [2, B, 1, N, d]
+        out = F.scaled_dot_product_attention(q, kv[0], kv[1], enable_gqa=True)  # [B, k, N, d]
+        return self.proj(out.transpose(1, 2).reshape(b, n, -1))
+
+
+def bench_moa(quick: bool = False) -> list[BenchResult]:
+    """MoA fwd+bwd (15 experts, top-6, head dim 64) against multi-query attention of equal active FLOPs."""
+    from squad.config.model import MoAConfig
+    from squad.layers.moe_attention import MoEAttention
+
+    d, e, k, dh, tasks = VIT_S_DIM, 15, 6, 64, 13
+    rows, tokens = (2 if quick else 8), 197
+    torch.manual_seed(0)
+    moa = MoEAttention(d, MoAConfig(num_experts=e, top_k=k, head_dim=dh, router=_router_config()), num_tasks=tasks)
+    mqa = MultiQueryAttention(d, k, dh)
+    x = torch.randn(rows, tokens, d, requires_grad=True)
+    ctx = _task_context(rows, tasks)
+    t_moa, t_mqa = time_interleaved([_fwd_bwd(lambda: moa(x, ctx()), [x, *moa.parameters()]),
+                                     _fwd_bwd(lambda: mqa(x), [x, *mqa.parameters()])], **_repeats(quick, 20))
+    return [ratio_row("moa_fwd_bwd_vs_mqa", t_moa, t_mqa, "<= 1.25", tokens=rows * tokens, dim=d, experts=e,
+                      top_k=k, head_dim=dh, threads=torch.get_num_threads())]
+
+
+# ------------------------------------------------------------------------------------------------ fused 13-task step
+FUSED_STEP_MODEL = ["model.img_size=64", "model.patch_size=8", "model.depth=4", "model.embed_dim=192",
+                    "model.num_heads=3"]
+
+
+def _head_loss(preds: dict[str, torch.Tensor]) -> torch.Tensor:
+    return sum(p.float().square().mean() for p in preds.values())
+
+
+def bench_fused_step(quick: bool = False) -> list[BenchResult]:
+    """A 13-task training step (forward + backward) of a small Mod-Squad model: all tasks in one backbone pass
+    against the authors' design, one backbone pass per task routing the batch with that task's routers (the
+    same model called once per task, losses summed, one backward). Rows at 4, 8 and 16 images per step.
+    """
+    overrides = FUSED_STEP_MODEL + (["model.img_size=32", "model.depth=2"] if quick else [])
+    model = _build("modsquad_vit_s", overrides).train()
+    tasks = list(model.task_names)
+    params = list(model.parameters())
+
+    def fused(images: torch.Tensor) -> None:
+        for p in params:
+            p.grad = None
+        _head_loss(model(images, tasks).preds).backward()
+
+    def per_task(images: torch.Tensor) -> None:
+        for p in params:
+            p.grad = None
+        loss = sum(_head_loss(model(images, [t]).preds) for t in tasks)
+        loss.backward()
+
+    rows = []
+    for batch in ([2] if quick else [4, 8, 16]):
+        images = torch.randn(batch, 3, model.cfg.img_size, model.cfg.img_size)
+        t_fused, t_loop = time_interleaved([lambda: fused(images), lambda: per_task(images)],  # noqa: B023
+                                           **_repeats(quick, 7))
+        target = ">= 1.15" if batch == 4 else ""
+        rows.append(ratio_row(f"fused_13_task_step_{batch}_images", t_fused, t_loop, target, faster=True,
+                              images=batch, tasks=len(tasks), model="modsquad_vit_s " + " ".join(overrides),
+                              threads=torch.get_num_threads()))
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------------ MoD / MoNE
+def _dense_vit_s(img_size: int):
+    """A dense ViT-S with the MoD/MoNE configs' widths and heads (no task embedding, MTL-style plan)."""
+    return _build("mod_vit_s", [f"model.img_size={img_size}", "model.plan=[{attn: dense, mlp: dense}]",
+                                "model.task_embed=none", "model.name=vit_s_dense"]).eval()
+
+
+def _forward_speedup(case: str, conditional, dense, target: str, quick: bool, **details) -> BenchResult:
+    batch = 2 if quick else 8
+    size = conditional.cfg.img_size
+    images = torch.randn(batch, 3, size, size)
+    task = conditional.task_names[0]
+
+    def run(model) -> Callable[[], None]:
+        def fwd() -> None:
+            with torch.no_grad():
+                model.forward_features(images, task)
+
+        return fwd
+
+    t_cond, t_dense = time_interleaved([run(conditional), run(dense)], **_repeats(quick, 10))
+    return ratio_row(case, t_cond, t_dense, target, faster=True, batch=batch, image_size=size,
+                     threads=torch.get_num_threads(), **details)
+
+
+def bench_mod(quick: bool = False) -> list[BenchResult]:
+    """MoD ViT-S (12.5 % capacity, learned routing every other block) forward vs the dense ViT-S, eval, batch 8."""
+    size = 64 if quick else 224
+    mod = _build("mod_vit_s", [f"model.img_size={size}"]).eval()
+    return [_forward_speedup("mod_vit_s_forward_vs_dense", mod, _dense_vit_s(size), ">= 1.6", quick,
+                             capacity=mod.cfg.mod.capacity)]
+
+
+def bench_mone(quick: bool = False) -> list[BenchResult]:
+    """MoNE ViT-S at e_c = 0.3 forward vs the dense ViT-S, eval, batch 8."""
+    size = 64 if quick else 224
+    mone = _build("mone_vit_s", [f"model.img_size={size}"]).eval()
+    mone.set_mone_capacity(0.3)
+    return [_forward_speedup("mone_vit_s_forward_vs_dense", mone, _dense_vit_s(size), ">= 1.8", quick,
+                             effective_capacity=0.3)]
+
+
+# ------------------------------------------------------------------------------------------------------- profile
+PROFILE_CONFIGS = ["modsquad_vit_b", "modsquad_vit_s", "mtl_vit_b", "stl_vit_b", "m3vit_vit_b", "moe_mlp_only_vit_b",
+                   "moe_attn_only_vit_b", "mod_vit_s", "amod_vit_s", "mone_vit_s"]
+
+
+def profile_rows(names: Sequence[str] | None = None) -> list[dict]:
+    """Parameters and MACs of the paper configs, counted on models built on the meta device.
+
+    Returns:
+        One dict per config: ``config``, ``params``, ``active_params`` (mean per task), ``macs`` (per image per
+        task, mean over tasks; MoNE at its configured e_c), ``tasks``.
+    """
+    import squad
+
+    out = []
+    for name in names or PROFILE_CONFIGS:
+        cfg = _config(name)
+        with torch.device("meta"):  # shapes only: nothing is allocated
+            model = squad.build_model(cfg)
+        prof = squad.profile(model)
+        per_task = list(prof["tasks"].values())
+        out.append({"config": name, "params": prof["params"], "tasks": len(per_task),
+                    "active_params": sum(t["active_params"] for t in per_task) / len(per_task),
+                    "macs": sum(t["macs"] for t in per_task) / len(per_task)})
+    return out
+
+
+def profile_table(names: Sequence[str] | None = None) -> str:
+    """`profile_rows` as text: config, tasks, params (M), active params per task (M), GMACs per image per task."""
+    rows = profile_rows(names)
+    head = f"{'config':<22}{'tasks':>6}{'params M':>11}{'active M':>11}{'GMACs':>9}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['config']:<22}{r['tasks']:>6}{r['params'] / 1e6:>11.1f}{r['active_params'] / 1e6:>11.1f}"
+                     f"{r['macs'] / 1e9:>9.2f}")
+    return "\n".join(lines)

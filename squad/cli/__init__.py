@@ -1,0 +1,85 @@
+"""The command-line tools: one module per tool (its argparse parser and ``main(argv)``), one error policy for all.
+
+Every tool runs the same ``main`` three ways:
+
+    python tools/extract.py ...        # the script in a checkout (the one launched under deepspeed / torchrun)
+    squad-extract ...                  # console script installed by ``pip install -e .`` ([project.scripts])
+    python -m squad.cli.extract ...
+
+Exit codes, the same for every tool (`run`):
+
+- 0: done;
+- 1: the tool ran but reports a failure of its own (a benchmark case errored, the demo did not learn);
+- 2: bad input: a wrong argument, config key, missing or unreadable file (``error: ...`` on stderr; argparse's
+  usage errors exit 2 too);
+- 3: training stopped (`squad.train.objective.TrainingError`, e.g. too many non-finite losses in a row);
+- 130: interrupted (Ctrl-C).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+
+EXIT_BAD_INPUT = 2
+EXIT_TRAINING_FAILED = 3
+EXIT_INTERRUPTED = 130
+
+# What a user can fix: a wrong value or config key (`squad.config.base.ConfigError` is a ValueError), a path that is
+# missing, not a folder, a folder, or not writable.
+BAD_INPUT: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
+                                              FileExistsError, PermissionError)
+
+
+def _message(e: BaseException) -> str:
+    if isinstance(e, KeyError) and len(e.args) == 1 and isinstance(e.args[0], str):
+        return e.args[0]  # str(KeyError("text")) would quote it
+    return str(e) or type(e).__name__
+
+
+def run(body: Callable[[list[str] | None], int], argv: list[str] | None = None, *,
+        bad_input: tuple[type[BaseException], ...] = ()) -> int:
+    """Runs a tool's body and maps what it raises to the exit codes above.
+
+    Args:
+        body: parses ``argv`` and does the work; returns the exit status (0, or 1 for a failure it reports itself).
+        argv: the arguments (``None``: ``sys.argv[1:]``, argparse's default).
+        bad_input: more exception types this tool reports as bad input (exit 2), beside `BAD_INPUT`.
+
+    Returns:
+        The exit status. Other exceptions propagate with their traceback: they are bugs, not bad input.
+    """
+    from squad.train.objective import TrainingError  # light: no deepspeed
+
+    try:
+        return body(argv)
+    except TrainingError as e:
+        print(f"error: {_message(e)}", file=sys.stderr)
+        return EXIT_TRAINING_FAILED
+    except BAD_INPUT + bad_input as e:
+        print(f"error: {_message(e)}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def rerun_with_passive_omp(module: str) -> None:
+    """Puts ``OMP_WAIT_POLICY=PASSIVE`` in effect for a console script (``squad-train``, ``squad-bench``).
+
+    OpenMP threads that spin while waiting stall every parallel region when another process holds a core (see
+    `squad.train.runtime`). libgomp reads the variable once, when torch loads it, and a console script has imported
+    torch (through ``import squad``) before any tool code runs; so this sets the variable and runs the same command
+    again as ``python -m <module>``. Nothing happens when the variable is already set.
+
+    Args:
+        module: the tool's module, e.g. ``"squad.cli.train"`` (it must end in ``sys.exit(main())``).
+    """
+    if "OMP_WAIT_POLICY" in os.environ:
+        return
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    if "torch" in sys.modules:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execv(sys.executable, [sys.executable, "-m", module, *sys.argv[1:]])

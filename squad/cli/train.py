@@ -1,0 +1,62 @@
+"""Train a squad model with DeepSpeed.
+
+    deepspeed --num_gpus 8 tools/train.py --config configs/taskonomy/modsquad_vit_b.yaml --out runs/msq
+    deepspeed --hostfile hosts tools/train.py --config ... --out runs/msq        # several nodes
+    torchrun --nproc_per_node 2 tools/train.py --config configs/demo.yaml --out runs/demo
+    python tools/train.py --config configs/demo.yaml --set optim.steps=50        # one process (CPU or GPU)
+
+With no GPU, DeepSpeed's CPU accelerator, gloo and fp32 are selected automatically. ``--resume auto`` (default)
+continues the run in --out from its last complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from squad.cli import rerun_with_passive_omp, run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The arguments of ``tools/train.py`` / ``squad-train``."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True, help="run config YAML (configs/demo.yaml, configs/taskonomy/...)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set optim.lr=1e-4 --set model.depth=6 (repeatable)")
+    p.add_argument("--out", default=None, help="run folder (default: runs/<config name>)")
+    p.add_argument("--resume", default="auto", help="auto (default), none, or a run/checkpoint folder")
+    p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the deepspeed launcher
+    return p
+
+
+def _train(argv: list[str] | None) -> int:
+    args = build_parser().parse_args(argv)
+
+    from squad.train.distributed import prepare_environment
+
+    prepare_environment()  # before deepspeed is imported anywhere
+    from squad.config.model import load_config
+    from squad.config.run import RunConfig
+    from squad.train.engine import train
+
+    cfg = load_config(args.config, args.set, cls=RunConfig)
+    out = Path(args.out or Path("runs") / Path(args.config).stem)
+    path = train(cfg, out, args.resume)
+    print(f"model: {path}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Trains the run a config describes; exit 2 on bad input, 3 when training stops (`squad.cli.run`)."""
+    return run(_train, argv)
+
+
+def console() -> int:
+    """The ``squad-train`` console script: `main` with ``OMP_WAIT_POLICY=PASSIVE`` in effect."""
+    rerun_with_passive_omp(__name__)
+    return main()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

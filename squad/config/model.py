@@ -1,0 +1,356 @@
+"""The model's configuration: widths, the layer plan, the conditional layers' settings, the heads, the losses.
+
+A model is a function of a `ModelConfig` (named variants are YAML files in configs/model/, not code paths). Load one
+with `load_config(path_or_name, overrides)`; every key is checked and a wrong one is named in the error.
+`load_config` returns a `SquadConfig` for a model config and a `squad.config.run.RunConfig` for a run config
+(one with ``data``/``optim``/``train`` sections); `model_config` returns just the `ModelConfig`.
+
+Example (configs/model/modsquad_vit_b.yaml)::
+
+    model:
+      embed_dim: 768
+      depth: 12
+      num_heads: 12
+      plan: [{attn: dense, mlp: dense}, {attn: moa, mlp: moe}]   # tiled to `depth` blocks
+      moa: {num_experts: 24, top_k: 12}
+      moe: {num_experts: 16, top_k: 4}
+      heads: [depth_euclidean, normal, class_scene]               # names from squad.tasks, or {name, kind, channels}
+    loss: {w_mi: 0.001, weighting: uncertainty}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+from squad.config.base import ConfigError, apply_overrides, find_config, load_dataclass, read_yaml
+
+HeadKind = Literal["dense", "class", "token"]
+
+
+@dataclasses.dataclass
+class HeadConfig:
+    """One task head.
+
+    ``dense``: linear per patch token to patch·patch·channels pixels; ``class``: mean-pooled patch tokens →
+    LayerNorm → Linear(channels) (the paper's heads); ``token``: the class token → Linear (timm's ViT head).
+    """
+
+    name: str
+    kind: HeadKind = "dense"
+    channels: int = 1
+
+    def check(self, path: str) -> None:
+        if self.channels < 1:
+            raise ConfigError(f"{path}.channels must be >= 1, got {self.channels}")
+
+
+@dataclasses.dataclass
+class RouterConfig:
+    """Per-task token-choice router settings shared by MoE MLP and MoE attention (Shazeer's noisy top-k gate, as
+    in the Mod-Squad paper)."""
+
+    noise: bool = True  # Shazeer's softplus-scaled Gaussian noise on the logits during training
+    # Gate weights start at trunc-normal(std 0.02), the init the authors' trained routers effectively had: their
+    # model-wide timm init re-initialises every router Linear (the released ViT-B's routers have std 0.02, none
+    # zero). true: start at zero. Zero routers with noise off give every expert the same logit, so every token of
+    # every task picks the same k experts at step 0 and the other experts get no gradient.
+    zero_init: bool = False
+    renormalize: bool = False  # renormalise the kept top-k probabilities to sum to 1 (the paper does not)
+
+
+@dataclasses.dataclass
+class MoEConfig:
+    """MoE MLP: E two-layer experts, top-k per token, one router per task."""
+
+    num_experts: int = 16
+    top_k: int = 4
+    hidden: int | None = None  # per-expert hidden width; default mlp_ratio·D / top_k (equal active FLOPs)
+    bias: bool = True
+    noop_experts: int = 0  # MoDE (integrated): extra experts that return nothing (the token skips the MLP)
+    capacity_factor: float = 0.0  # > 0: at most ceil(cf · tokens·k / E) tokens per expert (drops the rest)
+    router: RouterConfig = dataclasses.field(default_factory=RouterConfig)
+
+    def check(self, path: str) -> None:
+        if self.num_experts < 1:
+            raise ConfigError(f"{path}.num_experts must be >= 1, got {self.num_experts}")
+        total = self.num_experts + self.noop_experts
+        if not 1 <= self.top_k <= total:
+            raise ConfigError(f"{path}.top_k={self.top_k} must be between 1 and the number of experts ({total})")
+        if self.noop_experts < 0:
+            raise ConfigError(f"{path}.noop_experts must be >= 0, got {self.noop_experts}")
+        if self.hidden is not None and self.hidden < 1:
+            raise ConfigError(f"{path}.hidden must be >= 1, got {self.hidden}")
+        if self.capacity_factor < 0:
+            raise ConfigError(f"{path}.capacity_factor must be >= 0 (0 = no dropping), got {self.capacity_factor}")
+
+
+@dataclasses.dataclass
+class MoAConfig:
+    """MoE attention (MoA): each expert is one head's query and output projection; key/value shared (one head)."""
+
+    num_experts: int = 24
+    top_k: int = 12
+    head_dim: int = 64
+    router: RouterConfig = dataclasses.field(default_factory=RouterConfig)
+
+    def check(self, path: str) -> None:
+        if self.num_experts < 1:
+            raise ConfigError(f"{path}.num_experts must be >= 1, got {self.num_experts}")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ConfigError(
+                f"{path}.top_k={self.top_k} must be between 1 and {path}.num_experts={self.num_experts}"
+            )
+        if self.head_dim < 1:
+            raise ConfigError(f"{path}.head_dim must be >= 1, got {self.head_dim}")
+
+
+@dataclasses.dataclass
+class MoDConfig:
+    """Mixture-of-Depths: expert-choice top-k tokens per image go through the block, the rest skip it."""
+
+    capacity: float = 0.125  # share of tokens processed; k = ceil(capacity · N)
+    keep_cls: bool = True  # the class token is always processed (counted inside k)
+    aux_loss: bool = False  # BCE of router logits against top-k membership (learned routing only)
+    inference: Literal["topk", "threshold"] = "topk"  # learned routing at eval: sigmoid(logit) > 0.5 (needs aux_loss)
+
+    def check(self, path: str) -> None:
+        if not 0.0 < self.capacity <= 1.0:
+            raise ConfigError(f"{path}.capacity must be in (0, 1], got {self.capacity}")
+        if self.inference == "threshold" and not self.aux_loss:
+            raise ConfigError(f"{path}.inference=threshold needs {path}.aux_loss=true (a router trained to threshold)")
+
+
+@dataclasses.dataclass
+class MoNEConfig:
+    """Mixture of Nested Experts: nested widths D/2^(E-1) … D, Expert Preferred Routing under a capacity budget."""
+
+    num_experts: int = 4
+    capacity: float = 0.3  # effective capacity e_c = Σ c_i d_i / D
+    router_layer: int = -1  # block index of the router; -1 = the first MoNE block. Later MoNE blocks reuse it.
+    beta: float = 10.0
+    delta: float = 2.0
+    sample_capacity: list[float] | None = None  # e_c sampled per training step from these values
+
+    def check(self, path: str) -> None:
+        if self.num_experts < 1:
+            raise ConfigError(f"{path}.num_experts must be >= 1, got {self.num_experts}")
+        for key, value in [("capacity", self.capacity)] + [
+            (f"sample_capacity[{i}]", c) for i, c in enumerate(self.sample_capacity or [])
+        ]:
+            if not 0.0 < value <= 1.0:
+                raise ConfigError(f"{path}.{key} must be in (0, 1], got {value}")
+            if value < 1 / 2 ** (self.num_experts - 1) - 1e-9:
+                raise ConfigError(
+                    f"{path}.{key}={value} is below the smallest expert's width share 1/{2 ** (self.num_experts - 1)}"
+                )
+        if self.beta <= 0 or self.delta <= 1:
+            raise ConfigError(f"{path}: beta must be > 0 and delta > 1, got beta={self.beta}, delta={self.delta}")
+
+
+@dataclasses.dataclass
+class BlockSpec:
+    """One block of the layer plan."""
+
+    attn: Literal["dense", "moa", "none"] = "dense"
+    mlp: Literal["dense", "moe", "none"] = "dense"
+    mod: Literal["learned", "attention"] | None = None  # wrap in Mixture-of-Depths: learned router or A-MoD scores
+    mone: bool = False  # nested experts for this block's attention and MLP (attn/mlp must be dense)
+
+    def check(self, path: str) -> None:
+        if self.mone and (self.attn != "dense" or self.mlp != "dense" or self.mod is not None):
+            raise ConfigError(f"{path}: a MoNE block needs attn=dense, mlp=dense and no mod")
+        if self.mod is not None and self.attn == "none" and self.mlp == "none":
+            raise ConfigError(f"{path}: mod around an empty block")
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    """A SquadViT: widths, the layer plan, conditional-layer settings and the task heads."""
+
+    name: str = "squad"
+    img_size: int = 224
+    patch_size: int = 16
+    in_chans: int = 3
+    embed_dim: int = 768
+    depth: int = 12
+    num_heads: int = 12
+    head_dim: int | None = None  # dense attention head width (default embed_dim / num_heads)
+    mlp_ratio: float = 4.0
+    qkv_bias: bool = True
+    class_token: bool = True
+    plan: list[BlockSpec] = dataclasses.field(default_factory=lambda: [BlockSpec()])  # tiled to depth
+    moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
+    moa: MoAConfig = dataclasses.field(default_factory=MoAConfig)
+    mod: MoDConfig = dataclasses.field(default_factory=MoDConfig)
+    mone: MoNEConfig = dataclasses.field(default_factory=MoNEConfig)
+    task_embed: Literal["every_block", "moe_inputs", "none"] = "every_block"
+    heads: list[HeadConfig | str] = dataclasses.field(default_factory=list)
+
+    def blocks(self) -> list[BlockSpec]:
+        """The plan tiled to `depth` blocks."""
+        return [self.plan[i % len(self.plan)] for i in range(self.depth)]
+
+    def head_configs(self) -> list[HeadConfig]:
+        """Heads with task names resolved through the task registry (squad.tasks)."""
+        out = []
+        for h in self.heads:
+            if isinstance(h, HeadConfig):
+                out.append(h)
+            else:
+                from squad.tasks import get_task  # the registry; model configs may name tasks
+
+                task = get_task(h)
+                out.append(HeadConfig(task.name, task.head_kind, task.channels))
+        return out
+
+    @property
+    def task_names(self) -> list[str]:
+        return [h.name for h in self.head_configs()]
+
+    @property
+    def grid(self) -> int:
+        return self.img_size // self.patch_size
+
+    @property
+    def num_tokens(self) -> int:
+        return self.grid**2 + int(self.class_token)
+
+    def mone_router_block(self) -> int | None:
+        """Index of the block holding the MoNE router (None without MoNE blocks)."""
+        idx = [i for i, b in enumerate(self.blocks()) if b.mone]
+        if not idx:
+            return None
+        return idx[0] if self.mone.router_layer < 0 else self.mone.router_layer
+
+    def check(self, path: str) -> None:
+        p = f"{path}." if path else ""
+        for key in ("img_size", "patch_size", "in_chans", "embed_dim", "depth", "num_heads"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"{p}{key} must be >= 1, got {getattr(self, key)}")
+        if self.img_size % self.patch_size:
+            raise ConfigError(f"{p}img_size={self.img_size} is not a multiple of {p}patch_size={self.patch_size}")
+        if self.head_dim is not None and self.head_dim < 1:
+            raise ConfigError(f"{p}head_dim must be >= 1, got {self.head_dim}")
+        if self.head_dim is None and self.embed_dim % self.num_heads:
+            raise ConfigError(f"{p}embed_dim={self.embed_dim} is not divisible by {p}num_heads={self.num_heads}")
+        if not self.plan:
+            raise ConfigError(f"{p}plan must list at least one block")
+        if not self.heads:
+            raise ConfigError(f"{p}heads must list at least one task head")
+        try:
+            heads = self.head_configs()
+        except (ValueError, KeyError) as e:
+            raise ConfigError(f"{p}heads: {e}") from e
+        names = [h.name for h in heads]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ConfigError(f"{p}heads: task {dup[0]!r} is listed twice")
+        blocks = self.blocks()
+        for i, b in enumerate(blocks):
+            if b.mod == "attention" and (i == 0 or blocks[i - 1].attn == "none"):
+                raise ConfigError(
+                    f"{p}plan: block {i} routes on attention (mod=attention) but has no preceding attention layer"
+                )
+        if any(b.mone for b in blocks):
+            e = self.mone.num_experts
+            if self.embed_dim % 2 ** (e - 1):
+                raise ConfigError(f"{p}embed_dim={self.embed_dim} must be divisible by 2^(mone.num_experts-1)")
+            r = self.mone_router_block()
+            if not 0 <= r < self.depth or not blocks[r].mone:
+                raise ConfigError(f"{p}mone.router_layer={self.mone.router_layer} is not a MoNE block")
+            if any(b.mone for b in blocks[:r]):
+                raise ConfigError(f"{p}mone.router_layer={r}: MoNE blocks before the router have no routing")
+
+    def moe_hidden(self) -> int:
+        """Per-expert hidden width of the MoE MLP."""
+        if self.moe.hidden is not None:
+            return self.moe.hidden
+        return max(1, math.ceil(self.mlp_ratio * self.embed_dim / self.moe.top_k))
+
+
+@dataclasses.dataclass
+class LossConfig:
+    """Auxiliary losses and task weighting."""
+
+    w_mi: float = 0.001  # weight of the mutual-information term (subtracted: L = Σ w_t L_t − w_mi Σ_l I(T;E_l))
+    weighting: Literal["uncertainty", "uncertainty_log1p", "equal"] = "uncertainty"
+    balance: Literal["none", "switch", "cv2"] = "none"  # load-balancing loss (baselines)
+    balance_scope: Literal["per_task", "all"] = "per_task"
+    w_balance: float = 0.01
+    w_mod_aux: float = 0.01  # MoD router BCE (when model.mod.aux_loss)
+    clamp: float = 1000.0  # task losses clamped to ±clamp before weighting (authors' safeguard)
+
+    def check(self, path: str) -> None:
+        for key in ("w_mi", "w_balance", "w_mod_aux", "clamp"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"{path}.{key} must be >= 0, got {getattr(self, key)}")
+
+
+@dataclasses.dataclass
+class SquadConfig:
+    """The model and its losses (training runs extend this with data/optimisation settings)."""
+
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    loss: LossConfig = dataclasses.field(default_factory=LossConfig)
+
+
+RUN_SECTIONS = ("data", "optim", "train")  # top-level keys that only a run config (RunConfig) has
+
+
+def _read(source: str | Path | dict[str, Any]) -> dict[str, Any]:
+    if isinstance(source, dict):
+        return dict(source)
+    if isinstance(source, str | Path):
+        return read_yaml(find_config(source))
+    raise TypeError(f"a config source is a YAML path, a registered model name or a dict, got {type(source).__name__}")
+
+
+def load_config(source: str | Path | dict[str, Any], overrides: list[str] | None = None, cls: type | None = None):
+    """Loads a config from a YAML path (following ``base:``), a registered model name or a dict, applies
+    ``key=value`` overrides, validates.
+
+    Args:
+        source: YAML file, a name from `squad.list_models` (e.g. ``"modsquad_vit_s"``), or a plain dict.
+        overrides: dotted overrides, e.g. ``["model.depth=6", "model.moe.top_k=2"]``.
+        cls: the root dataclass. Default: `squad.config.run.RunConfig` when the config has a ``data``, ``optim``
+            or ``train`` section (a run config), `SquadConfig` otherwise (a model config).
+
+    Returns:
+        A `SquadConfig` (model and loss) or a `RunConfig` (also data, optimisation, training loop).
+
+    Raises:
+        ConfigError: naming the offending key (or the file, or the unknown model name).
+    """
+    from squad.config.run import RunConfig  # run.py builds on this module
+
+    data = apply_overrides(_read(source), overrides)
+    run_keys = [k for k in RUN_SECTIONS if k in data]
+    if cls is None:
+        cls = RunConfig if run_keys else SquadConfig
+    elif run_keys and not any(f.name == run_keys[0] for f in dataclasses.fields(cls)):
+        raise ConfigError(f"{source if not isinstance(source, dict) else 'config'} is a run config (it has a "
+                          f"{run_keys[0]!r} section): load it with cls=RunConfig (or leave cls out), or take its "
+                          f"model with model_config()")
+    return load_dataclass(cls, data)
+
+
+def model_config(source: str | Path | dict[str, Any], overrides: list[str] | None = None) -> ModelConfig:
+    """Loads just the model section of a config.
+
+    Args:
+        source: a model or run config (file, registered name, or dict with a ``model:`` key), or a bare model
+            mapping.
+        overrides: dotted overrides with or without the ``model.`` prefix (``"depth=4"`` = ``"model.depth=4"``).
+
+    Raises:
+        ConfigError: naming the offending key (as ``model.<key>``).
+    """
+    data = _read(source)
+    if "model" not in data:
+        data = {"model": data}
+    prefixed = [f"model.{o.lstrip()}" if "=" in o and o.split("=", 1)[0].strip().split(".")[0] not in
+                ("model", "loss") else o for o in overrides or []]
+    return load_config({"model": data["model"]}, prefixed, cls=SquadConfig).model

@@ -1,0 +1,162 @@
+"""Run configuration for training: data, optimisation, the training loop — on top of the model and loss configs.
+
+A run config is YAML with ``base:`` pointing at a model config (configs/model/*.yaml), plus ``data``, ``optim`` and
+``train`` sections; `tools/train.py --set key=value` overrides any key. The DeepSpeed JSON is derived from it
+(`deepspeed_config`) and written into the run folder beside the resolved YAML.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from squad.config.model import ConfigError, LossConfig, ModelConfig
+
+
+@dataclasses.dataclass
+class DataConfig:
+    """Where the images come from and how they are read."""
+
+    root: str = "data/synthetic"  # a Taskonomy tree (either layout) or packed HDF5 shards
+    split: str = "train"
+    val_split: str = "val"
+    split_csv: str | None = None  # default: the split CSV found in root
+    tasks: list[str] | str = "all"  # tasks to train ("all" = the model's heads)
+    image_size: int | None = None  # default: model.img_size
+    resize: int | None = None  # resize before the random crop (default: no resize for synthetic data)
+    augment: bool = True
+    missing: Literal["skip", "mask"] = "skip"
+    workers: int = 2
+    val_batches: int = 0  # validation batches per evaluation (0 = the whole split)
+
+    def check(self, path: str) -> None:
+        if self.workers < 0:
+            raise ConfigError(f"{path}.workers must be >= 0, got {self.workers}")
+        if self.val_batches < 0:
+            raise ConfigError(f"{path}.val_batches must be >= 0, got {self.val_batches}")
+
+
+@dataclasses.dataclass
+class OptimConfig:
+    """AdamW with linear warm-up and cosine decay."""
+
+    lr: float = 2e-4
+    betas: list[float] = dataclasses.field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    weight_decay: float = 0.05
+    warmup_steps: int = 0
+    warmup_epochs: float = 0.0  # alternative to warmup_steps
+    min_lr: float = 1e-6
+    steps: int = 0  # total optimiser steps (0: use epochs)
+    epochs: float = 0.0
+    batch_per_rank: int = 8  # images per rank per micro-step
+    grad_accum: int = 1
+    clip: float = 1.0  # gradient-norm clipping (0 = off)
+
+    def check(self, path: str) -> None:
+        if self.lr <= 0:
+            raise ConfigError(f"{path}.lr must be > 0, got {self.lr}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ConfigError(f"{path}.betas must be two numbers in [0, 1), got {self.betas}")
+        if self.steps <= 0 and self.epochs <= 0:
+            raise ConfigError(f"{path}: set {path}.steps or {path}.epochs to a positive number")
+        if self.batch_per_rank < 1 or self.grad_accum < 1:
+            raise ConfigError(f"{path}.batch_per_rank and {path}.grad_accum must be >= 1")
+        for key in ("weight_decay", "warmup_steps", "warmup_epochs", "min_lr", "clip"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"{path}.{key} must be >= 0, got {getattr(self, key)}")
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """The loop: precision, ZeRO, task sampling, intervals, safety limits."""
+
+    seed: int = 0
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: bf16 on GPUs, fp32 on CPUs
+    zero_stage: int = 0
+    tasks_per_image: int = 0  # 0: every image trains every task; k: k tasks sampled per image each step
+    log_every: int = 10
+    eval_every: int = 0  # 0: only at the start and the end
+    ckpt_every: int = 0  # 0: only at the end
+    keep_checkpoints: int = 2
+    max_nonfinite: int = 5  # consecutive non-finite losses before the run stops
+    stop_at: int = 0  # checkpoint and stop at this step (resume later, e.g. within a cluster's time limit)
+    progress: bool = True
+
+    def check(self, path: str) -> None:
+        if self.zero_stage not in (0, 1, 2):
+            raise ConfigError(f"{path}.zero_stage must be 0, 1 or 2 (ZeRO-3 is not supported with MoE layers)")
+        for key in ("tasks_per_image", "log_every", "eval_every", "ckpt_every", "stop_at"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"{path}.{key} must be >= 0, got {getattr(self, key)}")
+        if self.log_every == 0:
+            raise ConfigError(f"{path}.log_every must be >= 1")
+        if self.keep_checkpoints < 1 or self.max_nonfinite < 1:
+            raise ConfigError(f"{path}.keep_checkpoints and {path}.max_nonfinite must be >= 1")
+
+
+@dataclasses.dataclass
+class RunConfig:
+    """Everything a training run needs."""
+
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    loss: LossConfig = dataclasses.field(default_factory=LossConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+
+    def check(self, path: str) -> None:
+        names = self.model.task_names
+        if self.data.tasks != "all":
+            from squad.tasks import resolve_task_names
+
+            try:
+                tasks = resolve_task_names(self.data.tasks)
+            except ValueError as e:
+                raise ConfigError(f"data.tasks: {e}") from e
+            missing = [t for t in tasks if t not in names]
+            if missing:
+                raise ConfigError(f"data.tasks: {missing[0]!r} has no head in the model (model.heads: {names})")
+        if self.data.image_size is not None and self.data.image_size != self.model.img_size:
+            raise ConfigError(f"data.image_size={self.data.image_size} differs from model.img_size="
+                              f"{self.model.img_size}")
+        if self.train.tasks_per_image > len(self.train_tasks()):
+            raise ConfigError(f"train.tasks_per_image={self.train.tasks_per_image} exceeds the "
+                              f"{len(self.train_tasks())} trained tasks")
+
+    def train_tasks(self) -> list[str]:
+        """Canonical names of the tasks this run trains."""
+        if self.data.tasks == "all":
+            return self.model.task_names
+        from squad.tasks import resolve_task_names
+
+        return resolve_task_names(self.data.tasks)
+
+
+def precision(cfg: TrainConfig, cuda: bool) -> str:
+    """The precision actually used: bf16 on GPUs when ``auto``, fp32 on CPUs (half precision needs a GPU)."""
+    if cfg.precision == "auto":
+        return "bf16" if cuda else "fp32"
+    if cfg.precision in ("bf16", "fp16") and not cuda:
+        raise ConfigError(f"train.precision={cfg.precision} needs a GPU; use fp32 or auto on the CPU")
+    return cfg.precision
+
+
+def deepspeed_config(cfg: RunConfig, cuda: bool, tensorboard_dir: str | None = None) -> dict:
+    """The DeepSpeed JSON for a run (the optimiser and schedule are squad's own, passed to DeepSpeed)."""
+    prec = precision(cfg.train, cuda)
+    ds = {
+        "train_micro_batch_size_per_gpu": cfg.optim.batch_per_rank,
+        "gradient_accumulation_steps": cfg.optim.grad_accum,
+        "gradient_clipping": cfg.optim.clip,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+        "zero_optimization": {"stage": cfg.train.zero_stage},
+        "bf16": {"enabled": prec == "bf16"},
+        "fp16": {"enabled": prec == "fp16"},
+        "zero_allow_untested_optimizer": True,
+    }
+    if cfg.train.zero_stage > 0:
+        ds["zero_optimization"].update({"overlap_comm": False, "contiguous_gradients": True,
+                                        "reduce_bucket_size": 5e7, "allgather_bucket_size": 5e7})
+    return ds

@@ -1,0 +1,197 @@
+"""HDF5 shards of a Taskonomy tree: packing (`pack_shards`), reading (`ShardDataset`), and the speed bench.
+
+A shard folder holds ``shards.json`` (the index: format, stored size, domains, shards per split) and files
+``{split}_{k:05d}.h5``. Each shard has, for N samples:
+
+* one dataset per domain, ``[N, H, W]`` / ``[N, H, W, C]`` in the file's own dtype (uint8/uint16), or ``[N, C]``
+  float32 for class vectors; chunked one sample per chunk so a random read touches one chunk per domain;
+* ``present`` ``bool [N, D]`` (a domain the sample lacks or whose file was corrupt is False) and ``id`` (str).
+
+What is stored is the raw file after the reader's own steps 1–2 (`squad.data.transforms`: compact, resize to
+`image_size` in the encoded domain), so `ShardDataset` asking for the packed size yields exactly the samples
+`TaskonomyDataset` yields at that size. Files are opened lazily in each process (DataLoader workers open their
+own handles; a handle never crosses a fork).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+from torch.utils.data import DataLoader, Dataset
+
+from squad.data.shards import FORMAT, INDEX_NAME, VERSION, logger
+from squad.data.taskonomy import (
+    SPLITS,
+    CorruptFileError,
+    EmptyDatasetError,
+    TaskonomyDataset,
+    domain_dir,
+    find_split_csv,
+    make_data_hint,
+    read_raw,
+)
+from squad.data.transforms import SamplePipeline
+from squad.tasks import TASK_NAMES, DecodeError, get_task
+
+
+class _PackSource(Dataset):
+    """Reads and prepares every domain of the samples of a PNG tree (runs inside DataLoader workers)."""
+
+    def __init__(self, tree: TaskonomyDataset, domains: list[str], image_size: int | None) -> None:
+        self.tree = tree
+        self.domains = domains
+        self.image_size = image_size
+        self.pipeline = SamplePipeline([d for d in domains if d != "rgb"], geometry_mask=False)
+
+    def __len__(self) -> int:
+        return len(self.tree)
+
+    def __getitem__(self, index: int) -> tuple[str, dict[str, np.ndarray | None], list[str]]:
+        bits = int(self.tree._present[index])
+        arrays: dict[str, np.ndarray | None] = {}
+        errors: list[str] = []
+        for domain in self.domains:
+            k = self.tree.domains.index(domain)
+            if not bits >> k & 1:
+                arrays[domain] = None
+                continue
+            try:
+                raw = self.pipeline.prepare_raw(domain, read_raw(self.tree.path(index, domain)), self.image_size)
+                if domain != "rgb":
+                    task = get_task(domain)
+                    if task.head_kind == "class":
+                        raw = np.asarray(raw, dtype=np.float32).reshape(-1)
+                    task.decode(raw)  # validates the contents; the stored array is the raw one
+                arrays[domain] = raw
+            except (CorruptFileError, DecodeError) as e:
+                errors.append(f"{self.tree._ids[index]} ({domain}): {e}")
+                arrays[domain] = None
+        return str(self.tree._ids[index]), arrays, errors
+
+
+def _first(batch: list) -> Any:
+    return batch[0]
+
+
+def pack_shards(src: str | Path, out: str | Path, split_csv: str | Path | None = None,
+                splits: Sequence[str] = SPLITS, image_size: int | None = 256, shard_size: int = 1024,
+                domains: Sequence[str] | None = None, compression: str | None = None, workers: int = 0) -> Path:
+    """Packs a Taskonomy tree into HDF5 shards.
+
+    Args:
+        src: Taskonomy root (either layout).
+        out: output folder (created); an existing index there is overwritten.
+        split_csv: CSV path or short name (``"tiny"``); None finds one in `src`; without any CSV every building
+            is packed as split ``"all"``.
+        splits: which partitions to pack.
+        image_size: stored size (raw files are resized in the encoded domain); None keeps the file size.
+        shard_size: samples per shard file.
+        domains: domains to pack (default: rgb and every task domain present in `src`).
+        compression: h5py compression (None, ``"lzf"``, ``"gzip"``); None reads fastest.
+        workers: DataLoader workers reading and resizing files in parallel.
+
+    Returns:
+        Path of the written ``shards.json``.
+
+    Raises:
+        FileNotFoundError: `src` or its rgb folder does not exist.
+    """
+    src, out = Path(src), Path(out)
+    if not src.is_dir():
+        raise FileNotFoundError(f"source {src} does not exist. {make_data_hint(src)}")
+    if domains is None:
+        domains = ["rgb", *(t for t in TASK_NAMES if domain_dir(src, t) is not None)]
+    domains = list(dict.fromkeys(["rgb", *domains]))
+    tasks = [d for d in domains if d != "rgb"]
+    csv = find_split_csv(src, split_csv)
+    parts = list(splits) if csv is not None else ["all"]
+    out.mkdir(parents=True, exist_ok=True)
+    index: dict[str, Any] = {"format": FORMAT, "version": VERSION, "image_size": image_size, "domains": domains,
+                             "source": str(src), "split_csv": str(csv) if csv else None, "shards": [],
+                             "shapes": {}, "corrupt": 0}
+    for part in parts:
+        try:
+            tree = TaskonomyDataset(src, tasks, split=part, split_csv=csv, missing="mask", geometry_mask=False)
+        except EmptyDatasetError as e:
+            logger.warning("pack: split %s is empty, nothing packed (%s)", part, e)
+            continue
+        loader = DataLoader(_PackSource(tree, domains, image_size), batch_size=1, num_workers=workers,
+                            collate_fn=_first)
+        writer = _ShardWriter(out, part, domains, shard_size, compression, index)
+        for sample_id, arrays, errors in loader:
+            for e in errors:
+                index["corrupt"] += 1
+                logger.warning("pack: skipping unreadable %s", e)
+            if arrays["rgb"] is None:
+                continue
+            writer.add(sample_id, arrays)
+        writer.close()
+        logger.info("packed %s: %d samples in %d shards", part, writer.total, writer.count)
+    path = out / INDEX_NAME
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(index, indent=1))
+    os.replace(tmp, path)
+    return path
+
+
+class _ShardWriter:
+    """Buffers samples and writes one shard file per `shard_size` samples."""
+
+    def __init__(self, out: Path, split: str, domains: list[str], shard_size: int, compression: str | None,
+                 index: dict[str, Any]) -> None:
+        self.out, self.split, self.domains = out, split, domains
+        self.shard_size, self.compression, self.index = shard_size, compression, index
+        self.buffer: list[tuple[str, dict[str, np.ndarray | None]]] = []
+        self.count = 0
+        self.total = 0
+
+    def add(self, sample_id: str, arrays: dict[str, np.ndarray | None]) -> None:
+        shapes = self.index["shapes"]
+        for d, a in arrays.items():
+            if a is None:
+                continue
+            spec = {"shape": list(a.shape), "dtype": a.dtype.str}
+            if d not in shapes:
+                shapes[d] = spec
+            elif shapes[d] != spec:
+                logger.warning("pack: %s (%s) has shape %s %s, expected %s; stored as missing", sample_id, d,
+                               spec["shape"], spec["dtype"], shapes[d])
+                self.index["corrupt"] += 1
+                arrays[d] = None
+        self.buffer.append((sample_id, arrays))
+        if len(self.buffer) >= self.shard_size:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.buffer:
+            return
+        name = f"{self.split}_{self.count:05d}.h5"
+        n = len(self.buffer)
+        with h5py.File(self.out / name, "w") as f:
+            f.attrs["format"] = FORMAT
+            f.create_dataset("id", data=[s for s, _ in self.buffer], dtype=h5py.string_dtype())
+            present = np.array([[a[d] is not None for d in self.domains] for _, a in self.buffer], dtype=bool)
+            f.create_dataset("present", data=present)
+            for k, d in enumerate(self.domains):
+                if d not in self.index["shapes"]:
+                    continue
+                spec = self.index["shapes"][d]
+                shape = tuple(spec["shape"])
+                ds = f.create_dataset(d, shape=(n, *shape), dtype=np.dtype(spec["dtype"]), chunks=(1, *shape),
+                                      compression=self.compression)
+                for i, (_, arrays) in enumerate(self.buffer):
+                    if present[i, k]:
+                        ds[i] = arrays[d]
+        self.index["shards"].append({"file": name, "split": self.split, "n": n})
+        self.count += 1
+        self.total += n
+        self.buffer = []
+
+    def close(self) -> None:
+        self.flush()

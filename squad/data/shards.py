@@ -1,0 +1,143 @@
+"""HDF5 shards of a Taskonomy tree: packing (`pack_shards`), reading (`ShardDataset`), and the speed bench.
+
+A shard folder holds ``shards.json`` (the index: format, stored size, domains, shards per split) and files
+``{split}_{k:05d}.h5``. Each shard has, for N samples:
+
+* one dataset per domain, ``[N, H, W]`` / ``[N, H, W, C]`` in the file's own dtype (uint8/uint16), or ``[N, C]``
+  float32 for class vectors; chunked one sample per chunk so a random read touches one chunk per domain;
+* ``present`` ``bool [N, D]`` (a domain the sample lacks or whose file was corrupt is False) and ``id`` (str).
+
+What is stored is the raw file after the reader's own steps 1–2 (`squad.data.transforms`: compact, resize to
+`image_size` in the encoded domain), so `ShardDataset` asking for the packed size yields exactly the samples
+`TaskonomyDataset` yields at that size. Files are opened lazily in each process (DataLoader workers open their
+own handles; a handle never crosses a fork).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import h5py
+import numpy as np
+
+from squad.data.taskonomy import (
+    CorruptFileError,
+    EmptyDatasetError,
+    TaskonomyBase,
+    make_data_hint,
+)
+
+logger = logging.getLogger(__name__)
+
+INDEX_NAME = "shards.json"
+FORMAT = "squad-taskonomy-shards"
+VERSION = 1
+
+
+def is_shard_root(root: str | Path) -> bool:
+    """True when `root` holds a shard index (`INDEX_NAME`)."""
+    return (Path(root) / INDEX_NAME).is_file()
+
+
+class ShardDataset(TaskonomyBase):
+    """Taskonomy samples from HDF5 shards written by `pack_shards`; same sample format as `TaskonomyDataset`.
+
+    Args:
+        root: shard folder (holds ``shards.json``).
+        tasks, augment, missing, geometry_mask, seed: as in `TaskonomyDataset`.
+        split: ``"train"``, ``"val"``, ``"test"``, ``"all"`` or a list (shards packed without a CSV are ``"all"``).
+        buildings: keep only samples of these buildings.
+        image_size: output size; None keeps the packed size (then no resizing happens).
+        resize: size before cropping `image_size`; None means `image_size`.
+
+    Raises:
+        FileNotFoundError: no index in `root` (with a hint), or a requested domain was not packed.
+        ValueError: wrong index format, or no samples in the split.
+    """
+
+    def __init__(self, root: str | Path, tasks: str | Sequence[str], split: str | Sequence[str] = "train",
+                 buildings: Sequence[str] | None = None, image_size: int | None = None, resize: int | None = None,
+                 augment: bool = False, missing: Literal["skip", "mask"] = "skip", geometry_mask: bool = True,
+                 seed: int = 0) -> None:
+        super().__init__(tasks, image_size, resize, augment, missing, geometry_mask, seed)
+        self.root = Path(root)
+        path = self.root / INDEX_NAME
+        if not path.is_file():
+            raise FileNotFoundError(f"no shard index {path}. Pack a tree with: python tools/make_data.py pack "
+                                    f"--src ROOT --out {self.root} --image-size 256. {make_data_hint(self.root)}")
+        self.index = json.loads(path.read_text())
+        if self.index.get("format") != FORMAT:
+            raise ValueError(f"{path}: not a squad shard index (format {self.index.get('format')!r})")
+        packed = self.index["domains"]
+        lacking = [d for d in self.required if d not in packed]
+        if lacking:
+            raise FileNotFoundError(f"{self.root}: domains {lacking} were not packed (packed: {packed}); use "
+                                    f"missing='mask' to train without them")
+        splits = [split] if isinstance(split, str) else list(split)
+        self.files = [s["file"] for s in self.index["shards"] if "all" in splits or s["split"] in splits]
+        self._index(packed, set(buildings) if buildings is not None else None)
+        if len(self) == 0:
+            have = sorted({s["split"] for s in self.index["shards"]})
+            raise EmptyDatasetError(f"no samples in {self.root} for split {split!r} (packed splits: {have}) with tasks "
+                             f"{self.tasks} and missing={self.missing!r}")
+        self._handles: dict[int, h5py.File] = {}
+        self._dsets: dict[tuple[int, str], h5py.Dataset] = {}
+        self._pid = -1
+
+    def _index(self, packed: list[str], buildings: set[str] | None) -> None:
+        cols = [packed.index(d) if d in packed else -1 for d in self.domains]
+        required = sum(1 << k for k, d in enumerate(self.domains) if d in self.required)
+        ids, present, loc = [], [], []
+        for fi, name in enumerate(self.files):
+            with h5py.File(self.root / name, "r") as f:
+                sid = f["id"].asstr()[...]
+                pres = f["present"][...]
+            bits = np.zeros(len(sid), dtype=np.int64)
+            for k, c in enumerate(cols):
+                if c >= 0:
+                    bits |= pres[:, c].astype(np.int64) << k
+            keep = (bits & required) == required
+            if buildings is not None:
+                keep &= np.array([s.split("/", 1)[0] in buildings for s in sid], dtype=bool)
+            rows = np.nonzero(keep)[0]
+            ids.append(sid[rows])
+            present.append(bits[rows])
+            loc.append(np.stack([np.full_like(rows, fi), rows], axis=1))
+        self._ids = np.concatenate(ids).astype(str) if ids else np.array([], dtype=str)
+        self._present = np.concatenate(present) if present else np.zeros(0, dtype=np.int64)
+        self._loc = np.concatenate(loc) if loc else np.zeros((0, 2), dtype=np.int64)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_handles"], state["_dsets"], state["_pid"] = {}, {}, -1
+        return state
+
+    def _dataset(self, fi: int, domain: str) -> h5py.Dataset:
+        if self._pid != os.getpid():  # first use in this process (or after a fork): never reuse a parent's handle
+            self._handles, self._dsets = {}, {}
+            self._pid = os.getpid()
+        key = (fi, domain)
+        if key not in self._dsets:
+            if fi not in self._handles:
+                self._handles[fi] = h5py.File(self.root / self.files[fi], "r")
+            self._dsets[key] = self._handles[fi][domain]
+        return self._dsets[key]
+
+    def _describe(self, index: int, domain: str) -> str:
+        fi, row = self._loc[index]
+        return f"{self.files[fi]}[{row}] {self._ids[index]} ({domain})"
+
+    def _read(self, index: int, domain: str) -> np.ndarray:
+        fi, row = self._loc[index]
+        try:
+            return self._dataset(int(fi), domain)[int(row)]
+        except (OSError, KeyError) as e:
+            raise CorruptFileError(f"unreadable {self._describe(index, domain)}: {e}") from e
+
+
+# ------------------------------------------------------------------------------------------------ bench

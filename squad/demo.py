@@ -1,0 +1,37 @@
+"""Step 5 of the demo (tools/demo.py): extract depth from the trained run, score it beside the full model, and draw
+the expert-usage and task-relation figures. Thin wrappers over `squad.extract_pipeline`, `squad.compare` and
+`squad.visualize` that print what they did."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from squad.analysis.figures import draw_figures as _draw
+from squad.eval.evaluate import format_results
+from squad.posttrain.extract import extract_to_file, format_report
+
+
+def extract_and_compare(run: str | Path, data: str | Path, task: str = "depth_euclidean", theta: float = 0.01,
+                        split: str = "val", calib_batches: int = 8) -> dict:
+    """Extracts ``task`` at θ into ``<run>/<task>_theta<θ>.pt`` (report beside it) and prints the extraction summary
+    and the full and extracted models' metrics on ``split`` side by side. Returns the report."""
+    run = Path(run)
+    out = run / f"{task}_theta{theta:g}.pt"
+    report = extract_to_file(run, task, out, theta=theta, data=data, calib_batches=calib_batches, eval_split=split)
+    print(format_report({**report, "metrics": None}))  # the metrics follow as a side-by-side table
+    m = report["metrics"]
+    if m:
+        print(f"\n{task} on {m['split']} ({m['images']} images), full model beside the extracted one:")
+        print(format_results({"full": {report["task"]: m["full"]}, f"extracted θ={theta:g}": {report["task"]:
+                                                                                           m["extracted"]}}))
+    print(f"extracted model: {out} (load with squad.load_extracted)")
+    return report
+
+
+def draw_figures(run: str | Path, data: str | Path, split: str = "val", batches: int = 4) -> Path:
+    """Draws the figures of ``run`` into ``<run>/figures`` (and its TensorBoard) from a pass over ``split``; returns
+    the folder."""
+    folder = Path(run) / "figures"
+    result = _draw(run, folder, data=data, split=split, batches=batches)
+    print(f"{len(result['files'])} figures in {folder} (numbers in {result['json']})")
+    return folder

@@ -1,0 +1,36 @@
+"""`SingleTaskModel`: one task's pruned subnetwork as a standalone model (written by tools/extract.py, loaded by
+`squad.load`); ``model(images)`` returns that task's prediction.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from squad.models.vit import SquadViT
+
+
+class SingleTaskModel(nn.Module):
+    """An extracted model: ``model(images)`` → the task's prediction ([B, C, H, W] dense, [B, C] class logits).
+
+    Attributes:
+        model: the pruned single-task `SquadViT` (``model.model(images, [task])`` gives the full `SquadOutput`).
+        task: the task's canonical name.
+        kept: layer name → kept expert indices (numbering of the original model).
+        exact: exact routing (the router scores every original expert) or the paper's renormalised softmax.
+    """
+
+    def __init__(self, model: SquadViT, task: str, kept: dict[str, list[int]], exact: bool):
+        super().__init__()
+        self.model = model
+        self.task = task
+        self.kept = {k: list(v) for k, v in kept.items()}
+        self.exact = exact
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        """images [B, C, H, W] → the task's prediction."""
+        return self.model(images, [self.task]).preds[self.task]
+
+    def forward_features(self, images: torch.Tensor) -> torch.Tensor:
+        """Final normed tokens [B, N, D]."""
+        return self.model.forward_features(images, self.task)

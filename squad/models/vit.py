@@ -1,0 +1,326 @@
+"""SquadViT: a ViT whose blocks follow a layer plan of dense and conditional layers, with per-task routing.
+
+Several tasks run in ONE backbone pass: the batch is tagged with task ids (each image once per task it trains on,
+task-major rows), every router picks its task's weights per row, and the experts of a layer process all tasks'
+tokens together. Rows are independent, so the fused pass equals one pass per task.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+import torch.nn as nn
+
+from squad.config.model import HeadConfig, ModelConfig
+from squad.layers.base import RoutedLayer
+from squad.layers.block import Block
+from squad.layers.context import ForwardContext, RouterStats
+from squad.layers.heads import build_head
+from squad.layers.mod import MoDBlock
+from squad.layers.mone import MoNEBlock
+from squad.layers.routing import TaskLinear, TaskRouter
+
+
+@dataclasses.dataclass
+class SquadOutput:
+    """What one forward pass returns.
+
+    Attributes:
+        preds: task → prediction ([B_t, C, H, W] for dense heads, [B_t, C] logits for class heads).
+        image_index: task → [B_t] indices into the input batch of the images the task ran on.
+        stats: per routed layer, its `RouterStats` (MI mass, usage counts, aux losses), in layer order.
+    """
+
+    preds: dict[str, torch.Tensor]
+    image_index: dict[str, torch.Tensor]
+    stats: list[RouterStats]
+
+
+class PatchEmbed(nn.Module):
+    """Non-overlapping p×p patches → D (timm layout: ``proj`` Conv2d)."""
+
+    def __init__(self, img_size: int, patch: int, in_chans: int, dim: int):
+        super().__init__()
+        self.img_size, self.patch, self.in_chans = img_size, patch, in_chans
+        self.proj = nn.Conv2d(in_chans, dim, kernel_size=patch, stride=patch)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x).flatten(2).transpose(1, 2)  # [B, g·g, D]
+
+
+class SquadViT(nn.Module):
+    """Vision transformer with a configurable plan of dense, MoE-attention, MoE-MLP, MoD and MoNE blocks.
+
+    Build with `squad.build_model(cfg)`. ``model(images, tasks)`` runs the listed tasks in one backbone pass.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        heads = cfg.head_configs()
+        self.task_names = [h.name for h in heads]
+        t, d = len(heads), cfg.embed_dim
+        self.patch_embed = PatchEmbed(cfg.img_size, cfg.patch_size, cfg.in_chans, d)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, d)) if cfg.class_token else None
+        self.pos_embed = nn.Parameter(torch.zeros(1, cfg.num_tokens, d))
+        self.task_embed = nn.Parameter(torch.zeros(t, d)) if cfg.task_embed != "none" else None
+        self.register_parameter("task_embed_extra", None)  # [T', D] embeddings of tasks added later (add_task)
+        self.record_routing = False  # routers report every token's experts (RouterStats.experts), for analysis
+        specs = cfg.blocks()
+        router_block = cfg.mone_router_block()
+        blocks = []
+        for i, spec in enumerate(specs):
+            if spec.mone:
+                blocks.append(MoNEBlock(d, cfg.num_heads, int(d * cfg.mlp_ratio), cfg.mone, t, i == router_block,
+                                        cfg.qkv_bias))
+                continue
+            block = Block(cfg, spec, t)
+            if spec.mod is not None:
+                block = MoDBlock(block, cfg.mod, spec.mod, d, t, cfg.class_token)
+            blocks.append(block)
+        self.blocks = nn.ModuleList(blocks)
+        self.norm = nn.LayerNorm(d, eps=1e-6)
+        self.heads = nn.ModuleDict({h.name: build_head(h, d, cfg.patch_size, cfg.grid, cfg.class_token)
+                                    for h in heads})
+        self.mone_capacity = cfg.mone.capacity
+        self._wire()
+        self.init_weights()
+
+    def _wire(self) -> None:
+        """Names routed layers (for statistics) and asks attention layers for A-MoD scores where needed."""
+        for name, module in self.named_modules():
+            if isinstance(module, RoutedLayer):
+                module.layer_name = name
+        for i, spec in enumerate(self.cfg.blocks()):
+            if spec.mod == "attention":
+                prev = self.blocks[i - 1]
+                inner = prev.block if isinstance(prev, MoDBlock) else prev
+                target = inner if isinstance(inner, MoNEBlock) else inner.attn
+                target.want_scores = True
+
+    def init_weights(self) -> None:
+        """timm-style init: truncated normal(0.02) for linear/embedding weights, zero biases, unit norms."""
+        nn.init.trunc_normal_(self.pos_embed, std=0.02)
+        if self.cls_token is not None:
+            nn.init.normal_(self.cls_token, std=1e-6)
+        if self.task_embed is not None:
+            nn.init.trunc_normal_(self.task_embed, std=0.02)
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.trunc_normal_(m.weight, std=0.02)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.LayerNorm):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+
+    # ----------------------------------------------------------------------------------------------------- inputs
+    def task_index(self, tasks: Sequence[str]) -> list[int]:
+        """Model task indices of ``tasks``; an unknown name fails listing the model's tasks."""
+        out = []
+        for name in tasks:
+            if name not in self.heads:
+                try:
+                    from squad.tasks import get_task
+
+                    canonical = get_task(name).name
+                except (ImportError, ValueError, KeyError):
+                    canonical = None
+                if canonical not in self.heads:
+                    raise ValueError(f"unknown task {name!r}: this model has {', '.join(self.task_names)}")
+                name = canonical
+            out.append(self.task_names.index(name))
+        return out
+
+    def _check_images(self, images: torch.Tensor) -> None:
+        c, s = self.cfg.in_chans, self.cfg.img_size
+        if images.dim() != 4 or images.shape[1] != c or images.shape[2] != s or images.shape[3] != s:
+            raise ValueError(f"images must be [B, {c}, {s}, {s}], got {list(images.shape)}")
+        if not images.is_floating_point():
+            raise ValueError(f"images must be a floating-point tensor, got {images.dtype}")
+
+    def embed(self, images: torch.Tensor) -> torch.Tensor:
+        """Patch + position embedding: [B, C, H, W] → [B, N, D]."""
+        self._check_images(images)
+        x = self.patch_embed(images)
+        if self.cls_token is not None:
+            x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
+        return x + self.pos_embed
+
+    # ---------------------------------------------------------------------------------------------------- forward
+    def set_mone_capacity(self, e_c: float) -> None:
+        """Effective capacity used by MoNE blocks at inference (and in training unless sampled per step)."""
+        if not 0.0 < e_c <= 1.0:
+            raise ValueError(f"MoNE effective capacity must be in (0, 1], got {e_c}")
+        self.mone_capacity = float(e_c)
+
+    def _capacity_for_step(self) -> float:
+        choices = self.cfg.mone.sample_capacity
+        if self.training and choices:
+            return float(choices[int(torch.randint(len(choices), ()).item())])
+        return self.mone_capacity
+
+    def forward_tokens(self, x: torch.Tensor, task_ids: torch.Tensor,
+                       segments: list[tuple[int, int, int]] | None = None) -> tuple[torch.Tensor, ForwardContext]:
+        """Runs the blocks on rows x [R, N, D] tagged with ``task_ids`` [R]; returns normed tokens and the context.
+
+        ``segments`` — ``(task, first_row, end_row)`` runs when rows are task-major — lets per-task routers run one
+        matmul per task.
+        """
+        ctx = ForwardContext(task_ids=task_ids, num_tasks=len(self.task_names),
+                             mone_capacity=self._capacity_for_step(), record_routing=self.record_routing,
+                             segments=segments)
+        emb = None
+        if self.task_embed is not None:
+            emb = self.task_embeddings().index_select(0, task_ids).to(x.dtype)  # [R, D]
+            if self.cfg.task_embed == "moe_inputs":
+                ctx.moe_task_embed = emb
+        for block in self.blocks:
+            if emb is not None and self.cfg.task_embed == "every_block":
+                x = x + emb[:, None, :]
+            x = block(x, ctx)
+        if ctx.mone is not None:
+            x = ctx.mone.unpermute(x)
+        return self.norm(x), ctx
+
+    def forward(self, images: torch.Tensor, tasks: Sequence[str] | None = None,
+                assignment: torch.Tensor | None = None) -> SquadOutput:
+        """Runs ``tasks`` on ``images`` in one backbone pass.
+
+        Args:
+            images: [B, C, H, W].
+            tasks: task names (default: all of the model's tasks).
+            assignment: optional [B, len(tasks)] bool, which images run which task (default: every image runs
+                every task). Rows are task-major.
+
+        Returns:
+            `SquadOutput` with per-task predictions, the images each task ran on, and the routing statistics.
+        """
+        tasks = list(self.task_names if tasks is None else tasks)
+        tidx = self.task_index(tasks)
+        x0 = self.embed(images)
+        b = x0.shape[0]
+        if assignment is None:
+            per_task = [torch.arange(b, device=x0.device)] * len(tasks)
+        else:
+            if assignment.shape != (b, len(tasks)):
+                raise ValueError(f"assignment must be [{b}, {len(tasks)}] (images × tasks), "
+                                 f"got {list(assignment.shape)}")
+            per_task = [assignment[:, j].nonzero().flatten().to(x0.device) for j in range(len(tasks))]
+        rows = torch.cat(per_task)
+        task_ids = torch.cat([torch.full((len(p),), t, device=x0.device, dtype=torch.long)
+                              for p, t in zip(per_task, tidx, strict=True)])
+        x = x0.index_select(0, rows) if assignment is not None or len(tasks) > 1 else x0
+        segments, start = [], 0
+        for t, p in zip(tidx, per_task, strict=True):
+            if len(p):
+                segments.append((t, start, start + len(p)))
+            start += len(p)
+        tokens, ctx = self.forward_tokens(x, task_ids, segments)
+        preds, index, start = {}, {}, 0
+        for t, p in zip(tidx, per_task, strict=True):
+            canonical = self.task_names[t]
+            preds[canonical] = self.heads[canonical](tokens[start : start + len(p)])
+            index[canonical] = p
+            start += len(p)
+        return SquadOutput(preds, index, ctx.stats)
+
+    def forward_features(self, images: torch.Tensor, task: str | None = None) -> torch.Tensor:
+        """Final normed tokens [B, N, D] for one task (the task may be omitted when the model has one)."""
+        if task is None:
+            if len(self.task_names) != 1 and self.has_task_specific_layers():
+                raise ValueError(f"forward_features needs task= (one of {', '.join(self.task_names)})")
+            task = self.task_names[0]
+        (t,) = self.task_index([task])
+        x = self.embed(images)
+        ids = torch.full((x.shape[0],), t, device=x.device, dtype=torch.long)
+        tokens, _ = self.forward_tokens(x, ids, [(t, 0, x.shape[0])])
+        return tokens
+
+    def has_task_specific_layers(self) -> bool:
+        """Whether the backbone depends on the task (task embeddings or routers)."""
+        if self.task_embed is not None:
+            return True
+        return any(isinstance(m, RoutedLayer) for m in self.modules())
+
+    # ---------------------------------------------------------------------------------------------- new tasks
+    def task_embeddings(self) -> torch.Tensor | None:
+        """[T, D] task embeddings, added tasks' rows last (None when the model has none)."""
+        if self.task_embed is None or self.task_embed_extra is None:
+            return self.task_embed
+        return torch.cat([self.task_embed, self.task_embed_extra])
+
+    @torch.no_grad()
+    def add_task(self, head: HeadConfig | str, init: str = "mean") -> None:
+        """Adds a task to a trained model: its head, its task embedding and its rows in every per-task router
+        (MoE attention, MoE MLP, MoD learned routers, MoNE routers).
+
+        The new rows live in separate parameters (``TaskLinear.extra``, ``task_embed_extra``) so everything the
+        model had can be frozen exactly; `added_task_parameters` lists them and `merge_added_tasks` folds them
+        back into an ordinary model (whose config then lists the new head last).
+
+        Args:
+            head: a task name from `squad.tasks` or a `HeadConfig`.
+            init: router rows and embedding start at the mean of the existing tasks' (``"mean"``), at zero
+                (``"zero"``: uniform routing), or at the layers' own initialisation (``"random"``).
+
+        Raises:
+            ValueError: the model already has this task, or a router of the model has been pruned.
+        """
+        if isinstance(head, str):
+            from squad.tasks import get_task
+
+            task = get_task(head)
+            head = HeadConfig(task.name, task.head_kind, task.channels)
+        if head.name in self.heads:
+            raise ValueError(f"add_task: the model already has task {head.name!r} "
+                             f"(tasks: {', '.join(self.task_names)})")
+        if any(isinstance(m, TaskRouter) and m.kept is not None for m in self.modules()):
+            raise ValueError("add_task: this model's routers are pruned (an extracted model); "
+                             "add tasks to the full model")
+        ref = self.pos_embed
+        for m in self.modules():
+            if isinstance(m, TaskLinear):
+                m.add_rows(1, init)
+        if self.task_embed is not None:
+            if init == "mean":
+                row = self.task_embeddings().mean(0, keepdim=True).clone()
+            elif init == "zero":
+                row = torch.zeros(1, ref.shape[-1], dtype=ref.dtype, device=ref.device)
+            else:
+                row = nn.init.trunc_normal_(torch.empty(1, ref.shape[-1], dtype=ref.dtype, device=ref.device), std=0.02)
+            extra = row if self.task_embed_extra is None else torch.cat([self.task_embed_extra, row])
+            self.task_embed_extra = nn.Parameter(extra)
+        cfg = self.cfg
+        module = build_head(head, cfg.embed_dim, cfg.patch_size, cfg.grid, cfg.class_token).to(ref.device, ref.dtype)
+        for m in module.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.trunc_normal_(m.weight, std=0.02)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+        self.heads[head.name] = module
+        self.task_names.append(head.name)
+        self.cfg = dataclasses.replace(cfg, heads=[*cfg.head_configs(), head])
+
+    def added_task_parameters(self) -> dict[str, nn.Parameter]:
+        """Name → parameter of everything `add_task` created that is not a head (router rows, embeddings)."""
+        return {n: p for n, p in self.named_parameters()
+                if n == "task_embed_extra" or n.endswith((".extra", ".extra_bias"))}
+
+    @torch.no_grad()
+    def merge_added_tasks(self) -> None:
+        """Folds added tasks' rows into the ordinary parameters (the state dict then matches `build_model(cfg)`)."""
+        for m in self.modules():
+            if isinstance(m, TaskLinear):
+                m.merge_rows()
+        if self.task_embed_extra is not None:
+            grad = self.task_embed.requires_grad
+            self.task_embed = nn.Parameter(self.task_embeddings().detach().clone(), requires_grad=grad)
+            self.task_embed_extra = None
+
+
+def build_model(cfg: ModelConfig) -> SquadViT:
+    """Builds a `SquadViT` from a validated `ModelConfig`."""
+    return SquadViT(cfg)

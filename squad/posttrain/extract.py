@@ -1,0 +1,232 @@
+"""Single-task subnetwork extraction (Mod-Squad §3.4): one task's router, embedding and head, and only the experts
+that task uses, as a standalone model file that loads without DeepSpeed.
+
+    ext = extract(model, "depth", usage, theta=0.01)   # usage: calibration pass or the run's saved statistics
+    save_extracted("depth.pt", ext)
+    ext = squad.load_extracted("depth.pt")              # weights_only; model(images) → depth prediction
+    depth = ext(images)                                 # [B, 1, H, W]
+
+The task's usage frequencies come from a calibration pass over its data (`collect_usage`, the default in
+tools/extract.py) or from the statistics saved in ``model.pt``; `squad.posttrain.pruning` decides and slices. MoD
+and MoNE parts stay as they are. The file holds the single-task config, the kept experts per layer, the routing mode and
+the weights; `load_extracted` rebuilds the model from the config, applies the same pruning and loads the weights.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from squad.analysis.flops import profile
+from squad.analysis.usage import ExpertUsage
+from squad.data import EmptyDatasetError, build_dataset
+from squad.eval.evaluate import eval_loader, evaluate
+from squad.io import load_full_model, save_extracted
+from squad.models.single_task import SingleTaskModel
+from squad.models.vit import SquadViT
+from squad.posttrain.pruning import (
+    check_keep_top,
+    check_theta,
+    choose_experts,
+    prunable_layers,
+    prune_model,
+    pruned_summary,
+    task_frequencies,
+)
+from squad.posttrain.surgery import select_tasks
+
+log = logging.getLogger(__name__)
+
+
+# --------------------------------------------------------------------------------------------- usage
+def _images(batch) -> torch.Tensor:
+    if isinstance(batch, torch.Tensor):
+        return batch
+    if isinstance(batch, dict) and "rgb" in batch:
+        return batch["rgb"]
+    raise TypeError(f"calibration batches must be image tensors or data batches with 'rgb', got {type(batch)}")
+
+
+@torch.no_grad()
+def collect_usage(model: SquadViT, task: str, batches: Iterable, max_batches: int = 0,
+                  device: torch.device | str | None = None) -> ExpertUsage:
+    """Expert usage of ``task`` over calibration batches (the model in eval mode, as at inference).
+
+    Args:
+        model: the full model.
+        task: the task (name or alias).
+        batches: image tensors [B, C, H, W] or batches from `squad.data.collate`.
+        max_batches: stop after this many (0 = all).
+        device: where to run (default: the model's device).
+
+    Returns:
+        `ExpertUsage` over the model's tasks, filled for ``task`` only.
+    """
+    (t,) = model.task_index([task])
+    name = model.task_names[t]
+    device = device or next(model.parameters()).device
+    usage = ExpertUsage(model.task_names)
+    was = model.training
+    model.eval()
+    try:
+        for i, batch in enumerate(batches):
+            if max_batches and i >= max_batches:
+                break
+            usage.update(model(_images(batch).to(device), [name]).stats)
+    finally:
+        model.train(was)
+    if not usage.counts:
+        raise ValueError("collect_usage: no calibration batches (or the model has no routed layers)")
+    return usage
+
+
+# ------------------------------------------------------------------------------------------ extraction
+def extract(model: SquadViT, task: str, usage: ExpertUsage, theta: float | None = 0.01, keep_top: float | None = None,
+            renormalize: bool = False) -> SingleTaskModel:
+    """Extracts ``task``'s subnetwork from a multi-task model (which is left unchanged).
+
+    Args:
+        model: the full model.
+        task: task name or alias.
+        usage: its expert usage (calibration pass or saved statistics).
+        theta: remove experts used by at most θ of the task's tokens (θ in [0, 1)); ignored with ``keep_top``.
+        keep_top: keep the top H share of experts per layer instead (H in (0, 1]).
+        renormalize: the paper's pruned router (softmax over the kept experts) instead of exact routing.
+
+    Returns:
+        The extracted `SingleTaskModel` (eval mode).
+    """
+    (t,) = model.task_index([task])
+    name = model.task_names[t]
+    freqs = task_frequencies(usage, name, model)
+    kept = choose_experts(freqs, None if keep_top is not None else theta, keep_top)
+    single = select_tasks(model, [name])
+    prune_model(single, kept, exact=not renormalize)
+    return SingleTaskModel(single.eval(), name, kept, exact=not renormalize)
+
+
+def kept_counts(model: nn.Module) -> dict[str, int]:
+    """Layer → experts it holds now (for reports)."""
+    return {name: layer.num_experts for name, layer in prunable_layers(model).items()}
+
+
+def layer_report(ext: SingleTaskModel, full: SquadViT) -> dict[str, dict]:
+    """Per MoE layer: kind, kept experts (original numbering), experts before/after, top-k after."""
+    return pruned_summary(ext.model, ext.kept, kept_counts(full))
+
+
+def _loader(data: str | Path, task: str, split: str, image_size: int, batch_size: int, workers: int):
+    ds = build_dataset(data, [task], split, image_size=image_size, augment=False)
+    return eval_loader(ds, batch_size, workers), len(ds)
+
+
+def extract_to_file(checkpoint: str | Path, task: str, out: str | Path, *, theta: float | None = 0.01,
+                    keep_top: float | None = None, renormalize: bool = False, data: str | Path | None = None,
+                    calib_split: str = "train", calib_batches: int = 8, eval_split: str | None = "val",
+                    eval_batches: int = 0, batch_size: int = 8, saved_usage: bool = False,
+                    device: str | torch.device = "cpu", workers: int = 0) -> dict:
+    """Extracts ``task`` from a trained model into ``out`` and returns the report (also written as JSON).
+
+    Args:
+        checkpoint: run folder or ``model.pt``.
+        task: task name or alias.
+        out: the extracted model file (the report goes to ``out`` with suffix ``.json``).
+        theta: usage threshold in [0, 1) (ignored when ``keep_top`` is given).
+        keep_top: keep the top H share of experts per layer, H in (0, 1].
+        renormalize: the paper's pruned router (softmax over kept experts) instead of exact routing.
+        data: dataset root for the calibration pass and the held-out metrics.
+        calib_split: split for the calibration pass.
+        calib_batches: calibration batches (0 = the whole split).
+        eval_split: held-out split for metrics before/after (None: no metrics).
+        eval_batches: evaluation batches (0 = all).
+        batch_size: images per batch.
+        saved_usage: use the statistics saved in ``model.pt`` even when ``data`` is given.
+        device: where to run.
+        workers: data loader workers.
+
+    Raises:
+        ValueError: θ or H out of range, an unknown task, a file that is not a squad model, no usage available.
+        FileNotFoundError: missing checkpoint or data.
+    """
+    check_theta(theta if keep_top is None else None)
+    check_keep_top(keep_top)
+    if keep_top is None and theta is None:
+        raise ValueError("give theta (a usage threshold) or keep_top (a share of experts per layer)")
+    model, saved, meta = load_full_model(checkpoint)
+    (t,) = model.task_index([task])
+    name = model.task_names[t]
+    model.to(device)
+    size = model.cfg.img_size
+    if data is not None and not saved_usage:
+        loader, n_images = _loader(data, name, calib_split, size, batch_size, workers)
+        usage = collect_usage(model, name, loader, calib_batches, device)
+        images = min(n_images, calib_batches * batch_size) if calib_batches else n_images
+        source = {"kind": "calibration", "data": str(data), "split": calib_split, "images": images}
+    else:
+        if saved is None:
+            raise ValueError(f"{meta['path']} holds no usage statistics; pass data= (--data DIR) for a calibration "
+                             f"pass over {name}'s data")
+        usage = saved
+        source = {"kind": "saved statistics", "file": meta["path"]}
+    ext = extract(model, name, usage, theta=theta, keep_top=keep_top, renormalize=renormalize)
+    full_prof, ext_prof = profile(model, [name]), profile(ext.model)
+    layers = layer_report(ext, model)
+    report = {
+        "task": name,
+        "checkpoint": meta["path"],
+        "out": str(out),
+        "criterion": {"keep_top": keep_top} if keep_top is not None else {"theta": theta},
+        "routing": "renormalized" if renormalize else "exact",
+        "usage": source,
+        "params": _pair(full_prof["params"], ext_prof["params"]),
+        "active_params": _pair(full_prof["tasks"][name]["active_params"], ext_prof["tasks"][name]["active_params"]),
+        "macs": _pair(full_prof["tasks"][name]["macs"], ext_prof["tasks"][name]["macs"]),
+        "experts": _pair(sum(v["experts_before"] for v in layers.values()),
+                         sum(v["experts_after"] for v in layers.values())),
+        "layers": layers,
+        "metrics": None,
+    }
+    if data is not None and eval_split:
+        try:
+            loader, n_eval = _loader(data, name, eval_split, size, batch_size, workers)
+        except (EmptyDatasetError, ValueError) as e:
+            log.warning("no held-out metrics: %s", e)
+        else:
+            before = evaluate(model, loader, [name], device, eval_batches)[name]
+            after = evaluate(ext.model, loader, [name], device, eval_batches)[name]
+            report["metrics"] = {"split": eval_split, "images": n_eval, "full": before, "extracted": after}
+    out = Path(out)
+    save_extracted(out, ext, report)
+    out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    log.info("extracted %s: %d → %d parameters, written to %s", name, report["params"]["full"],
+             report["params"]["extracted"], out)
+    return report
+
+
+def _pair(full: float, extracted: float) -> dict:
+    return {"full": full, "extracted": extracted, "ratio": extracted / full if full else float("nan")}
+
+
+def format_report(report: dict) -> str:
+    """A plain-text summary table of an extraction report."""
+    crit = ", ".join(f"{k} {v}" for k, v in report["criterion"].items())
+    lines = [f"extracted {report['task']} ({crit}, {report['routing']} routing; usage from {report['usage']['kind']})",
+             f"{'':<16}{'full':>14}{'extracted':>14}{'ratio':>9}"]
+    for key in ("params", "active_params", "macs", "experts"):
+        p = report[key]
+        lines.append(f"{key:<16}{p['full']:>14,}{p['extracted']:>14,}{p['ratio']:>9.3f}")
+    lines.append("experts kept per layer:")
+    for layer, info in report["layers"].items():
+        lines.append(f"  {layer:<24} {info['kind']:<4} {info['experts_after']:>3}/{info['experts_before']:<3} "
+                     f"top-{info['top_k']}  {info['kept']}")
+    m = report.get("metrics")
+    if m:
+        lines.append(f"metrics on {m['split']} ({m['images']} images):")
+        for metric in m["full"]:
+            lines.append(f"  {metric:<14}{m['full'][metric]:>12.4f}{m['extracted'][metric]:>12.4f}")
+    return "\n".join(lines)

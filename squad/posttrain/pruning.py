@@ -1,0 +1,176 @@
+"""Expert pruning: which experts a task uses, which to keep, and slicing MoE layers down to the kept ones.
+
+Usage frequency of expert e for task t in one layer = share of the task's tokens that selected e (so a top-k
+layer's frequencies sum to k; `squad.analysis.usage.ExpertUsage.frequencies`). An expert is kept when its frequency is
+above θ (θ = 0 keeps every expert used at least once), or when it is among the top H % of the layer; at least one
+expert per layer always stays (the most used). Only real experts are pruned: MoDE's no-op experts cost nothing
+and stay selectable.
+
+A pruned layer holds only its kept experts; its router is restricted to them (`TaskRouter.restrict`), with exact
+routing by default — the router still scores every expert, so the gates of the kept experts are unchanged and, on
+data where the removed experts were never selected, the pruned model computes exactly what the full one did.
+top-k shrinks to the number of experts left when fewer than k remain.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn as nn
+
+from squad.analysis.usage import ExpertUsage
+from squad.layers.base import EXPERT_KINDS
+from squad.layers.moe_attention import MoEAttention
+from squad.layers.moe_mlp import ExpertMLP, MoEMlp
+from squad.models.vit import SquadViT
+
+
+def prunable_layers(model: nn.Module) -> dict[str, MoEMlp | MoEAttention]:
+    """Layer name (its module path, as in `RouterStats.name`) → every MoE MLP and MoE attention layer, in order."""
+    return {m.layer_name: m for m in model.modules() if isinstance(m, MoEMlp | MoEAttention)}
+
+
+def real_experts(layer: MoEMlp | MoEAttention) -> int:
+    """Experts of a layer that hold weights (no-op experts excluded)."""
+    return layer.num_experts
+
+
+def task_frequencies(usage: ExpertUsage, task: str, model: nn.Module) -> dict[str, torch.Tensor]:
+    """Per prunable layer of ``model``, [E] usage frequency of each real expert for ``task``.
+
+    Raises:
+        ValueError: the statistics do not cover the task or one of the model's MoE layers, or their expert count
+            differs from the layer's (statistics of another model).
+    """
+    if task not in usage.tasks:
+        raise ValueError(f"the usage statistics have no task {task!r} (they cover {', '.join(usage.tasks)})")
+    freqs = usage.frequencies(task, EXPERT_KINDS)
+    out = {}
+    for name, layer in prunable_layers(model).items():
+        if name not in freqs:
+            raise ValueError(f"the usage statistics have no layer {name!r} (they cover {', '.join(sorted(freqs))}); "
+                             f"were they collected on another model?")
+        f = freqs[name]
+        e = real_experts(layer)
+        total = layer.router.num_experts
+        if f.numel() != total:
+            raise ValueError(f"usage statistics of layer {name} cover {f.numel()} experts, the layer routes to {total}")
+        if usage.tokens[name][usage.tasks.index(task)] <= 0:
+            raise ValueError(f"the usage statistics saw no tokens of task {task!r} in layer {name}")
+        out[name] = f[:e].double()
+    return out
+
+
+def choose_experts(freqs: dict[str, torch.Tensor], theta: float | None = None,
+                   keep_top: float | None = None) -> dict[str, list[int]]:
+    """The experts to keep per layer, in increasing index order.
+
+    Args:
+        freqs: layer → [E] usage frequencies (`task_frequencies`).
+        theta: keep experts with frequency > θ, θ in [0, 1).
+        keep_top: instead, keep the ceil(H · E) most used experts, H in (0, 1] (ties: lower index first).
+
+    Raises:
+        ValueError: neither or both criteria, or a value out of range.
+    """
+    if (theta is None) == (keep_top is None):
+        raise ValueError("give exactly one of theta (a usage threshold) or keep_top (a share of experts per layer)")
+    check_theta(theta)
+    check_keep_top(keep_top)
+    kept = {}
+    for name, f in freqs.items():
+        e = f.numel()
+        order = sorted(range(e), key=lambda i: (-float(f[i]), i))  # most used first
+        if theta is not None:
+            chosen = [i for i in range(e) if float(f[i]) > theta]
+        else:
+            chosen = order[: max(1, math.ceil(keep_top * e - 1e-9))]
+        kept[name] = sorted(chosen) if chosen else [order[0]]
+    return kept
+
+
+def check_theta(theta: float | None) -> None:
+    """Raises ValueError unless θ is None or in [0, 1)."""
+    if theta is not None and not (0.0 <= theta < 1.0 and math.isfinite(theta)):
+        raise ValueError(f"theta must be in [0, 1) (a share of the task's tokens), got {theta}")
+
+
+def check_keep_top(keep_top: float | None) -> None:
+    """Raises ValueError unless H is None or in (0, 1]."""
+    if keep_top is not None and not (0.0 < keep_top <= 1.0):
+        raise ValueError(f"keep_top must be in (0, 1] (a share of each layer's experts), got {keep_top}")
+
+
+# ------------------------------------------------------------------------------------------------- slicing
+def _sliced(p: torch.Tensor | None, idx: torch.Tensor) -> nn.Parameter | None:
+    if p is None:
+        return None
+    return nn.Parameter(p.detach().index_select(0, idx.to(p.device)).clone(), requires_grad=p.requires_grad)
+
+
+def prune_moe_mlp(layer: MoEMlp, kept: list[int], exact: bool = True) -> None:
+    """Keeps only experts ``kept`` of a MoE MLP (in place); no-op experts follow them in the new numbering."""
+    e = layer.num_experts
+    noop = layer.router.num_experts - e
+    idx = torch.as_tensor(kept, dtype=torch.long)
+    old = layer.experts
+    _, dim, hidden = old.w1.shape
+    with torch.device(old.w1.device):
+        new = ExpertMLP(len(kept), dim, hidden, bias=old.b1 is not None)
+    new.w1, new.w2 = _sliced(old.w1, idx), _sliced(old.w2, idx)
+    if old.b1 is not None:
+        new.b1, new.b2 = _sliced(old.b1, idx), _sliced(old.b2, idx)
+    layer.experts = new
+    layer.num_experts = len(kept)
+    layer.router.restrict(list(kept) + list(range(e, e + noop)), exact)
+    layer.cfg = dataclasses.replace(layer.cfg, num_experts=len(kept), top_k=layer.router.top_k)
+
+
+def prune_moa(layer: MoEAttention, kept: list[int], exact: bool = True) -> None:
+    """Keeps only heads ``kept`` of a MoE attention layer (in place)."""
+    idx = torch.as_tensor(kept, dtype=torch.long)
+    layer.q = _sliced(layer.q, idx)  # [K, D, d]
+    layer.o = _sliced(layer.o, idx)  # [K, d, D]
+    layer.num_experts = len(kept)
+    layer.router.restrict(list(kept), exact)
+    layer.top_k = layer.router.top_k
+    layer.cfg = dataclasses.replace(layer.cfg, num_experts=len(kept), top_k=layer.top_k)
+
+
+def prune_model(model: SquadViT, kept: dict[str, list[int]], exact: bool = True) -> None:
+    """Prunes every MoE attention / MoE MLP layer of ``model`` to its kept experts (in place).
+
+    Args:
+        model: a model whose layers are not pruned yet (real or meta tensors).
+        kept: layer name → kept real-expert indices (every prunable layer must be listed).
+        exact: exact routing (the router scores all experts); False: softmax over the kept experts only.
+
+    Raises:
+        ValueError: a layer missing from ``kept`` or unknown to the model, or an index out of range.
+    """
+    layers = prunable_layers(model)
+    unknown = sorted(set(kept) - set(layers))
+    missing = sorted(set(layers) - set(kept))
+    if unknown or missing:
+        raise ValueError(f"kept experts do not match the model's MoE layers (unknown {unknown[:3]}, "
+                         f"missing {missing[:3]})")
+    for name, layer in layers.items():
+        idx = list(kept[name])
+        e = real_experts(layer)
+        if not idx or len(set(idx)) != len(idx) or not all(isinstance(i, int) and 0 <= i < e for i in idx):
+            raise ValueError(f"layer {name}: kept experts must be distinct indices in [0, {e}), got {idx}")
+        if isinstance(layer, MoEMlp):
+            prune_moe_mlp(layer, idx, exact)
+        else:
+            prune_moa(layer, idx, exact)
+
+
+def pruned_summary(model: nn.Module, kept: dict[str, list[int]], before: dict[str, int]) -> dict[str, dict]:
+    """Per layer: kind, experts kept (original indices), experts before, top-k after."""
+    out = {}
+    for name, layer in prunable_layers(model).items():
+        out[name] = {"kind": "moe" if isinstance(layer, MoEMlp) else "moa", "kept": list(kept[name]),
+                     "experts_before": before[name], "experts_after": layer.num_experts, "top_k": layer.router.top_k}
+    return out

@@ -1,0 +1,99 @@
+"""Process-group set-up for the deepspeed launcher, torchrun and plain ``python`` (one process).
+
+With no GPU, DeepSpeed's CPU accelerator and gloo are selected before DeepSpeed is imported (``DS_ACCELERATOR=cpu``).
+A plain ``python`` run gets the rendezvous variables DeepSpeed needs (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+MASTER_PORT) so it never looks for MPI.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+from squad.train import runtime
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available() and torch.cuda.device_count() > 0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prepare_environment() -> None:
+    """Sets the accelerator and rendezvous variables a launcher would have set. Call before importing deepspeed."""
+    if not cuda_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ:
+        os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+    os.environ.setdefault("LOCAL_RANK", "0")
+
+
+def init_distributed() -> tuple[int, int, torch.device]:
+    """Initialises the process group through DeepSpeed (gloo on CPUs, nccl on GPUs).
+
+    Returns:
+        (rank, world size, this process's device).
+    """
+    prepare_environment()
+    import deepspeed
+
+    cuda = cuda_available()
+    if not cuda:
+        threads = runtime.cpu_threads_per_rank()
+        if threads:
+            torch.set_num_threads(threads)
+        runtime.tune_cpu_allocator()
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", verbose=False)
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if cuda:
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    else:
+        device = torch.device("cpu")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def has_process_group() -> bool:
+    """True when a process group is initialised, even one with a single rank (a one-process DeepSpeed run).
+
+    Ask this where the group itself matters (rank-sharded samplers, setting one up); ask `is_distributed` where
+    the question is whether anything must be summed across ranks.
+    """
+    return dist.is_available() and dist.is_initialized()
+
+
+def is_distributed() -> bool:
+    """True when a process group with more than one rank is running (the one test for "all-reduce needed")."""
+    return has_process_group() and dist.get_world_size() > 1
+
+
+def barrier() -> None:
+    if is_distributed():
+        dist.barrier()
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum over ranks (a copy; no autograd)."""
+    if is_distributed():
+        t = t.clone()
+        dist.all_reduce(t)
+    return t
+
+
+def broadcast_object(obj, src: int = 0):
+    """Rank ``src``'s Python object on every rank."""
+    if is_distributed():
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+    return obj

@@ -1,0 +1,44 @@
+"""The DeepSpeed training loop: one fused multi-task pass per step, uncertainty-weighted task losses, the MI loss
+across ranks, periodic validation, TensorBoard logs, checkpoints that resume exactly, and the exported model.
+
+Exact resumption: the data order is the sampler's (seed, epoch) permutation with the consumed batches skipped,
+augmentation draws come from (seed, epoch, index), and the torch RNG (router noise, task sampling) is reseeded from
+(seed, step, rank) every step — so nothing but the step counters needs saving beside DeepSpeed's own state.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from squad.config.run import RunConfig
+from squad.models.vit import SquadViT
+from squad.tasks import get_task
+from squad.train.losses import TaskWeighting, auxiliary_loss
+
+
+class TrainingError(RuntimeError):
+    """The run cannot go on (e.g. too many non-finite losses in a row); the message says why and what to try."""
+
+
+class MultiTaskObjective(nn.Module):
+    """The module DeepSpeed wraps: the model, its task losses and their learned weights."""
+
+    def __init__(self, model: SquadViT, tasks: list[str], cfg: RunConfig):
+        super().__init__()
+        self.model = model
+        self.tasks = list(tasks)
+        self.loss_cfg = cfg.loss
+        self.weighting = TaskWeighting(self.tasks, cfg.loss.weighting, cfg.loss.clamp)
+        self._specs = {t: get_task(t) for t in self.tasks}
+
+    def forward(self, images, targets, masks, assignment=None):
+        out = self.model(images, self.tasks, assignment)
+        losses = {}
+        for t, pred in out.preds.items():
+            idx = out.image_index[t]
+            task = self._specs[t]
+            target = task.target(targets[t].index_select(0, idx))
+            losses[t] = task.loss(pred.float(), target, masks[t].index_select(0, idx))
+        weighted, weights = self.weighting(losses)
+        aux, parts = auxiliary_loss(out.stats, self.loss_cfg)
+        return weighted + aux.to(weighted.device), losses, weights, parts, out.stats

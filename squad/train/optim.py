@@ -1,0 +1,39 @@
+"""The DeepSpeed training loop: one fused multi-task pass per step, uncertainty-weighted task losses, the MI loss
+across ranks, periodic validation, TensorBoard logs, checkpoints that resume exactly, and the exported model.
+
+Exact resumption: the data order is the sampler's (seed, epoch) permutation with the consumed batches skipped,
+augmentation draws come from (seed, epoch, index), and the torch RNG (router noise, task sampling) is reseeded from
+(seed, step, rank) every step — so nothing but the step counters needs saving beside DeepSpeed's own state.
+"""
+
+from __future__ import annotations
+
+import math
+
+from squad.train.objective import MultiTaskObjective
+
+
+def param_groups(objective: MultiTaskObjective, weight_decay: float) -> list[dict]:
+    """AdamW groups: no decay on norms, biases, embeddings, routers' biases and task log-variances; expert
+    weights in groups of their own (named, so expert-parallel setups can split them)."""
+    groups: dict[tuple[bool, bool], list] = {}
+    for name, p in objective.named_parameters():
+        if not p.requires_grad:
+            continue
+        no_decay = (p.dim() <= 1 or name.endswith(".bias") or "pos_embed" in name or "cls_token" in name
+                    or "task_embed" in name or "log_vars" in name or ".alpha" in name)
+        expert = ".experts." in name or name.endswith((".q", ".o"))
+        groups.setdefault((no_decay, expert), []).append(p)
+    out = []
+    for (no_decay, expert), params in sorted(groups.items()):
+        out.append({"params": params, "weight_decay": 0.0 if no_decay else weight_decay,
+                    "name": f"{'experts' if expert else 'dense'}_{'no_decay' if no_decay else 'decay'}"})
+    return out
+
+
+def lr_lambda(step: int, warmup: int, total: int, base: float, floor: float) -> float:
+    """Multiplier of the base lr: linear warm-up, then cosine down to ``floor``."""
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return (floor + (base - floor) * 0.5 * (1 + math.cos(math.pi * progress))) / base

@@ -133,7 +133,7 @@ def routed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, token
             and values are the rows ``token_index[b]`` of q, k, v. The output then has K rows; gradients reach only
             the selected rows of q, k, v (zeros elsewhere).
         return_scores: also return the routing scores: for each (selected) token, the mean over query heads and
-            query rows of its softmax attention probability (the column means of the attention map, FACTS.md §3).
+            query rows of its softmax attention probability (the column means of the attention map, as in A-MoD).
             Float32, no gradient.
         scale: score scale; default d ** -0.5.
         backend: "auto", "triton" or "reference" (see the module docstring).

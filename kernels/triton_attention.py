@@ -10,7 +10,7 @@ exceed; heads and batch rows apart stay far below it.
 - forward: one program per (query block, head, batch); online softmax over key blocks; writes out and the natural-log
   LSE of every row.
 - scores: one program per (key block, head, batch); walks the query blocks and sums exp(S - LSE) per key column
-  (the A-MoD column sums, FACTS.md §3) — no atomics; the per-head partial sums are added in PyTorch, so the result is
+  (the A-MoD column sums, its App. A.8) — no atomics; the per-head partial sums are added in PyTorch, so the result is
   deterministic. The N×N map never exists.
 - backward: delta = rowsum(dO ∘ O) in PyTorch, then one kernel per (key block, kv head[·split], batch)
   accumulating dK, dV over the group's query heads and all query blocks (split partial sums added in PyTorch), and one
@@ -21,7 +21,10 @@ with fp32 accumulation; fp32 operands use IEEE precision (no TF32). Triton's CPU
 so there bf16 tiles are upcast to fp32 after loading.
 
 The kernel bodies are plain functions wrapped at first use by `_kernels()`, for the compiler or for the interpreter,
-following the mode Triton itself was imported in (see `interpreter_enabled`).
+following the mode Triton itself was imported in (see `interpreter_enabled`). Their shared prologue lives in device
+helpers they call (`_program_tile`: program ids → head, batch row, feature and row offsets and masks; `_block_rows`:
+a block's positions, mask and token-index gather; `_load_tile`: a masked, optionally upcast q/k/v/dO tile), wrapped
+the same way at import (`_device_function`); the compiler inlines them.
 """
 
 from __future__ import annotations
@@ -48,6 +51,56 @@ def interpreter_enabled() -> bool:
     return not isinstance(tl.zeros, JITFunction)
 
 
+def _device_function(fn):
+    """``@triton.jit`` for a helper the kernels call, in the mode Triton was imported in (`interpreter_enabled`):
+    a `JITFunction` the compiler inlines into the kernel, or an `InterpretedFunction` the interpreter calls."""
+    return InterpretedFunction(fn) if interpreter_enabled() else JITFunction(fn)
+
+
+@_device_function
+def _block_rows(IDX, b, stride_ib, stride_ik, start, M,
+                BLOCK: tl.constexpr, HAS_INDEX: tl.constexpr):
+    """Positions ``start .. start + BLOCK`` of the M attended rows of batch row b.
+
+    Returns (offs, mask, rows): the positions, which of them are < M, and the rows of q/k/v they read (the token
+    index ``IDX[b, offs]`` with an index, the positions themselves without; int64).
+    """
+    offs = start + tl.arange(0, BLOCK)
+    mask = offs < M
+    if HAS_INDEX:
+        rows = tl.load(IDX + b * stride_ib + offs * stride_ik, mask=mask, other=0)
+    else:
+        rows = offs.to(tl.int64)
+    return offs, mask, rows
+
+
+@_device_function
+def _load_tile(base, rows, mask_rows, stride_n, offs_d, mask_d, stride_d, UPCAST: tl.constexpr):
+    """The [BLOCK, BLOCK_D] tile ``base[rows, offs_d]`` (zeros outside the masks), upcast to fp32 when UPCAST."""
+    tile = tl.load(base + rows[:, None] * stride_n + offs_d[None, :] * stride_d,
+                   mask=mask_rows[:, None] & mask_d[None, :], other=0.0)
+    if UPCAST:
+        tile = tile.to(tl.float32)
+    return tile
+
+
+@_device_function
+def _program_tile(IDX, stride_ib, stride_ik, M, D,
+                  BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, HAS_INDEX: tl.constexpr):
+    """The prologue of every kernel: grid (row block, head, batch row) → where this program works.
+
+    Returns (head, b, offs_d, mask_d, offs, mask, rows): the grid's axis-1 id and batch row (int64, for pointer
+    arithmetic), the feature offsets and their mask (< D), and `_block_rows` of the program's row block.
+    """
+    pid = tl.program_id(0)
+    head = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+    offs, mask, rows = _block_rows(IDX, b, stride_ib, stride_ik, pid * BLOCK, M, BLOCK, HAS_INDEX)
+    return head, b, offs_d, mask_d, offs, mask, rows
+
+
 def _fwd_kernel(Q, K, V, IDX, OUT, LSE,
                 stride_qb, stride_qh, stride_qn, stride_qd,
                 stride_kb, stride_kh, stride_kn, stride_kd,
@@ -56,41 +109,20 @@ def _fwd_kernel(Q, K, V, IDX, OUT, LSE,
                 M, D, HQ, GROUP, qk_scale,
                 HAS_INDEX: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    pid_m = tl.program_id(0)
-    h = tl.program_id(1).to(tl.int64)
-    b = tl.program_id(2).to(tl.int64)
+    h, b, offs_d, mask_d, offs_m, mask_m, rows_m = _program_tile(IDX, stride_ib, stride_ik, M, D,
+                                                                 BLOCK_M, BLOCK_D, HAS_INDEX)
     bh = b * HQ + h
     hk = h // GROUP
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < D
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask_m = offs_m < M
-    if HAS_INDEX:
-        rows_m = tl.load(IDX + b * stride_ib + offs_m * stride_ik, mask=mask_m, other=0)
-    else:
-        rows_m = offs_m.to(tl.int64)
-    q = tl.load(Q + b * stride_qb + h * stride_qh + rows_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
-                mask=mask_m[:, None] & mask_d[None, :], other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
+    q = _load_tile(Q + b * stride_qb + h * stride_qh, rows_m, mask_m, stride_qn, offs_d, mask_d, stride_qd, UPCAST)
     k_base = K + b * stride_kb + hk * stride_kh
     v_base = V + b * stride_vb + hk * stride_vh
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for start_n in range(0, M, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < M
-        if HAS_INDEX:
-            rows_n = tl.load(IDX + b * stride_ib + offs_n * stride_ik, mask=mask_n, other=0)
-        else:
-            rows_n = offs_n.to(tl.int64)
-        mask_nd = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(k_base + rows_n[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=mask_nd, other=0.0)
-        v = tl.load(v_base + rows_n[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=mask_nd, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        offs_n, mask_n, rows_n = _block_rows(IDX, b, stride_ib, stride_ik, start_n, M, BLOCK_N, HAS_INDEX)
+        k = _load_tile(k_base, rows_n, mask_n, stride_kn, offs_d, mask_d, stride_kd, UPCAST)
+        v = _load_tile(v_base, rows_n, mask_n, stride_vn, offs_d, mask_d, stride_vd, UPCAST)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
         s = tl.where(mask_n[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -112,36 +144,16 @@ def _scores_kernel(Q, K, IDX, LSE, PART,
                    M, D, HQ, GROUP, qk_scale,
                    HAS_INDEX: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    pid_n = tl.program_id(0)
-    h = tl.program_id(1).to(tl.int64)
-    b = tl.program_id(2).to(tl.int64)
+    h, b, offs_d, mask_d, offs_n, mask_n, rows_n = _program_tile(IDX, stride_ib, stride_ik, M, D,
+                                                                 BLOCK_N, BLOCK_D, HAS_INDEX)
     bh = b * HQ + h
     hk = h // GROUP
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < D
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < M
-    if HAS_INDEX:
-        rows_n = tl.load(IDX + b * stride_ib + offs_n * stride_ik, mask=mask_n, other=0)
-    else:
-        rows_n = offs_n.to(tl.int64)
-    k = tl.load(K + b * stride_kb + hk * stride_kh + rows_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                mask=mask_n[:, None] & mask_d[None, :], other=0.0)
-    if UPCAST:
-        k = k.to(tl.float32)
+    k = _load_tile(K + b * stride_kb + hk * stride_kh, rows_n, mask_n, stride_kn, offs_d, mask_d, stride_kd, UPCAST)
     q_base = Q + b * stride_qb + h * stride_qh
     colsum = tl.zeros([BLOCK_N], tl.float32)
     for start_m in range(0, M, BLOCK_M):
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        mask_m = offs_m < M
-        if HAS_INDEX:
-            rows_m = tl.load(IDX + b * stride_ib + offs_m * stride_ik, mask=mask_m, other=0)
-        else:
-            rows_m = offs_m.to(tl.int64)
-        q = tl.load(q_base + rows_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
-                    mask=mask_m[:, None] & mask_d[None, :], other=0.0)
-        if UPCAST:
-            q = q.to(tl.float32)
+        offs_m, mask_m, rows_m = _block_rows(IDX, b, stride_ib, stride_ik, start_m, M, BLOCK_M, HAS_INDEX)
+        q = _load_tile(q_base, rows_m, mask_m, stride_qn, offs_d, mask_d, stride_qd, UPCAST)
         # rows past the end get lse = +inf, so their probabilities are exactly 0
         lse2 = tl.load(LSE + bh * M + offs_m, mask=mask_m, other=float("inf")) * 1.4426950408889634
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
@@ -158,29 +170,14 @@ def _bwd_dkdv_kernel(Q, K, V, DO, IDX, LSE, DELTA, DK, DV,
                      HAS_INDEX: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     # program (key block, kv head·SPLITS + split, b): the split's GROUP / SPLITS query heads
-    pid_n = tl.program_id(0)
-    pid_h = tl.program_id(1).to(tl.int64)
-    b = tl.program_id(2).to(tl.int64)
+    pid_h, b, offs_d, mask_d, offs_n, mask_n, rows_n = _program_tile(IDX, stride_ib, stride_ik, M, D,
+                                                                     BLOCK_N, BLOCK_D, HAS_INDEX)
     pid = b * HKV * SPLITS + pid_h  # index of this program's (B, Hkv, SPLITS) output slab
     split = pid_h % SPLITS
     hk = pid_h // SPLITS
     heads = GROUP // SPLITS
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < D
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < M
-    if HAS_INDEX:
-        rows_n = tl.load(IDX + b * stride_ib + offs_n * stride_ik, mask=mask_n, other=0)
-    else:
-        rows_n = offs_n.to(tl.int64)
-    mask_nd = mask_n[:, None] & mask_d[None, :]
-    k = tl.load(K + b * stride_kb + hk * stride_kh + rows_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                mask=mask_nd, other=0.0)
-    v = tl.load(V + b * stride_vb + hk * stride_vh + rows_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                mask=mask_nd, other=0.0)
-    if UPCAST:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
+    k = _load_tile(K + b * stride_kb + hk * stride_kh, rows_n, mask_n, stride_kn, offs_d, mask_d, stride_kd, UPCAST)
+    v = _load_tile(V + b * stride_vb + hk * stride_vh, rows_n, mask_n, stride_vn, offs_d, mask_d, stride_vd, UPCAST)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     for g in range(0, heads):
@@ -188,18 +185,9 @@ def _bwd_dkdv_kernel(Q, K, V, DO, IDX, LSE, DELTA, DK, DV,
         bh = b * HQ + h
         q_base = Q + b * stride_qb + h * stride_qh
         for start_m in range(0, M, BLOCK_M):
-            offs_m = start_m + tl.arange(0, BLOCK_M)
-            mask_m = offs_m < M
-            if HAS_INDEX:
-                rows_m = tl.load(IDX + b * stride_ib + offs_m * stride_ik, mask=mask_m, other=0)
-            else:
-                rows_m = offs_m.to(tl.int64)
-            mask_md = mask_m[:, None] & mask_d[None, :]
-            q = tl.load(q_base + rows_m[:, None] * stride_qn + offs_d[None, :] * stride_qd, mask=mask_md, other=0.0)
-            do = tl.load(DO + bh * M * D + offs_m[:, None] * D + offs_d[None, :], mask=mask_md, other=0.0)
-            if UPCAST:
-                q = q.to(tl.float32)
-                do = do.to(tl.float32)
+            offs_m, mask_m, rows_m = _block_rows(IDX, b, stride_ib, stride_ik, start_m, M, BLOCK_M, HAS_INDEX)
+            q = _load_tile(q_base, rows_m, mask_m, stride_qn, offs_d, mask_d, stride_qd, UPCAST)
+            do = _load_tile(DO + bh * M * D, offs_m, mask_m, D, offs_d, mask_d, 1, UPCAST)  # compact [M, d] rows
             lse2 = tl.load(LSE + bh * M + offs_m, mask=mask_m, other=float("inf")) * 1.4426950408889634
             delta = tl.load(DELTA + bh * M + offs_m, mask=mask_m, other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N)
@@ -209,6 +197,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, IDX, LSE, DELTA, DK, DV,
             ds = p * (dp - delta[:, None])
             dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
     out_offs = pid * M * D + offs_n[:, None] * D + offs_d[None, :]  # (B, Hkv, SPLITS, M, d)
+    mask_nd = mask_n[:, None] & mask_d[None, :]
     tl.store(DK + out_offs, (dk * sm_scale).to(DK.dtype.element_ty), mask=mask_nd)
     tl.store(DV + out_offs, dv.to(DV.dtype.element_ty), mask=mask_nd)
 
@@ -221,51 +210,28 @@ def _bwd_dq_kernel(Q, K, V, DO, IDX, LSE, DELTA, DQ,
                    M, D, HQ, GROUP, qk_scale, sm_scale,
                    HAS_INDEX: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    pid_m = tl.program_id(0)
-    h = tl.program_id(1).to(tl.int64)
-    b = tl.program_id(2).to(tl.int64)
+    h, b, offs_d, mask_d, offs_m, mask_m, rows_m = _program_tile(IDX, stride_ib, stride_ik, M, D,
+                                                                 BLOCK_M, BLOCK_D, HAS_INDEX)
     bh = b * HQ + h
     hk = h // GROUP
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < D
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask_m = offs_m < M
-    if HAS_INDEX:
-        rows_m = tl.load(IDX + b * stride_ib + offs_m * stride_ik, mask=mask_m, other=0)
-    else:
-        rows_m = offs_m.to(tl.int64)
-    mask_md = mask_m[:, None] & mask_d[None, :]
-    q = tl.load(Q + b * stride_qb + h * stride_qh + rows_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
-                mask=mask_md, other=0.0)
-    do = tl.load(DO + bh * M * D + offs_m[:, None] * D + offs_d[None, :], mask=mask_md, other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
-        do = do.to(tl.float32)
+    q = _load_tile(Q + b * stride_qb + h * stride_qh, rows_m, mask_m, stride_qn, offs_d, mask_d, stride_qd, UPCAST)
+    do = _load_tile(DO + bh * M * D, offs_m, mask_m, D, offs_d, mask_d, 1, UPCAST)  # compact [M, d] rows
     lse2 = tl.load(LSE + bh * M + offs_m, mask=mask_m, other=float("inf")) * 1.4426950408889634
     delta = tl.load(DELTA + bh * M + offs_m, mask=mask_m, other=0.0)
     k_base = K + b * stride_kb + hk * stride_kh
     v_base = V + b * stride_vb + hk * stride_vh
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for start_n in range(0, M, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < M
-        if HAS_INDEX:
-            rows_n = tl.load(IDX + b * stride_ib + offs_n * stride_ik, mask=mask_n, other=0)
-        else:
-            rows_n = offs_n.to(tl.int64)
-        mask_nd = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(k_base + rows_n[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=mask_nd, other=0.0)
-        v = tl.load(v_base + rows_n[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=mask_nd, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        offs_n, mask_n, rows_n = _block_rows(IDX, b, stride_ib, stride_ik, start_n, M, BLOCK_N, HAS_INDEX)
+        k = _load_tile(k_base, rows_n, mask_n, stride_kn, offs_d, mask_d, stride_kd, UPCAST)
+        v = _load_tile(v_base, rows_n, mask_n, stride_vn, offs_d, mask_d, stride_vd, UPCAST)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N)
         p = tl.where(mask_n[None, :], tl.exp2(s - lse2[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
     tl.store(DQ + bh * M * D + offs_m[:, None] * D + offs_d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
-             mask=mask_md)
+             mask=mask_m[:, None] & mask_d[None, :])
 
 
 @functools.cache

@@ -6,7 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import squad
 from squad.config.model import BlockSpec, MoAConfig, MoDConfig, MoEConfig, MoNEConfig, RouterConfig
+from squad.layers.base import EXPERT_KINDS, RoutedLayer
 from squad.layers.block import Block
 from squad.layers.context import ForwardContext
 from squad.layers.experts import (
@@ -22,11 +24,11 @@ from squad.layers.mlp import Mlp
 from squad.layers.mod import MoDBlock
 from squad.layers.moe_attention import MoEAttention
 from squad.layers.moe_mlp import MoEMlp, apply_capacity
-from squad.layers.mone import MoNEBlock
+from squad.layers.mone import MoNEBlock, MoNERouter
 from squad.layers.mone_capacity import capacity_distribution, expert_preferred_routing, group_sizes
 from squad.layers.nested import nested_linear_in, nested_linear_out
 from squad.layers.routing import Routing
-from tests.helpers import tiny_model_cfg
+from tests.helpers import MODEL_CONFIGS, tiny_config, tiny_model_cfg
 
 torch.manual_seed(0)
 
@@ -397,3 +399,31 @@ def test_mone_blocks_pass_token_major_layout():
     y = first(x, ctx)
     assert y.transpose(0, 1).is_contiguous()
     assert torch.allclose(second(y, ctx), second(y.contiguous(), ctx), atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------- routed-layer contract
+def test_routed_layers_share_the_contract():
+    """Every layer that routes is a `RoutedLayer` with its kind; the expert kinds are MoE MLP and MoE attention."""
+    assert {cls.kind for cls in (MoEMlp, MoEAttention, MoDBlock, MoNERouter)} == {"moe", "moa", "mod", "mone"}
+    assert all(issubclass(cls, RoutedLayer) for cls in (MoEMlp, MoEAttention, MoDBlock, MoNERouter))
+    assert not issubclass(MoNEBlock, RoutedLayer)  # holds the router, reports nothing itself
+    assert EXPERT_KINDS == (MoEMlp.kind, MoEAttention.kind)
+
+    class Unnamed(RoutedLayer):
+        pass
+
+    with pytest.raises(TypeError, match="kind"):
+        Unnamed()
+
+
+@pytest.mark.parametrize("path", MODEL_CONFIGS, ids=lambda p: p.stem)
+def test_router_stats_come_from_named_routed_layers(path):
+    """Each `RouterStats` names a `RoutedLayer` of the model by its module path and reports that layer's kind."""
+    model = squad.build_model(tiny_config(path).model).eval()
+    routed = {name: m for name, m in model.named_modules() if isinstance(m, RoutedLayer)}
+    assert all(m.layer_name == name for name, m in routed.items())
+    with torch.no_grad():
+        stats = model(torch.randn(2, 3, 32, 32)).stats
+    assert sorted(s.name for s in stats) == sorted(routed)
+    assert all(s.kind == routed[s.name].kind for s in stats)
+    assert model.has_task_specific_layers() == (bool(routed) or model.task_embed is not None)

@@ -11,6 +11,7 @@ import torch.multiprocessing as mp
 
 from squad.analysis.usage import ExpertUsage
 from squad.layers.context import ForwardContext, RouterStats
+from squad.train.distributed import has_process_group, is_distributed
 from squad.train.losses import TaskWeighting, all_reduce_mass, balance_loss, mutual_information
 
 
@@ -38,6 +39,10 @@ def _mass(w, x, task_ids):
 
 def _rank_worker(rank, world, init_file, out_file):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    assert has_process_group() and is_distributed()
+    usage = ExpertUsage(["a"])
+    usage.update([RouterStats("l", "moe", None, torch.full((1, 2), rank + 1.0), torch.ones(1), 1)])
+    usage.all_reduce()
     torch.manual_seed(0)
     w = torch.randn(6, 5, requires_grad=True)
     x = torch.randn(8, 4, 6)
@@ -50,7 +55,7 @@ def _rank_worker(rank, world, init_file, out_file):
     dist.all_reduce(grad)
     grad /= world  # data-parallel gradient averaging, as DeepSpeed does
     if rank == 0:
-        torch.save({"loss": loss.detach(), "grad": grad}, out_file)
+        torch.save({"loss": loss.detach(), "grad": grad, "usage": usage.counts["l"]}, out_file)
     dist.destroy_process_group()
 
 
@@ -67,6 +72,23 @@ def test_mi_two_gloo_ranks_equal_one_rank():
         res = torch.load(out, weights_only=True)
     assert torch.allclose(res["loss"], loss.detach(), atol=1e-6)
     assert torch.allclose(res["grad"], w.grad, atol=1e-6)
+    assert res["usage"].tolist() == [[3.0, 3.0]]  # ExpertUsage.all_reduce summed 1 + 2 over the ranks
+
+
+def _one_rank_worker(rank, init_file):
+    assert not has_process_group() and not is_distributed()
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=1)
+    try:
+        assert has_process_group() and not is_distributed()  # a group of one rank: nothing to sum
+        mass = torch.ones(2, 3)
+        assert all_reduce_mass(mass) is mass
+    finally:
+        dist.destroy_process_group()
+
+
+def test_one_rank_group_is_not_distributed():
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_one_rank_worker, args=(os.path.join(d, "init"),), nprocs=1, join=True)
 
 
 def _stats(mass, counts, k=1):

@@ -2,7 +2,7 @@
 
 ``render_dataset`` samples rooms (walls, floor, ceiling, sometimes a window), furnishes them with boxes, spheres and
 cylinders whose shape, size and colour identify an object category, ray-casts several views of fixated points with
-``squad.data.render`` and writes every image in Taskonomy's own layout and encodings (FACTS.md §5)::
+``squad.data.render`` and writes every image in Taskonomy's own layout and encodings (as the dataset ships)::
 
     {out}/{domain}/taskonomy/{building}/point_{p}_view_{v}_domain_{domain}.png   (.npy for the class domains)
     {out}/train_val_test_synthetic.csv    id,train,val,test with CR-only line endings, one row per building

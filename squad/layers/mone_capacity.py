@@ -21,7 +21,7 @@ def capacity_distribution(e_c: float, num_experts: int = 4, beta: float = 10.0, 
 
     Maximises ``Σ_i c_i / δ^(i-1) − β Σ_i c_i log c_i`` subject to ``Σ c_i = 1``, ``Σ c_i / 2^(E-i) = e_c``,
     ``0 ≤ c_i ≤ 1`` with SLSQP. We use the formula as printed (dividing by δ^(i−1), i = 1 the smallest expert);
-    at β = 10 it differs from the multiplying variant by < 0.01 per entry (FACTS §4).
+    at β = 10 it differs from the multiplying variant (a public re-implementation) by < 0.01 per entry.
 
     Returns:
         c as a tuple of E floats (smallest expert first), summing to 1.

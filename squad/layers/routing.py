@@ -149,7 +149,7 @@ class Routing:
 
 
 class TaskRouter(nn.Module):
-    """Noisy top-k gate with one router per task (Shazeer et al.; Mod-Squad FACTS §1).
+    """Noisy top-k gate with one router per task (Shazeer et al.; as in the Mod-Squad paper and its authors' code).
 
     ``G(x) = TopK(Softmax(x W_g + ε · (Softplus(x W_noise) + 0.01)))`` with ε ~ N(0, 1) during training when noise
     is on; the kept probabilities are the gates (renormalised to sum to 1 if configured). Each row of the batch

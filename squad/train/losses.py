@@ -22,7 +22,7 @@ from squad.train.distributed import is_distributed
 
 
 def mutual_information(mass: torch.Tensor) -> torch.Tensor:
-    """I(T; E) in nats from a T×E table of soft probability mass per task (FACTS §1).
+    """I(T; E) in nats from a T×E table of soft probability mass per task (the Mod-Squad paper's MI loss).
 
     ``P(T,E) = mass / Σ mass``, ``P(T)`` and ``P(E)`` its marginals (so P(T) is the batch's task mix; tasks
     with no tokens contribute nothing). ``I = Σ P(T,E) log(P(T,E) / (P(T) P(E)))``.

@@ -1,9 +1,7 @@
 """Evaluation: metrics of models on a split, reports, and Δt against a baseline.
 
-* `squad.eval.metrics`: `MetricAccumulator` (each task's additive metric statistics summed over batches and
-  ranks, then finalised), `all_reduce_sums`, and `delta_t` (Mod-Squad's Δt, each metric with its task's direction).
-* `squad.eval.evaluate`: `evaluate` (a model over a loader), `eval_loader`, `evaluate_file` / `side_by_side` (saved
-  models on a split), `load_baseline` / `delta_against` (Δt against results files) and `format_results` (tables).
+* `squad.eval.metrics`: `MetricAccumulator` (metric sums over batches and ranks), `all_reduce_sums`, `delta_t` (Δt).
+* `squad.eval.evaluate`: `evaluate`, `eval_loader`, `evaluate_file`, `side_by_side`, `delta_against`, `format_results`.
 """
 
 from squad.eval.evaluate import evaluate, evaluate_file, format_results

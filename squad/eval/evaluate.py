@@ -34,7 +34,8 @@ from squad.analysis.usage import ExpertUsage
 from squad.data import build_dataset, collate
 from squad.data.samplers import ShardSampler
 from squad.eval.metrics import MetricAccumulator, delta_t
-from squad.io import load_any
+from squad.io import load
+from squad.models.single_task import SingleTaskModel
 from squad.tasks import get_task
 
 # --------------------------------------------------------------------------------------------- running a model
@@ -118,8 +119,8 @@ def evaluate_file(path: str | Path, data: str | Path, split: str = "val", tasks:
     Raises:
         ValueError: a task the model does not have (listing its tasks), or not a squad model file.
     """
-    model, kind = load_any(path)
-    inner = model.model if kind == "extracted" else model
+    model = load(path)
+    inner = model.model if isinstance(model, SingleTaskModel) else model
     names = inner.task_names if tasks is None else [inner.task_names[i] for i in inner.task_index(list(tasks))]
     return evaluate_model(inner, names, data, split, batches, batch_size, device, workers)
 

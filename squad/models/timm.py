@@ -4,13 +4,15 @@ attn.proj, norm2, mlp.fc1, mlp.fc2}``, ``norm``, and ``head`` for a token-pooled
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
-from squad.config.model import BlockSpec, HeadConfig, load_config
+from squad.config.base import deep_merge
+from squad.config.model import BlockSpec, HeadConfig, SquadConfig, load_config
 from squad.models.vit import SquadViT
 
 
@@ -49,20 +51,41 @@ def timm_config_dict(vit: nn.Module) -> dict:
     }
 
 
-def from_timm(vit: nn.Module, heads: Sequence[HeadConfig] | None = None, plan: Sequence[BlockSpec] | None = None,
-              overrides: dict | None = None) -> SquadViT:
+def _as_data(items: Sequence[HeadConfig | BlockSpec | str | dict], what: str) -> list[str | dict]:
+    """Heads/plan entries as YAML-like data: dataclasses → mappings; task names and mappings as they are."""
+    out = []
+    for i, item in enumerate(items):
+        if isinstance(item, HeadConfig | BlockSpec):
+            out.append(dataclasses.asdict(item))
+        elif isinstance(item, str | dict):
+            out.append(item)
+        else:
+            raise TypeError(f"from_timm: {what}[{i}] must be a task name, a mapping or a "
+                            f"{'HeadConfig' if what == 'heads' else 'BlockSpec'}, got {type(item).__name__}")
+    return out
+
+
+def from_timm(vit: nn.Module, heads: Sequence[HeadConfig | str | dict] | str | None = None,
+              plan: Sequence[BlockSpec | dict] | None = None, overrides: dict | None = None) -> SquadViT:
     """A SquadViT carrying a timm VisionTransformer's weights.
 
     Args:
         vit: a ``timm.models.vision_transformer.VisionTransformer`` (weights already in it; nothing is downloaded).
-        heads: task heads; default: the timm classifier as a ``token`` head named ``"timm"`` (weights copied)
-            when it has one and pools the class token.
-        plan: layer plan (default: all dense). Dense attention/MLP weights are copied into every block whose
-            attention/MLP is dense (also inside MoD blocks); routed parts keep their fresh init.
-        overrides: extra ModelConfig fields (e.g. ``{"mod": {"capacity": 0.5}}``).
+        heads: task heads, as in YAML's ``model.heads``: task names from `squad.tasks` (``"depth_euclidean"``; one
+            name alone is a list of one), ``{name, kind, channels}`` mappings, or `HeadConfig`. Default: the timm
+            classifier as a ``token`` head named ``"timm"`` (weights copied) when it has one and pools the class
+            token.
+        plan: layer plan as `BlockSpec` or mappings like YAML's ``model.plan`` (default: all dense). Dense
+            attention/MLP weights are copied into every block whose attention/MLP is dense (also inside MoD
+            blocks); routed parts keep their fresh init.
+        overrides: extra ModelConfig fields (e.g. ``{"mod": {"capacity": 0.5}}``), merged into the config.
 
     Returns:
         The model; with the default plan its ``forward_features`` equals timm's.
+
+    Raises:
+        ConfigError: a bad head, plan entry or override (named as its ``model.`` key).
+        ValueError: a timm feature SquadViT does not model.
     """
     arch = timm_config_dict(vit)
     copy_head = False
@@ -73,9 +96,11 @@ def from_timm(vit: nn.Module, heads: Sequence[HeadConfig] | None = None, plan: S
             copy_head = True
         else:
             heads = [HeadConfig("features", "class", 1)]
-    data = {**arch, "task_embed": "none", "heads": [vars(h) for h in heads],
-            "plan": [vars(b) for b in (plan or [BlockSpec()])], **(overrides or {})}
-    cfg = load_config({"model": data}).model
+    elif isinstance(heads, str | dict | HeadConfig):
+        heads = [heads]
+    data = {**arch, "task_embed": "none", "heads": _as_data(heads, "heads"),
+            "plan": _as_data(plan or [BlockSpec()], "plan")}
+    cfg = load_config({"model": deep_merge(data, overrides or {})}, cls=SquadConfig).model
     model = SquadViT(cfg)
     load_timm_weights(model, vit.state_dict(), head="timm" if copy_head else None)
     return model

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 import torch.nn as nn
 
-from squad.config.model import HeadConfig, ModelConfig
+from squad.config.model import HeadConfig, ModelConfig, SquadConfig, load_config
 from squad.layers.base import RoutedLayer
 from squad.layers.block import Block
 from squad.layers.context import ForwardContext, RouterStats
@@ -185,21 +186,34 @@ class SquadViT(nn.Module):
             x = ctx.mone.unpermute(x)
         return self.norm(x), ctx
 
-    def forward(self, images: torch.Tensor, tasks: Sequence[str] | None = None,
+    def forward(self, images: torch.Tensor, tasks: str | Sequence[str] | None = None,
                 assignment: torch.Tensor | None = None) -> SquadOutput:
         """Runs ``tasks`` on ``images`` in one backbone pass.
 
         Args:
             images: [B, C, H, W].
-            tasks: task names (default: all of the model's tasks).
+            tasks: task names or aliases, or one name (``"depth"`` = ``["depth"]``); default: all of the model's
+                tasks. Each task at most once (predictions are keyed by canonical name).
             assignment: optional [B, len(tasks)] bool, which images run which task (default: every image runs
                 every task). Rows are task-major.
 
         Returns:
             `SquadOutput` with per-task predictions, the images each task ran on, and the routing statistics.
+
+        Raises:
+            ValueError: an unknown task, a task listed twice (also under two aliases), or bad shapes.
         """
+        if isinstance(tasks, str):
+            tasks = [tasks]
         tasks = list(self.task_names if tasks is None else tasks)
         tidx = self.task_index(tasks)
+        if len(set(tidx)) != len(tidx):
+            first = {}
+            for name, t in zip(tasks, tidx, strict=True):
+                if t in first:
+                    raise ValueError(f"tasks {first[t]!r} and {name!r} are both task {self.task_names[t]!r}: "
+                                     "list each task once")
+                first[t] = name
         x0 = self.embed(images)
         b = x0.shape[0]
         if assignment is None:
@@ -321,6 +335,23 @@ class SquadViT(nn.Module):
             self.task_embed_extra = None
 
 
-def build_model(cfg: ModelConfig) -> SquadViT:
-    """Builds a `SquadViT` from a validated `ModelConfig`."""
+def build_model(cfg: ModelConfig | SquadConfig | str | Path) -> SquadViT:
+    """Builds a freshly initialised `SquadViT`.
+
+    Args:
+        cfg: a `ModelConfig`; a `SquadConfig` or `RunConfig` (its ``model`` section is used); a YAML path (model
+            or run config); or a registered model name (`squad.list_models`). Use `squad.create_model` to change
+            fields of a named config as you build it.
+
+    Raises:
+        ConfigError: an unknown name or file, or an invalid config (the message names the key).
+        TypeError: ``cfg`` is none of these.
+    """
+    if isinstance(cfg, str | Path):
+        cfg = load_config(cfg)
+    if not isinstance(cfg, ModelConfig) and isinstance(getattr(cfg, "model", None), ModelConfig):
+        cfg = cfg.model
+    if not isinstance(cfg, ModelConfig):
+        raise TypeError(f"build_model takes a ModelConfig, a SquadConfig/RunConfig, a YAML path or a model name, "
+                        f"got {type(cfg).__name__}")
     return SquadViT(cfg)

@@ -24,7 +24,7 @@ def extract_and_compare(run: str | Path, data: str | Path, task: str = "depth_eu
         print(f"\n{task} on {m['split']} ({m['images']} images), full model beside the extracted one:")
         print(format_results({"full": {report["task"]: m["full"]}, f"extracted θ={theta:g}": {report["task"]:
                                                                                            m["extracted"]}}))
-    print(f"extracted model: {out} (load with squad.load_extracted)")
+    print(f"extracted model: {out} (load with squad.load)")
     return report
 
 

@@ -1,10 +1,39 @@
-"""Opening what the tools are pointed at — a run folder, a ``model.pt``, or an extracted single-task file — with
-errors that say what the file is and what was expected (never a bare unpickling or shape traceback).
+"""Saving and loading every file squad writes; `load` opens any of them.
+
+``squad.load(path)`` takes a run folder, a ``model.pt``, an extracted single-task file or a DeepSpeed checkpoint and
+returns the model, in eval mode, without DeepSpeed. Every file is read with ``torch.load(weights_only=True)``: a file
+that needs arbitrary unpickling is refused with a `ValueError`, never executed. Weights are checked against the
+model config before they are loaded; a mismatch names the tensor and both shapes.
+
+Files squad writes (each written atomically, to a temporary file that then replaces the target, so a killed process
+never leaves a half-written file):
+
+``<run>/model.pt`` — format ``"squad.model/1"``
+    Written at the end of training (`export_model`), and by tools/finetune_router.py and
+    tools/adapt_pretrained.py. A dict of plain data: ``format``, ``config`` (the model config as a dict), ``tasks``,
+    ``state_dict``, ``usage`` (`ExpertUsage.state_dict`, or None) and ``extra`` (step, final metrics,
+    ``trained_tasks``, ...). Loads with `load` or `load_model` → `SquadViT`; also with plain
+    ``torch.load(path, weights_only=True)``.
+extracted single-task model (``<task>_theta<θ>.pt``) — format ``"squad.extracted/1"``
+    Written by tools/extract.py (`save_extracted`): ``task``, ``config``, ``kept`` (layer → kept expert indices),
+    ``exact``, ``mone_capacity``, ``state_dict``, ``report``; the report also sits beside it as ``<name>.json``. Loads
+    with `load` or `load_extracted` → `SingleTaskModel`.
+``<run>/checkpoints/<tag>/`` — DeepSpeed checkpoints
+    DeepSpeed's own files plus squad's ``COMPLETE`` marker, and ``checkpoints/latest`` naming the newest tag (layout
+    in `squad.train.checkpoint`). tools/train.py resumes from them. `load` reads a complete tag's
+    ``mp_rank_00_model_states.pt`` (its ``module`` weights, the expert usage and the loop counters) and takes the
+    model config from the run's ``config.yaml``; ``checkpoints/`` itself means its latest complete tag.
+Other files of a run folder
+    ``config.yaml`` (the resolved run config: ``load_config(path, cls=RunConfig)``), ``ds_config.json`` (the DeepSpeed
+    config derived from it), ``metrics.jsonl`` (one JSON object per evaluation), ``train.log``, ``tensorboard/``.
+
+The format strings are part of the file format: files written by earlier versions load unchanged.
 """
 
 from __future__ import annotations
 
-import os
+import pickle
+import re
 from pathlib import Path
 from typing import Any
 
@@ -13,26 +42,132 @@ import torch
 from squad.analysis.usage import ExpertUsage
 from squad.config.base import ConfigError, to_dict
 from squad.config.model import load_config
+from squad.config.run import RunConfig
 from squad.models.single_task import SingleTaskModel
 from squad.models.vit import SquadViT
 from squad.posttrain.pruning import prune_model
 from squad.posttrain.surgery import build_on_meta, load_assigned
+from squad.train.checkpoint import COMPLETE, MODEL_STATES, atomic_torch_save, atomic_write_text, find_resume_tag
+
+__all__ = [
+    "CHECKPOINT_FORMAT",
+    "EXTRACTED_FORMAT",
+    "MODEL_FORMAT",
+    "atomic_torch_save",
+    "atomic_write_text",
+    "export_model",
+    "load",
+    "load_extracted",
+    "load_model",
+    "read_payload",
+    "save_extracted",
+]
 
 MODEL_FORMAT = "squad.model/1"
 EXTRACTED_FORMAT = "squad.extracted/1"
+CHECKPOINT_FORMAT = "deepspeed-checkpoint"  # ``meta["format"]`` of a model loaded from a checkpoint tag
+
+
+# ----------------------------------------------------------------------------------------------------- loading
+def load(path: str | Path) -> SquadViT | SingleTaskModel:
+    """Loads whatever squad wrote at ``path``, without DeepSpeed and with ``weights_only=True``.
+
+    ``path`` may be:
+
+    * a run folder (``runs/x``): its ``model.pt``;
+    * a ``model.pt`` (format ``squad.model/1``) → a `SquadViT`;
+    * an extracted file from tools/extract.py (format ``squad.extracted/1``) → a `SingleTaskModel`;
+    * a DeepSpeed checkpoint tag folder (``runs/x/checkpoints/step00000060``, or its
+      ``mp_rank_00_model_states.pt``) → a `SquadViT` built from the run's ``config.yaml``; the run's
+      ``checkpoints/`` folder means its latest complete tag. Tags without the ``COMPLETE`` marker (a save that was
+      interrupted) are refused. Under bf16/fp16 training DeepSpeed saves the module's half-precision weights; they
+      are cast to the model's fp32 (the fp32 master copy lives in optimizer shards, which are not read).
+
+    Returns:
+        The model in eval mode, with two attributes beside its weights:
+
+        * ``model.usage`` — the expert-usage statistics saved with it (`ExpertUsage`: training's statistics summed
+          over ranks, from ``model.pt`` or the checkpoint), or None (none saved; always None for extracted files).
+        * ``model.meta`` — the file's metadata without the weights: a dict with ``format`` (``"squad.model/1"``,
+          ``"squad.extracted/1"`` or ``"deepspeed-checkpoint"``), ``path`` (the file or tag folder read) and
+          ``config`` (the model config as a dict), plus for full models ``tasks`` and ``extra`` (``step``,
+          ``trained_tasks``, final ``metrics`` ...; for a checkpoint ``step``, ``tag``, ``trained_tasks`` and the
+          loop counters ``loop``), and for extracted models ``task``, ``kept``, ``exact``, ``mone_capacity`` and the
+          extraction ``report``.
+
+    Raises:
+        FileNotFoundError: nothing at ``path``, a run folder without ``model.pt`` (training not finished), a
+            ``checkpoints/`` folder without a complete tag, or a checkpoint whose run has no ``config.yaml``.
+        ValueError: not a squad file (its format is named), a file weights_only loading refuses, an incomplete
+            checkpoint tag, or weights that do not fit the config (naming the tensor and both shapes).
+    """
+    path = Path(path)
+    tag = _checkpoint_tag(path)
+    if tag is not None:
+        return _load_checkpoint(tag)
+    payload = read_payload(path)
+    if payload["format"] == EXTRACTED_FORMAT:
+        return _extracted_from_payload(payload)
+    return _full_from_payload(payload)
+
+
+def load_model(path: str | Path) -> SquadViT:
+    """`load` for a full multi-task model: a run folder, ``model.pt`` or checkpoint tag (not an extracted file).
+
+    Returns:
+        The `SquadViT` in eval mode, with ``.usage`` and ``.meta`` as described in `load`.
+
+    Raises:
+        FileNotFoundError, ValueError: as `load`, and for an extracted single-task file.
+    """
+    path = Path(path)
+    tag = _checkpoint_tag(path)
+    if tag is not None:
+        return _load_checkpoint(tag)
+    payload = read_payload(path)
+    if payload["format"] == EXTRACTED_FORMAT:
+        raise ValueError(f"{payload['path']} is an extracted single-task model ({payload.get('task')}); "
+                         f"this needs the full model (the run's model.pt)")
+    return _full_from_payload(payload)
+
+
+def load_extracted(path: str | Path) -> SingleTaskModel:
+    """`load` for an extracted single-task file (tools/extract.py, `save_extracted`).
+
+    Returns:
+        The `SingleTaskModel` in eval mode (``model(images)`` → the task's prediction), with ``.usage`` (None) and
+        ``.meta`` as described in `load`.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: not an extracted model (e.g. a full ``model.pt``: use `squad.load`), or its weights do not match
+            its config.
+    """
+    payload = read_payload(path)
+    if payload["format"] != EXTRACTED_FORMAT:
+        raise ValueError(f"{payload['path']} is a full multi-task model file, not an extracted one; load it with "
+                         f"squad.load, or extract a task with tools/extract.py")
+    return _extracted_from_payload(payload)
 
 
 def read_payload(path: str | Path) -> dict:
-    """Loads a squad file (``model.pt`` of a run, or an extracted model) with ``weights_only=True``.
+    """The contents of a squad file (``model.pt`` of a run, or an extracted model), loaded with ``weights_only=True``.
+
+    Args:
+        path: the file, or a run folder holding ``model.pt``.
+
+    Returns:
+        The file's dict, with ``"path"`` (the file read) added.
 
     Raises:
         FileNotFoundError: nothing at ``path`` (a run folder without ``model.pt`` names what is missing).
-        ValueError: the file is not a squad model (its format is named).
+        ValueError: the file is not a squad model (its format is named), or weights_only loading refuses it.
     """
     path = Path(path)
     if path.is_dir():
         if not (path / "model.pt").is_file():
-            hint = " (it has checkpoints: training has not finished)" if (path / "checkpoints").is_dir() else ""
+            hint = (f" (it has checkpoints: training has not finished; pass {path / 'checkpoints'} to load the latest "
+                    f"complete one)" if (path / "checkpoints").is_dir() else "")
             raise FileNotFoundError(f"{path} holds no model.pt{hint}; pass a run folder after training or a model file")
         path = path / "model.pt"
     if not path.is_file():
@@ -40,7 +175,7 @@ def read_payload(path: str | Path) -> dict:
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unpickling problem means: not one of our files
-        raise ValueError(f"{path}: not a loadable squad model file ({type(e).__name__}: {str(e)[:200]})") from e
+        raise ValueError(f"{path}: not a loadable squad model file ({_why(e)})") from e
     fmt = payload.get("format") if isinstance(payload, dict) else None
     if fmt not in (MODEL_FORMAT, EXTRACTED_FORMAT):
         found = fmt if isinstance(payload, dict) else type(payload).__name__
@@ -50,67 +185,163 @@ def read_payload(path: str | Path) -> dict:
     return payload
 
 
-def model_from_payload(payload: dict) -> SquadViT:
-    """Builds the full model a ``model.pt`` payload describes, with a clear error when the weights do not fit."""
-    source = payload.get("path", "model file")
+def _model_config(payload: dict, source: str):
     try:
-        cfg = load_config({"model": payload["config"]}).model
+        return load_config({"model": payload["config"]}).model
     except (ConfigError, KeyError, TypeError) as e:
         raise ValueError(f"{source}: its model config is invalid ({e})") from e
+
+
+def _meta(payload: dict) -> dict:
+    return {k: v for k, v in payload.items() if k not in ("state_dict", "usage")}
+
+
+def _full_from_payload(payload: dict) -> SquadViT:
+    """The full model a ``model.pt`` payload describes (meta-device build, shape-checked load)."""
+    source = payload.get("path", "model file")
+    cfg = _model_config(payload, source)
     state = payload.get("state_dict")
     if not isinstance(state, dict):
         raise ValueError(f"{source}: no state_dict in the file")
-    model = load_assigned(build_on_meta(cfg), {k: v.clone() for k, v in state.items()}, source)
-    return model.eval()
+    model = load_assigned(build_on_meta(cfg), {k: v.clone() for k, v in state.items()}, source).eval()
+    model.usage = ExpertUsage.from_state_dict(payload["usage"]) if payload.get("usage") else None
+    model.meta = _meta(payload)
+    return model
 
 
-def load_full_model(path: str | Path, with_usage: bool = True) -> tuple[SquadViT, ExpertUsage | None, dict]:
-    """A multi-task model from a run folder or ``model.pt`` (not an extracted file).
+def _extracted_from_payload(payload: dict) -> SingleTaskModel:
+    """The `SingleTaskModel` an extracted file describes: its config, pruned as recorded, then its weights."""
+    source = payload.get("path", "extracted model")
+    for key in ("task", "config", "kept", "exact", "state_dict"):
+        if key not in payload:
+            raise ValueError(f"{source}: extracted model file lacks {key!r}")
+    cfg = _model_config(payload, source)
+    if cfg.task_names != [payload["task"]]:
+        raise ValueError(f"{source}: config heads {cfg.task_names} do not match the task {payload['task']!r}")
+    model = build_on_meta(cfg)
+    kept = {str(k): [int(i) for i in v] for k, v in payload["kept"].items()}
+    try:
+        prune_model(model, kept, exact=bool(payload["exact"]))
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from e
+    load_assigned(model, payload["state_dict"], source)
+    model.mone_capacity = float(payload.get("mone_capacity", cfg.mone.capacity))
+    return SingleTaskModel(model.eval(), payload["task"], kept, bool(payload["exact"]), usage=None,
+                           meta=_meta(payload))
+
+
+# ------------------------------------------------------------------------------------------ DeepSpeed checkpoints
+def _checkpoint_tag(path: Path) -> Path | None:
+    """The checkpoint tag folder ``path`` names (a tag, its model-states file, or a ``checkpoints/`` folder), else
+    None (a run folder or a squad file)."""
+    if path.is_file():
+        return path.parent if path.name == MODEL_STATES else None
+    if not path.is_dir() or (path / "model.pt").is_file():
+        return None
+    if (path / COMPLETE).is_file() or (path / MODEL_STATES).is_file():
+        return path
+    if (path / "latest").is_file() or any((p / COMPLETE).is_file() for p in path.iterdir() if p.is_dir()):
+        tag = find_resume_tag(path)
+        if tag is None:
+            raise FileNotFoundError(f"{path}: no complete checkpoint (tags without a {COMPLETE} marker were "
+                                    f"interrupted while saving and are never loaded)")
+        return path / tag
+    return None
+
+
+def _load_checkpoint(tag: Path) -> SquadViT:
+    """The `SquadViT` of a complete DeepSpeed checkpoint tag, configured by its run's ``config.yaml``."""
+    if not (tag / COMPLETE).is_file():
+        raise ValueError(f"{tag}: incomplete checkpoint (no {COMPLETE} marker: the save was interrupted); load an "
+                         f"earlier tag, or {tag.parent} for the latest complete one")
+    file = tag / MODEL_STATES
+    if not file.is_file():
+        raise FileNotFoundError(f"{tag}: no {MODEL_STATES} in this checkpoint")
+    cfg_file = tag.parent.parent / "config.yaml"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"{tag}: the run's {cfg_file} is missing (a checkpoint holds no model config)")
+    try:
+        run_cfg = load_config(cfg_file, cls=RunConfig)
+    except ConfigError as e:
+        raise ValueError(f"{cfg_file}: {e}") from e
+    states = _load_model_states(file)
+    module = states.get("module") if isinstance(states, dict) else None
+    if not isinstance(module, dict):
+        raise ValueError(f"{file}: no module weights in this DeepSpeed checkpoint")
+    model = build_on_meta(run_cfg.model)
+    own = model.state_dict()
+    state = {}
+    for key, value in module.items():  # the engine wraps the model in the training objective: "model.<name>"
+        if key.startswith("model."):
+            key = key[len("model."):]
+            if key in own and value.is_floating_point() and own[key].is_floating_point():
+                value = value.to(own[key].dtype)  # bf16/fp16 training saves half-precision module weights
+            state[key] = value
+    load_assigned(model, state, str(file)).eval()
+    loop = states.get("loop") or {}
+    model.usage = ExpertUsage.from_state_dict(states["usage"]) if states.get("usage") else None
+    model.meta = {"format": CHECKPOINT_FORMAT, "path": str(tag), "config": to_dict(run_cfg.model),
+                  "tasks": list(model.task_names),
+                  "extra": {"step": loop.get("step", states.get("global_steps")), "tag": tag.name,
+                            "trained_tasks": run_cfg.train_tasks(), "loop": dict(loop)}}
+    return model
+
+
+def _deepspeed_safe_globals() -> list:
+    """The only non-tensor classes allowed when a model-states file holds more than plain data: DeepSpeed's fp16 loss
+    scalers and the bf16 optimizer's fragment addresses (plain attribute records; nothing else is allowed). DeepSpeed
+    is imported only here, for such files: loading never needs it otherwise."""
+    try:
+        from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+        from deepspeed.utils.tensor_fragment import fragment_address
+    except ImportError:
+        return []
+    return [DynamicLossScaler, LossScaler, fragment_address]
+
+
+def _load_model_states(file: Path) -> Any:
+    """``torch.load(weights_only=True)`` of a DeepSpeed model-states file; if DeepSpeed stored one of its own records
+    beside the weights, once more with exactly those classes allowed (`_deepspeed_safe_globals`)."""
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        error: Exception = e
+    except Exception as e:  # noqa: BLE001 - a damaged file: say which
+        raise ValueError(f"{file}: not a loadable DeepSpeed checkpoint ({type(e).__name__}: {str(e)[:200]})") from e
+    allowed = _deepspeed_safe_globals()
+    if allowed:
+        try:
+            with torch.serialization.safe_globals(allowed):
+                return torch.load(file, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001
+            error = e
+    raise ValueError(f"{file}: weights_only loading refuses this checkpoint ({_why(error)}); squad never unpickles "
+                     f"files without weights_only") from error
+
+
+def _why(error: Exception) -> str:
+    """What ``torch.load(weights_only=True)`` refused, in a few words (its own message is a page long)."""
+    found = re.search(r"GLOBAL (\S+)", str(error))
+    if found:
+        return f"it holds {found.group(1)}, which weights_only loading does not allow"
+    return f"{type(error).__name__}: {error}"[:200]
+
+
+# ------------------------------------------------------------------------------------------------------ saving
+def export_model(path: str | Path, model: SquadViT, usage: ExpertUsage | None, extra: dict | None = None) -> Path:
+    """Writes a ``model.pt`` (format ``squad.model/1``): config, tasks, weights, expert usage, ``extra``.
+
+    Args:
+        path: the file to write (its folder is created).
+        model: the model to save (its weights are copied to the CPU).
+        usage: expert-usage statistics to save with it, or None.
+        extra: plain data (numbers, strings, lists, dicts, tensors) stored under ``extra``.
 
     Returns:
-        (model in eval mode, its saved usage statistics or None, the payload without weights).
-
-    Raises:
-        FileNotFoundError, ValueError: as `read_payload`, and for an extracted file or mismatched weights.
+        ``path``; the file loads with `load` (or ``torch.load(weights_only=True)``).
     """
-    payload = read_payload(path)
-    if payload.get("format") == EXTRACTED_FORMAT:
-        raise ValueError(f"{payload['path']} is an extracted single-task model ({payload.get('task')}); "
-                         f"this needs the full model (the run's model.pt)")
-    model = model_from_payload(payload)
-    usage = None
-    if with_usage and payload.get("usage"):
-        usage = ExpertUsage.from_state_dict(payload["usage"])
-    meta = {k: v for k, v in payload.items() if k != "state_dict"}
-    return model, usage, meta
-
-
-def load_any(path: str | Path):
-    """A full model or an extracted one, whichever the file holds.
-
-    Returns:
-        (model, kind) with kind ``"full"`` (a `SquadViT`) or ``"extracted"`` (a `SingleTaskModel`).
-    """
-    payload = read_payload(path)
-    if payload.get("format") == EXTRACTED_FORMAT:
-        return extracted_from_payload(payload), "extracted"
-    return model_from_payload(payload), "full"
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def atomic_torch_save(obj: Any, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
-def export_model(path: Path, model, usage: ExpertUsage | None, extra: dict | None = None) -> None:
-    """Writes ``model.pt``: config, task list, weights, expert-usage statistics (weights_only-loadable)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     payload = {
         "format": MODEL_FORMAT,
@@ -121,24 +352,20 @@ def export_model(path: Path, model, usage: ExpertUsage | None, extra: dict | Non
         "extra": extra or {},
     }
     atomic_torch_save(payload, path)
-
-
-def load_model(path: str | Path, with_usage: bool = False):
-    """Loads a trained model from ``model.pt`` or a run folder, without DeepSpeed.
-
-    Args:
-        path: the file, or a run folder containing ``model.pt``.
-        with_usage: also return the saved `ExpertUsage` (or None).
-
-    Returns:
-        The model in eval mode (and the usage statistics when asked).
-    """
-    model, usage, _ = load_full_model(path, with_usage=with_usage)
-    return (model, usage) if with_usage else model
+    return path
 
 
 def save_extracted(path: str | Path, ext: SingleTaskModel, report: dict | None = None) -> Path:
-    """Writes an extracted model (config, kept experts, routing mode, weights, report); weights_only-loadable."""
+    """Writes an extracted model (format ``squad.extracted/1``): config, kept experts, routing mode, weights, report.
+
+    Args:
+        path: the file to write (its folder is created).
+        ext: the extracted model.
+        report: the extraction report (stored as plain data).
+
+    Returns:
+        ``path``; the file loads with `load` / `load_extracted` (``weights_only=True``).
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {
@@ -167,43 +394,3 @@ def _plain(obj):
         return obj
     return str(obj)
 
-
-def extracted_from_payload(payload: dict) -> SingleTaskModel:
-    """Rebuilds an extracted model from its file contents (see `load_extracted`)."""
-    source = payload.get("path", "extracted model")
-    for key in ("task", "config", "kept", "exact", "state_dict"):
-        if key not in payload:
-            raise ValueError(f"{source}: extracted model file lacks {key!r}")
-    try:
-        cfg = load_config({"model": payload["config"]}).model
-    except (ConfigError, TypeError) as e:
-        raise ValueError(f"{source}: its model config is invalid ({e})") from e
-    if cfg.task_names != [payload["task"]]:
-        raise ValueError(f"{source}: config heads {cfg.task_names} do not match the task {payload['task']!r}")
-    model = build_on_meta(cfg)
-    kept = {str(k): [int(i) for i in v] for k, v in payload["kept"].items()}
-    try:
-        prune_model(model, kept, exact=bool(payload["exact"]))
-    except ValueError as e:
-        raise ValueError(f"{source}: {e}") from e
-    load_assigned(model, payload["state_dict"], source)
-    model.mone_capacity = float(payload.get("mone_capacity", cfg.mone.capacity))
-    return SingleTaskModel(model.eval(), payload["task"], kept, bool(payload["exact"]))
-
-
-def load_extracted(path: str | Path) -> SingleTaskModel:
-    """Loads a file written by `save_extracted` / tools/extract.py (no DeepSpeed, ``weights_only=True``).
-
-    Returns:
-        The `SingleTaskModel` in eval mode: ``model(images)`` → the task's prediction.
-
-    Raises:
-        FileNotFoundError: no such file.
-        ValueError: not an extracted model (e.g. a full ``model.pt``: use `squad.load_model`), or its weights do
-            not match its config.
-    """
-    payload = read_payload(path)
-    if payload.get("format") != EXTRACTED_FORMAT:
-        raise ValueError(f"{payload['path']} is a full multi-task model file, not an extracted one; load it with "
-                         f"squad.load_model, or extract a task with tools/extract.py")
-    return extracted_from_payload(payload)

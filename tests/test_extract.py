@@ -14,8 +14,7 @@ from squad.io import export_model, load_extracted, save_extracted
 from squad.layers.experts import grouped_mm_flops
 from squad.posttrain.extract import collect_usage, extract
 from squad.posttrain.pruning import choose_experts, prunable_layers
-from tests.helpers import ROOT
-from tests.tool_helpers import load_tool, tiny_data, tiny_model
+from tests.helpers import ROOT, tiny_model
 
 HEADS = ["depth_euclidean", "normal", "class_scene"]
 PLANS = {
@@ -171,11 +170,6 @@ def test_saved_file_loads_in_a_fresh_process_without_deepspeed(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def data_root(tmp_path_factory):
-    return tiny_data(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
 def model_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("model") / "model.pt"
     model = tiny_model(HEADS)
@@ -184,11 +178,11 @@ def model_file(tmp_path_factory):
     return path
 
 
-def test_extract_tool_writes_model_and_report(tmp_path, model_file, data_root, capsys):
-    tool = load_tool("extract")
+def test_extract_tool_writes_model_and_report(tmp_path, model_file, tiny_data, load_tool, capsys):
+    tool = load_tool("tools/extract.py")
     out = tmp_path / "depth.pt"
     assert tool.main(["--checkpoint", str(model_file), "--task", "depth", "--theta", "0.05", "--data",
-                      str(data_root), "--calib-batches", "2", "--out", str(out)]) == 0
+                      str(tiny_data), "--calib-batches", "2", "--out", str(out)]) == 0
     report = json.loads(out.with_suffix(".json").read_text())
     assert report["task"] == "depth_euclidean" and report["usage"]["kind"] == "calibration"
     assert report["params"]["extracted"] < report["params"]["full"]
@@ -212,13 +206,13 @@ def test_extract_tool_writes_model_and_report(tmp_path, model_file, data_root, c
     (["--task", "depth", "--keep-top", "0"], "keep_top must be in (0, 1]"),
     (["--task", "depth", "--keep-top", "1.5"], "keep_top must be in (0, 1]"),
 ])
-def test_extract_tool_rejects_bad_arguments(model_file, args, message, capsys):
-    assert load_tool("extract").main(["--checkpoint", str(model_file), "--saved-usage", *args]) == 2
+def test_extract_tool_rejects_bad_arguments(model_file, args, message, load_tool, capsys):
+    assert load_tool("tools/extract.py").main(["--checkpoint", str(model_file), "--saved-usage", *args]) == 2
     assert message in capsys.readouterr().err
 
 
-def test_extract_tool_rejects_checkpoints_of_other_models(tmp_path, model_file, capsys):
-    tool = load_tool("extract")
+def test_extract_tool_rejects_checkpoints_of_other_models(tmp_path, model_file, load_tool, capsys):
+    tool = load_tool("tools/extract.py")
     plain = tmp_path / "plain.pth"  # e.g. a timm state dict
     torch.save({"blocks.0.attn.qkv.weight": torch.zeros(3, 3)}, plain)
     other = tmp_path / "other.pt"  # a squad file whose weights belong to a wider model

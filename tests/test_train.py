@@ -5,7 +5,6 @@ Taskonomy the tests render themselves.
 """
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -17,7 +16,7 @@ import yaml
 
 import squad
 from squad.train import checkpoint as ckpt
-from tests.helpers import ROOT
+from tests.helpers import ROOT, tool_env
 
 PY = sys.executable
 DEEPSPEED = str(Path(sys.executable).parent / "deepspeed")
@@ -28,13 +27,6 @@ def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _env():
-    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    return env
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +60,7 @@ def run_config(tmp_path_factory, data_root):
 
 
 def _run(cmd, timeout=600):
-    res = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    res = subprocess.run(cmd, env=tool_env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     return res
 
 
@@ -97,7 +89,8 @@ def test_two_rank_deepspeed_overfits_and_exports(two_rank_run):
     assert (two_rank_run / "config.yaml").is_file() and (two_rank_run / "ds_config.json").is_file()
     payload = torch.load(two_rank_run / "model.pt", weights_only=True)
     assert payload["tasks"] == TASKS
-    model, usage = squad.load_model(two_rank_run, with_usage=True)
+    model = squad.load_model(two_rank_run)
+    usage = model.usage
     out = model(torch.randn(2, 3, 32, 32))
     assert set(out.preds) == set(TASKS)
     assert usage is not None and usage.counts  # statistics of both ranks' tokens
@@ -115,7 +108,7 @@ def test_multi_node_loopback_matches_one_node(tmp_path, run_config, two_rank_run
     cmds = [[DEEPSPEED, "--hostfile", str(hosts), "--num_nodes", "2", "--num_gpus", "1", "--no_ssh",
              "--node_rank", str(r), "--master_addr", "127.0.0.1", "--master_port", port, "tools/train.py",
              "--config", str(run_config), "--out", str(out)] for r in (0, 1)]
-    procs = [subprocess.Popen(c, env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    procs = [subprocess.Popen(c, env=tool_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for c in cmds]
     outs = [p.communicate(timeout=600)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[1][-3000:]

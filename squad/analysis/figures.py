@@ -14,7 +14,7 @@ import torch
 
 from squad.analysis.relations import TaskRelations, task_relations
 from squad.analysis.usage import ExpertUsage
-from squad.io import load_full_model
+from squad.io import load_model
 from squad.models.vit import SquadViT
 
 matplotlib.use("Agg")  # files and TensorBoard only; never a window
@@ -123,8 +123,9 @@ def draw_figures(source: str | Path | SquadViT, out_dir: str | Path, *, data: st
     if isinstance(source, SquadViT):
         model, saved = source, None
     else:
-        model, saved, meta = load_full_model(source)
-        step = int((meta.get("extra") or {}).get("step", 0) or 0)
+        model = load_model(source)
+        saved = model.usage
+        step = int((model.meta.get("extra") or {}).get("step", 0) or 0)
         if tb_dir is None and Path(source).is_dir() and (Path(source) / "tensorboard").is_dir():
             tb_dir = Path(source) / "tensorboard"
     model.to(device)

@@ -20,7 +20,7 @@ import torch
 import yaml
 
 from squad.bench.harness import BenchResult, check, ratio_row, time_interleaved
-from squad.io import load_extracted, load_full_model
+from squad.io import load_extracted, load_model
 from squad.posttrain.extract import extract_to_file
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ def _measure(run: Path, data: Path | None, source: str, folder: Path, quick: boo
     out = folder / f"{TASK}_theta{THETA:g}.pt"
     report = extract_to_file(run, TASK, out, theta=THETA, data=data, calib_batches=4 if quick else 16,
                              eval_split=None, saved_usage=data is None)
-    full, _, _ = load_full_model(run, with_usage=False)
+    full = load_model(run)
     ext = load_extracted(out)
     size = full.cfg.img_size
     images = torch.randn(8, 3, size, size, generator=torch.Generator().manual_seed(0))

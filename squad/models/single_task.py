@@ -4,9 +4,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn as nn
 
+from squad.analysis.usage import ExpertUsage
 from squad.models.vit import SquadViT
 
 
@@ -18,14 +21,21 @@ class SingleTaskModel(nn.Module):
         task: the task's canonical name.
         kept: layer name → kept expert indices (numbering of the original model).
         exact: exact routing (the router scores every original expert) or the paper's renormalised softmax.
+        usage: expert-usage statistics saved with the model (`ExpertUsage`), or None; extracted files save none (the
+            statistics the extraction used are summarised in ``meta["report"]``).
+        meta: the file's metadata when loaded by `squad.load` (format, path, config, task, kept, exact, report);
+            empty for a model built in memory.
     """
 
-    def __init__(self, model: SquadViT, task: str, kept: dict[str, list[int]], exact: bool):
+    def __init__(self, model: SquadViT, task: str, kept: dict[str, list[int]], exact: bool,
+                 usage: ExpertUsage | None = None, meta: dict[str, Any] | None = None):
         super().__init__()
         self.model = model
         self.task = task
         self.kept = {k: list(v) for k, v in kept.items()}
         self.exact = exact
+        self.usage = usage
+        self.meta = dict(meta or {})
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         """images [B, C, H, W] → the task's prediction."""

@@ -3,13 +3,13 @@ that task uses, as a standalone model file that loads without DeepSpeed.
 
     ext = extract(model, "depth", usage, theta=0.01)   # usage: calibration pass or the run's saved statistics
     save_extracted("depth.pt", ext)
-    ext = squad.load_extracted("depth.pt")              # weights_only; model(images) → depth prediction
+    ext = squad.load("depth.pt")                        # weights_only; model(images) → depth prediction
     depth = ext(images)                                 # [B, 1, H, W]
 
 The task's usage frequencies come from a calibration pass over its data (`collect_usage`, the default in
 tools/extract.py) or from the statistics saved in ``model.pt``; `squad.posttrain.pruning` decides and slices. MoD
 and MoNE parts stay as they are. The file holds the single-task config, the kept experts per layer, the routing mode and
-the weights; `load_extracted` rebuilds the model from the config, applies the same pruning and loads the weights.
+the weights; `squad.load` rebuilds the model from the config, applies the same pruning and loads the weights.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from squad.analysis.flops import profile
 from squad.analysis.usage import ExpertUsage
 from squad.data import EmptyDatasetError, build_dataset
 from squad.eval.evaluate import eval_loader, evaluate
-from squad.io import load_full_model, save_extracted
+from squad.io import load_model, save_extracted
 from squad.models.single_task import SingleTaskModel
 from squad.models.vit import SquadViT
 from squad.posttrain.pruning import (
@@ -157,7 +157,8 @@ def extract_to_file(checkpoint: str | Path, task: str, out: str | Path, *, theta
     check_keep_top(keep_top)
     if keep_top is None and theta is None:
         raise ValueError("give theta (a usage threshold) or keep_top (a share of experts per layer)")
-    model, saved, meta = load_full_model(checkpoint)
+    model = load_model(checkpoint)
+    saved, meta = model.usage, model.meta
     (t,) = model.task_index([task])
     name = model.task_names[t]
     model.to(device)

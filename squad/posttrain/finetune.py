@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader, Subset
 
 from squad.data import build_dataset, collate
 from squad.eval.evaluate import eval_loader, evaluate
-from squad.io import export_model, load_full_model
+from squad.io import export_model, load_model
 from squad.models.vit import SquadViT
 from squad.posttrain.surgery import select_tasks
 from squad.tasks import get_task
@@ -321,7 +321,8 @@ def finetune_table(checkpoint: str | Path, task: str, data: str | Path, modes: S
             raise ValueError(f"{kind} must be {'in (0, 1]' if kind == 'fraction' else '>= 1'}, got {v}")
     if "linear-probe" in modes and spec.head_kind != "class":
         raise ValueError(f"mode linear-probe needs a class task; {name} is {spec.head_kind}")
-    full, _, meta = load_full_model(checkpoint, with_usage=False)
+    full = load_model(checkpoint)
+    meta = full.meta
     trained = (meta.get("extra") or {}).get("trained_tasks")
     base, note = base_without(full, name, trained, replace)
     base.to(cfg.device).eval()

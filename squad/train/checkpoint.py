@@ -1,21 +1,42 @@
-"""Checkpoints that survive a kill at any moment, and the exported ``model.pt``.
+"""Checkpoints that survive a kill at any moment, and the atomic writes every squad file uses.
 
 DeepSpeed writes a checkpoint's files into ``checkpoints/<tag>/``; only after every rank has finished does rank 0
 write ``<tag>/COMPLETE`` and atomically replace ``checkpoints/latest`` (write to a temporary file, then
 ``os.replace``). Resuming reads ``latest`` and checks the marker; a tag without its marker (a run killed while
-saving) is never loaded. ``model.pt`` is written the same way and holds plain tensors and lists only, so it loads
-with ``torch.load(weights_only=True)`` and `load_model` rebuilds the model without DeepSpeed.
+saving) is never loaded. ``model.pt`` and extracted files are written the same way (`atomic_torch_save`) and hold
+plain tensors and lists only, so they load with ``torch.load(weights_only=True)``. `squad.load` opens a run folder,
+``model.pt``, or a complete tag (from ``<tag>/mp_rank_00_model_states.pt`` and the run's ``config.yaml``), without
+DeepSpeed.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
+from typing import Any
 
-from squad.io import atomic_write_text
+import torch
 
-COMPLETE = "COMPLETE"
+COMPLETE = "COMPLETE"  # marker file of a tag every rank finished saving
+MODEL_STATES = "mp_rank_00_model_states.pt"  # DeepSpeed's file with the module weights and the client state
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """Writes ``text`` to ``path`` through a temporary file and ``os.replace`` (never a half-written file)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def atomic_torch_save(obj: Any, path: str | Path) -> None:
+    """``torch.save(obj, path)`` through a temporary file and ``os.replace`` (never a half-written file)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
 
 
 def tag_for(step: int) -> str:

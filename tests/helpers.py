@@ -1,11 +1,18 @@
-"""Shared test helpers: tiny model configs (every paper config shrunk to test widths)."""
+"""Plain test helpers: tiny model configs and models, and the environment of a tool run as a subprocess.
+
+Fixtures (the session's tiny synthetic dataset, the tool loader) live in tests/conftest.py.
+"""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+import torch
 
 import squad
 from squad.config.model import SquadConfig
+from squad.layers.routing import TaskLinear
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_CONFIGS = sorted(p for p in (ROOT / "configs" / "model").glob("*.yaml") if not p.name.startswith("_"))
@@ -25,6 +32,9 @@ TINY = [
     "model.mod.capacity=0.5",
 ]
 
+# The plan of `tiny_model`: MoE attention + MoE MLP, then a MoD block with a MoE MLP.
+TINY_PLAN = [{"attn": "moa", "mlp": "moe"}, {"attn": "dense", "mlp": "moe", "mod": "learned"}]
+
 
 def tiny_config(path: Path | str, extra: list[str] | None = None) -> SquadConfig:
     """A paper config at test widths (dense attention head width reset to D / heads)."""
@@ -40,3 +50,34 @@ def tiny_model_cfg(**model) -> squad.ModelConfig:
     }
     data.update(model)
     return squad.model_config(data)
+
+
+def tiny_model(heads, plan=None, seed: int = 0, **model) -> squad.SquadViT:
+    """A tiny SquadViT whose routers have random (not zero) weights, so tokens spread over the experts."""
+    data = {"img_size": 32, "patch_size": 8, "embed_dim": 32, "depth": 2, "num_heads": 2,
+            "plan": plan or TINY_PLAN,
+            "moa": {"num_experts": 6, "top_k": 2, "head_dim": 8, "router": {"noise": False}},
+            "moe": {"num_experts": 6, "top_k": 2, "router": {"noise": True}},
+            "mod": {"capacity": 0.5}, "heads": list(heads)}
+    data.update(model)
+    torch.manual_seed(seed)
+    m = squad.build_model(squad.model_config(data))
+    randomize_routers(m, seed)
+    return m.eval()
+
+
+@torch.no_grad()
+def randomize_routers(model: torch.nn.Module, seed: int = 0, std: float = 0.5) -> None:
+    """Random gate weights for every per-task bank (noise banks stay at zero)."""
+    g = torch.Generator().manual_seed(seed)
+    for name, m in model.named_modules():
+        if isinstance(m, TaskLinear) and not name.endswith(".noise"):
+            m.weight.copy_(torch.randn(m.weight.shape, generator=g) * std)
+
+
+def tool_env(**extra: str) -> dict[str, str]:
+    """The environment of a tool run as a subprocess: CPU DeepSpeed, one thread, no launcher variables inherited."""
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", **extra)
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    return env

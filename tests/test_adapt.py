@@ -49,15 +49,11 @@ def test_to_mod_rejects_routed_models():
         to_mod(squad.build_model(cfg), 0.5, "attention")
 
 
-def test_tool_on_a_timm_file(vit_file, tmp_path):
-    from squad.data.synthetic import render_dataset
-
+def test_tool_on_a_timm_file(vit_file, tiny_data, tmp_path):
     path, _ = vit_file
-    data = tmp_path / "data"
-    render_dataset(data, n=8, image_size=32, seed=1, buildings=3)
     out = tmp_path / "amod.pt"
     res = subprocess.run([sys.executable, "tools/adapt_pretrained.py", "--checkpoint", str(path), "--capacity", "0.5",
-                          "--data", str(data), "--split", "train", "--batches", "1", "--out", str(out)],
+                          "--data", str(tiny_data), "--split", "train", "--batches", "1", "--out", str(out)],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "attention" in res.stdout and "learned" in res.stdout

@@ -11,7 +11,7 @@ from squad.bench import cases as bench_cases
 from squad.bench.harness import BenchResult
 from tests.helpers import ROOT
 
-TOOL = ROOT / "tools" / "bench.py"
+TOOL = ROOT / "tools/bench.py"
 ROW_FIELDS = {"case", "value", "target", "unit", "ok", "details"}
 
 

@@ -2,7 +2,6 @@
 of modes × sizes, and the tool's errors."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,19 +23,13 @@ from squad.posttrain.finetune import (
     subset_indices,
     with_new_task,
 )
-from tests.helpers import ROOT
-from tests.tool_helpers import load_tool, tiny_data, tiny_model
+from tests.helpers import ROOT, tiny_model, tool_env
 
 BASE = ["normal", "class_object"]
 PLANS = {
     "moa_moe_mod": None,
     "mone_moe_inputs": dict(plan=[{"attn": "moa", "mlp": "moe"}, {"mone": True}], depth=4, task_embed="moe_inputs"),
 }
-
-
-@pytest.fixture(scope="module")
-def data_root(tmp_path_factory):
-    return tiny_data(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +75,7 @@ def test_add_task_rejects_a_task_the_model_has():
         tiny_model(BASE).add_task("normal")
 
 
-def test_router_mode_trains_only_the_new_rows_and_leaves_the_rest_bitwise_unchanged(data_root):
+def test_router_mode_trains_only_the_new_rows_and_leaves_the_rest_bitwise_unchanged(tiny_data):
     base = tiny_model(BASE)
     model = with_new_task(base, "depth_euclidean")
     trainable = select_trainable(model, "depth_euclidean", "router")
@@ -95,8 +88,8 @@ def test_router_mode_trains_only_the_new_rows_and_leaves_the_rest_bitwise_unchan
     assert all(not p.requires_grad and id(p) not in in_opt for p in frozen.values())
 
     cfg = FinetuneConfig(steps=6, batch_size=4, lr=1e-2)
-    train = build_dataset(data_root, ["depth_euclidean"], "train", image_size=32)
-    loader = eval_loader(build_dataset(data_root, ["depth_euclidean"], "val", image_size=32), 4)
+    train = build_dataset(tiny_data, ["depth_euclidean"], "train", image_size=32)
+    loader = eval_loader(build_dataset(tiny_data, ["depth_euclidean"], "val", image_size=32), 4)
     snapshot = {n: p.detach().clone() for n, p in base.named_parameters()}
     row, tuned = finetune_once(base, "depth_euclidean", "router", train, range(8), loader, cfg)
     assert row["frozen_unchanged"] is True and row["train_images"] == 8
@@ -122,10 +115,10 @@ def test_subsets_are_deterministic_and_nested():
         subset_indices(10, fraction=1.5)
 
 
-def test_router_finetuning_beats_the_untrained_head_and_writes_json(base_file, data_root, tmp_path):
+def test_router_finetuning_beats_the_untrained_head_and_writes_json(base_file, tiny_data, tmp_path):
     out = tmp_path / "ft.json"
     cfg = FinetuneConfig(steps=40, batch_size=8, lr=1e-2)
-    result = finetune_table(base_file, "depth", data_root, ["router", "head"], fractions=[0.5, 1.0], cfg=cfg,
+    result = finetune_table(base_file, "depth", tiny_data, ["router", "head"], fractions=[0.5, 1.0], cfg=cfg,
                             save_dir=tmp_path / "models", out=out)
     untrained = result["untrained"]["rmse"]
     for row in result["runs"]:
@@ -137,9 +130,9 @@ def test_router_finetuning_beats_the_untrained_head_and_writes_json(base_file, d
     assert saved.task_names == [*BASE, "depth_euclidean"]
 
 
-def test_linear_probe_and_shots(base_file, data_root):
+def test_linear_probe_and_shots(base_file, tiny_data):
     cfg = FinetuneConfig(steps=10, batch_size=4, lr=1e-2)
-    result = finetune_table(base_file, "scene", data_root, ["linear-probe", "full"], shots=[1], cfg=cfg)
+    result = finetune_table(base_file, "scene", tiny_data, ["linear-probe", "full"], shots=[1], cfg=cfg)
     rows = {r["mode"]: r for r in result["runs"]}
     assert set(rows) == {"linear-probe", "full"}
     assert rows["linear-probe"]["trainable_params"] == (32 + 1) * 365
@@ -156,35 +149,34 @@ def test_linear_probe_and_shots(base_file, data_root):
     (["--task", "depth", "--fractions", "0"], "fraction must be in (0, 1]"),
     (["--task", "depth", "--fractions", "1.5"], "fraction must be in (0, 1]"),
 ])
-def test_tool_rejects_bad_arguments(base_file, data_root, args, message, capsys):
-    tool = load_tool("finetune_router")
-    assert tool.main(["--checkpoint", str(base_file), "--data", str(data_root), "--steps", "1", *args]) == 2
+def test_tool_rejects_bad_arguments(base_file, tiny_data, args, message, load_tool, capsys):
+    tool = load_tool("tools/finetune_router.py")
+    assert tool.main(["--checkpoint", str(base_file), "--data", str(tiny_data), "--steps", "1", *args]) == 2
     assert message in capsys.readouterr().err
 
 
-def test_tool_rejects_checkpoints_of_other_models(tmp_path, data_root, capsys):
+def test_tool_rejects_checkpoints_of_other_models(tmp_path, tiny_data, load_tool, capsys):
     plain = tmp_path / "weights.pt"
     torch.save(tiny_model(BASE).state_dict(), plain)
-    tool = load_tool("finetune_router")
-    assert tool.main(["--checkpoint", str(plain), "--data", str(data_root), "--task", "depth"]) == 2
+    tool = load_tool("tools/finetune_router.py")
+    assert tool.main(["--checkpoint", str(plain), "--data", str(tiny_data), "--task", "depth"]) == 2
     assert "not a squad model file" in capsys.readouterr().err
 
 
-def test_other_ranks_of_a_launcher_do_nothing(base_file, data_root, tmp_path, monkeypatch):
+def test_other_ranks_of_a_launcher_do_nothing(base_file, tiny_data, tmp_path, load_tool, monkeypatch):
     monkeypatch.setenv("RANK", "1")
     out = tmp_path / "r1.json"
-    assert load_tool("finetune_router").main(["--checkpoint", str(base_file), "--data", str(data_root), "--task",
-                                              "depth", "--out", str(out)]) == 0
+    tool = load_tool("tools/finetune_router.py")
+    args = ["--checkpoint", str(base_file), "--data", str(tiny_data), "--task", "depth", "--out", str(out)]
+    assert tool.main(args) == 0
     assert not out.exists()
 
 
-def test_runs_under_the_deepspeed_launcher(base_file, data_root, tmp_path):
+def test_runs_under_the_deepspeed_launcher(base_file, tiny_data, tmp_path):
     out = tmp_path / "ds.json"
-    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
+    env = tool_env()
     cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "tools/finetune_router.py",
-           "--checkpoint", str(base_file), "--data", str(data_root), "--task", "depth", "--steps", "2",
+           "--checkpoint", str(base_file), "--data", str(tiny_data), "--task", "depth", "--steps", "2",
            "--fractions", "0.5", "--out", str(out)]
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pickle
 from pathlib import Path
@@ -119,15 +118,8 @@ def test_errors(tmp_path, packed):
         ShardDataset(shards, ["depth"], split="test")
 
 
-def load_tool():
-    spec = importlib.util.spec_from_file_location("make_data", REPO / "tools" / "make_data.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_make_data_pack_cli(tmp_path, capsys):
-    tool = load_tool()
+def test_make_data_pack_cli(tmp_path, load_tool, capsys):
+    tool = load_tool("tools/make_data.py")
     tree = write_random_tree(tmp_path / "tree", n=3, size=16, buildings=1, seed=0)
     out = tmp_path / "shards"
     assert tool.main(["pack", "--src", str(tree), "--split", "random", "--out", str(out), "--image-size", "8",

@@ -10,7 +10,7 @@ from squad.analysis.relations import task_relations
 from squad.io import export_model
 from squad.layers.routing import TaskLinear
 from squad.posttrain.extract import collect_usage
-from tests.tool_helpers import load_tool, tiny_data, tiny_model
+from tests.helpers import tiny_model
 
 HEADS = ["depth_euclidean", "normal", "edge_texture"]
 MOD_VARIANTS = {
@@ -74,11 +74,6 @@ def test_routing_is_not_recorded_by_default():
 
 
 @pytest.fixture(scope="module")
-def data_root(tmp_path_factory):
-    return tiny_data(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     run = tmp_path_factory.mktemp("run")
     (run / "tensorboard").mkdir()
@@ -93,9 +88,9 @@ def _is_png(path) -> bool:
         return f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
-def test_figures_are_written_with_data(run_dir, data_root, tmp_path):
+def test_figures_are_written_with_data(run_dir, tiny_data, tmp_path):
     out = tmp_path / "figs"
-    result = draw_figures(run_dir, out, data=data_root, split="val", batches=1, batch_size=4)
+    result = draw_figures(run_dir, out, data=tiny_data, split="val", batches=1, batch_size=4)
     names = sorted(p.name for p in out.glob("*.png"))
     assert names == ["relations_all.png", "relations_first.png", "relations_last.png", "relations_middle.png",
                      "usage_blocks.0.attn.png", "usage_blocks.0.mlp.png", "usage_blocks.1.block.mlp.png"]
@@ -108,8 +103,8 @@ def test_figures_are_written_with_data(run_dir, data_root, tmp_path):
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
 
 
-def test_visualize_tool_without_data_uses_saved_usage(run_dir, tmp_path, capsys):
-    tool = load_tool("visualize")
+def test_visualize_tool_without_data_uses_saved_usage(run_dir, tmp_path, load_tool, capsys):
+    tool = load_tool("tools/visualize.py")
     out = tmp_path / "figs"
     assert tool.main(["--checkpoint", str(run_dir / "model.pt"), "--out", str(out), "--tb", "none"]) == 0
     assert sorted(p.name for p in out.glob("*.png")) == ["usage_blocks.0.attn.png", "usage_blocks.0.mlp.png",
@@ -121,25 +116,25 @@ def test_visualize_tool_without_data_uses_saved_usage(run_dir, tmp_path, capsys)
     assert "pass data=" in capsys.readouterr().err
 
 
-def test_evaluate_tool_metrics_side_by_side_and_delta_t(run_dir, data_root, tmp_path, capsys):
-    ev = load_tool("evaluate")
+def test_evaluate_tool_metrics_side_by_side_and_delta_t(run_dir, tiny_data, tmp_path, load_tool, capsys):
+    ev = load_tool("tools/evaluate.py")
     base = tmp_path / "base.json"
-    assert ev.main(["--checkpoint", str(run_dir), "--data", str(data_root), "--split", "val", "--out", str(base)]) == 0
+    assert ev.main(["--checkpoint", str(run_dir), "--data", str(tiny_data), "--split", "val", "--out", str(base)]) == 0
     results = json.loads(base.read_text())
     assert set(results["metrics"]) == set(HEADS) and "rmse" in results["metrics"]["depth_euclidean"]
     ext = tmp_path / "depth.pt"
-    assert load_tool("extract").main(["--checkpoint", str(run_dir), "--task", "depth", "--saved-usage", "--out",
-                                      str(ext)]) == 0
+    extract = load_tool("tools/extract.py")
+    assert extract.main(["--checkpoint", str(run_dir), "--task", "depth", "--saved-usage", "--out", str(ext)]) == 0
     out = tmp_path / "both.json"
     capsys.readouterr()
-    assert ev.main(["--checkpoint", str(run_dir), "--checkpoint", str(ext), "--data", str(data_root), "--baseline",
+    assert ev.main(["--checkpoint", str(run_dir), "--checkpoint", str(ext), "--data", str(tiny_data), "--baseline",
                     str(base), "--out", str(out)]) == 0
     both = json.loads(out.read_text())
     full, single = both["models"]["run0"], both["models"]["depth"]
     assert set(single["metrics"]) == {"depth_euclidean"}
     assert full["delta_t"]["mean"] == pytest.approx(0.0) and full["delta_t"]["per_task"]["normal"] == 0.0
     assert "Δt run0: mean +0.00%" in capsys.readouterr().out
-    assert ev.main(["--checkpoint", str(run_dir), "--data", str(data_root), "--tasks", "nope"]) == 2
+    assert ev.main(["--checkpoint", str(run_dir), "--data", str(tiny_data), "--tasks", "nope"]) == 2
     assert "unknown task 'nope'" in capsys.readouterr().err
-    assert ev.main(["--checkpoint", str(run_dir), "--data", str(data_root), "--baseline", str(tmp_path / "x")]) == 2
+    assert ev.main(["--checkpoint", str(run_dir), "--data", str(tiny_data), "--baseline", str(tmp_path / "x")]) == 2
     assert "baseline results file not found" in capsys.readouterr().err

@@ -1,3 +1,4 @@
+#!/usr/bin/env python
 """squad's performance table: every case of `squad.bench.cases.CASES`, ratios timed side by side in one run.
 
     python tools/bench.py                       # all cases, table on stdout, bench.json in the current folder
@@ -15,85 +16,17 @@ Timing hygiene on a shared CPU machine (both recorded in the JSON; ``--no-tuning
   faulted in afresh on every allocation (what jemalloc/tcmalloc do).
 """
 
-from __future__ import annotations
-
-import argparse
-import datetime
-import json
-import logging
 import os
 import sys
-from pathlib import Path
 
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from squad.bench.cases import CASES
-
-    names = [c.name for c in CASES]
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="cases:\n" + "\n".join(f"  {c.name:<18}{c.help}" for c in CASES))
-    p.add_argument("--quick", action="store_true", help="tiny sizes and few repeats (CI, smoke tests)")
-    p.add_argument("--only", nargs="+", metavar="CASE", help=f"run these cases only ({', '.join(names)})")
-    p.add_argument("--json", type=Path, default=Path("bench.json"), help="where to write the results (bench.json)")
-    p.add_argument("--profile", action="store_true",
-                   help="print the params/MACs table of the paper configs; timing cases run only with --only")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
-    p.add_argument("--no-tuning", action="store_true",
-                   help="keep libgomp's spinning wait policy and glibc's default malloc thresholds")
-    p.add_argument("--list", action="store_true", help="list the cases and exit")
-    args = p.parse_args(argv)
-    unknown = [n for n in args.only or [] if n not in names]
-    if unknown:
-        p.error(f"unknown case(s) {', '.join(unknown)}; known: {', '.join(names)}")
-    if args.threads is not None and args.threads < 1:
-        p.error(f"--threads must be >= 1, got {args.threads}")
-    return args
-
-
-def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    argv = sys.argv[1:] if argv is None else argv
-    if "--no-tuning" not in argv and "torch" not in sys.modules:
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read by libgomp when torch loads it
-    args = parse_args(argv)
-    import torch
-
-    from squad.bench import cases as bench_cases
-    from squad.train import runtime
-
-    if args.list:
-        for c in bench_cases.CASES:
-            print(f"{c.name:<18}{c.ref:<48}{c.help}")
-        return 0
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    if not args.no_tuning:
-        runtime.tune_cpu_allocator()
-
-    report: dict = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "quick": args.quick,
-                    "environment": bench_cases.environment(), "results": []}
-    if args.profile:
-        print(bench_cases.profile_table())
-        report["profile"] = bench_cases.profile_rows()
-    rows = []
-    if args.only or not args.profile:
-        def progress(case, case_rows):
-            print(f"[{case.name}] done ({len(case_rows)} rows)", file=sys.stderr, flush=True)
-
-        rows = bench_cases.run_cases(args.only, quick=args.quick, on_rows=progress)
-        env = bench_cases.environment()
-        print(f"torch {env['torch']}, {env['threads']} threads, {env['cpus']} CPUs, OMP_WAIT_POLICY "
-              f"{env['omp_wait_policy']}, malloc tuned {env['malloc_tuned']}, load average "
-              f"{', '.join(f'{v:.2f}' for v in env['load_average'] or [])}" + (", --quick sizes" if args.quick else ""))
-        print(bench_cases.format_table(rows))
-        report["environment_after"] = env
-        report["results"] = [bench_cases.result_dict(r) for r in rows]
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.json}")
-    return 1 if any(r.unit == "error" for r in rows) else 0
-
+if __name__ == "__main__" and "--no-tuning" not in sys.argv[1:]:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgomp
+try:
+    from squad.cli.bench import main  # the tool (arguments, error handling) lives in the package
+except ModuleNotFoundError as e:
+    print(f"error: cannot import squad with {sys.executable} ({e}); install it first: `make test` builds "
+          ".venv with it, or run `pip install -e .` in the checkout", file=sys.stderr)
+    sys.exit(2)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -13,118 +13,14 @@
     python tools/demo.py [--out runs/demo] [--data data/synthetic] [--steps N] [--fresh]
 """
 
-from __future__ import annotations
-
-import argparse
-import json
-import os
-import shutil
-import subprocess
 import sys
-import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-
-def say(msg: str) -> None:
-    print(f"\n=== {msg}", flush=True)
-
-
-def ensure_data(root: Path, n: int) -> None:
-    from squad.data.synthetic import render_dataset
-
-    if (root / "synthetic.json").is_file():
-        print(f"data: {root} (already rendered)")
-        return
-    t0 = time.time()
-    render_dataset(root, n=n, image_size=64, seed=0)
-    print(f"data: rendered {n} synthetic Taskonomy images at 64 px into {root} in {time.time() - t0:.0f} s")
-
-
-def train(out: Path, data: Path, steps: int | None, ranks: int) -> None:
-    import torch
-
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    if not torch.cuda.is_available():
-        env["DS_ACCELERATOR"] = "cpu"
-    from squad.train.distributed import free_port
-
-    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(ranks), "--master_port",
-           str(free_port()), "tools/train.py", "--config", "configs/demo.yaml", "--out", str(out),
-           "--set", f"data.root={data}"]
-    if steps:
-        cmd += ["--set", f"optim.steps={steps}"]
-    print(" ".join(cmd[0:1] + [c for c in cmd[1:]]), flush=True)
-    t0 = time.time()
-    res = subprocess.run(cmd, cwd=ROOT, env=env)
-    if res.returncode != 0:
-        raise SystemExit(f"training failed (exit {res.returncode}); see {out / 'train.log'}")
-    print(f"trained in {time.time() - t0:.0f} s")
-
-
-def compare_validation(out: Path) -> bool:
-    from squad.tasks import get_task
-
-    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    first, last = lines[0], lines[-1]
-    print(f"{'task':<22}{'metric':<10}{'step ' + str(first['step']):>12}{'step ' + str(last['step']):>12}  better")
-    all_better = True
-    for task, metrics in last["metrics"].items():
-        spec = get_task(task)
-        a, b = first["metrics"][task][spec.primary_metric], metrics[spec.primary_metric]
-        better = b < a if spec.lower_is_better else b > a
-        all_better &= better
-        print(f"{task:<22}{spec.primary_metric:<10}{a:>12.4f}{b:>12.4f}  {'yes' if better else 'NO'}")
-    return all_better
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="runs/demo", help="run folder")
-    ap.add_argument("--data", default="data/synthetic", help="synthetic data folder (rendered if missing)")
-    ap.add_argument("--images", type=int, default=1200, help="images to render when the data is missing")
-    ap.add_argument("--steps", type=int, default=None, help="override optim.steps of configs/demo.yaml")
-    ap.add_argument("--ranks", type=int, default=2, help="deepspeed ranks (--num_gpus)")
-    ap.add_argument("--fresh", action="store_true", help="delete the run folder first (else an old run resumes)")
-    args = ap.parse_args(argv)
-    t0 = time.time()
-    out, data = (ROOT / args.out).resolve(), (ROOT / args.data).resolve()
-
-    say("1. data")
-    ensure_data(data, args.images)
-
-    say("2. paper configs: parameters and MACs per image per task (counted from the routed shapes)")
-    from squad.bench.cases import profile_table
-
-    print(profile_table())
-
-    say("3. training configs/demo.yaml with the deepspeed launcher")
-    if args.fresh and out.exists():
-        shutil.rmtree(out)
-    if (out / "model.pt").is_file():
-        print(f"{out / 'model.pt'} exists: skipping training (use --fresh to train again)")
-    else:
-        train(out, data, args.steps, args.ranks)
-
-    say("4. validation metrics: step 0 vs the end")
-    learned = compare_validation(out)
-
-    say("5. extracting the depth subnetwork (θ = 0.01), evaluating it beside the full model, drawing figures")
-    from squad.demo import draw_figures, extract_and_compare
-
-    extract_and_compare(out, data)
-    figures = draw_figures(out, data)
-
-    say("6. where things are")
-    print(f"run folder:      {out}")
-    print(f"model:           {out / 'model.pt'}")
-    print(f"TensorBoard:     .venv/bin/tensorboard --logdir {out / 'tensorboard'}")
-    print(f"figures:         {figures}")
-    print(f"demo finished in {time.time() - t0:.0f} s; every task improved: {'yes' if learned else 'NO'}")
-    return 0 if learned else 1
-
+try:
+    from squad.cli.demo import main  # the tool (arguments, error handling) lives in the package
+except ModuleNotFoundError as e:
+    print(f"error: cannot import squad with {sys.executable} ({e}); install it first: `make test` builds "
+          ".venv with it, or run `pip install -e .` in the checkout", file=sys.stderr)
+    sys.exit(2)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -12,63 +12,14 @@ routing stays exact unless --renormalize. Prints a summary and writes the model 
 with ``squad.load_extracted(path)``.
 """
 
-from __future__ import annotations
-
-import argparse
-import logging
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-
-
-def _default_out(checkpoint: str, task: str, theta: float | None, keep_top: float | None) -> Path:
-    folder = Path(checkpoint) if Path(checkpoint).is_dir() else Path(checkpoint).parent
-    crit = f"top{keep_top:g}" if keep_top is not None else f"theta{theta:g}"
-    return folder / f"{task}_{crit}.pt"
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", required=True, help="run folder or model.pt of the trained multi-task model")
-    p.add_argument("--task", required=True, help="task to extract (name or alias, e.g. depth)")
-    p.add_argument("--theta", type=float, default=0.01, help="remove experts used by at most this share of the "
-                   "task's tokens, in [0, 1) (default 0.01)")
-    p.add_argument("--keep-top", type=float, default=None, help="instead keep the top H share of experts per layer, "
-                   "H in (0, 1]")
-    p.add_argument("--renormalize", action="store_true", help="softmax over the kept experts only (the paper's "
-                   "pruned router) instead of exact routing")
-    p.add_argument("--data", default=None, help="dataset root for the calibration pass and held-out metrics")
-    p.add_argument("--calib-split", default="train")
-    p.add_argument("--calib-batches", type=int, default=8, help="calibration batches (0 = the whole split)")
-    p.add_argument("--eval-split", default="val", help="held-out split for metrics before/after ('none' to skip)")
-    p.add_argument("--eval-batches", type=int, default=0, help="evaluation batches (0 = the whole split)")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--saved-usage", action="store_true", help="use the usage statistics saved in model.pt")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--workers", type=int, default=0)
-    p.add_argument("--out", default=None, help="output file (default: <run>/<task>_theta<θ>.pt); the report is "
-                   "written beside it as .json")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="[squad] %(message)s")
-
-    from squad.config.base import ConfigError
-    from squad.posttrain.extract import extract_to_file, format_report
-
-    try:
-        out = args.out or _default_out(args.checkpoint, args.task, args.theta, args.keep_top)
-        report = extract_to_file(
-            args.checkpoint, args.task, out, theta=args.theta, keep_top=args.keep_top, renormalize=args.renormalize,
-            data=args.data, calib_split=args.calib_split, calib_batches=args.calib_batches,
-            eval_split=None if args.eval_split.lower() == "none" else args.eval_split, eval_batches=args.eval_batches,
-            batch_size=args.batch_size, saved_usage=args.saved_usage, device=args.device, workers=args.workers)
-    except (ValueError, FileNotFoundError, ConfigError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(format_report(report))
-    print(f"model: {out}\nreport: {Path(out).with_suffix('.json')}")
-    return 0
-
+try:
+    from squad.cli.extract import main  # the tool (arguments, error handling) lives in the package
+except ModuleNotFoundError as e:
+    print(f"error: cannot import squad with {sys.executable} ({e}); install it first: `make test` builds "
+          ".venv with it, or run `pip install -e .` in the checkout", file=sys.stderr)
+    sys.exit(2)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -11,78 +11,14 @@ checked bitwise unchanged. Subsets are deterministic (seeded, nested). Prints a 
 JSON (--out). Under the deepspeed launcher or torchrun, rank 0 does all the work and the other ranks exit at once.
 """
 
-from __future__ import annotations
-
-import argparse
-import logging
-import os
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-
-
-def _floats(text: str) -> list[float]:
-    try:
-        return [float(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", required=True, help="run folder or model.pt of a model trained without the task")
-    p.add_argument("--task", required=True, help="the new task (name or alias)")
-    p.add_argument("--data", required=True, help="dataset root holding the task's data")
-    size = p.add_mutually_exclusive_group()
-    size.add_argument("--fractions", "--fraction", type=_floats, default=None,
-                      help="training-set shares, e.g. 0.005,0.01,0.02,0.05 (default 0.01)")
-    size.add_argument("--shots", type=lambda s: [int(v) for v in _floats(s)], default=None,
-                      help="images per class instead (class tasks), e.g. 1,5")
-    p.add_argument("--mode", default="router", help="comma-separated: router, head, full, linear-probe (or 'all')")
-    p.add_argument("--steps", type=int, default=200, help="optimiser steps per run (linear-probe: L-BFGS iterations)")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--init", default="mean", choices=["mean", "zero", "random"],
-                   help="new router rows / task embedding start at the mean of the other tasks' (default), zero, or "
-                   "random")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--train-split", default="train")
-    p.add_argument("--eval-split", default="val")
-    p.add_argument("--eval-batches", type=int, default=0, help="evaluation batches (0 = the whole split)")
-    p.add_argument("--replace", action="store_true", help="allow a task the model was trained with (its head and "
-                   "router rows are dropped and learned again)")
-    p.add_argument("--save-dir", default=None, help="also save every fine-tuned model (merged, model.pt format)")
-    p.add_argument("--out", default=None, help="result JSON (default: <run>/finetune_<task>.json)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--workers", type=int, default=0)
-    p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the deepspeed launcher
-    args = p.parse_args(argv)
-    rank = int(os.environ.get("RANK", "0"))
-    if rank != 0:
-        return 0  # one process does the work; a launcher's other ranks have nothing to do
-    logging.basicConfig(level=logging.INFO, format="[squad] %(message)s")
-
-    from squad.posttrain.finetune import MODES, FinetuneConfig, finetune_table, format_table
-
-    modes = list(MODES) if args.mode == "all" else [m.strip() for m in args.mode.split(",") if m.strip()]
-    fractions = args.fractions if args.fractions is not None or args.shots is not None else [0.01]
-    folder = Path(args.checkpoint) if Path(args.checkpoint).is_dir() else Path(args.checkpoint).parent
-    out = Path(args.out) if args.out else folder / f"finetune_{args.task}.json"
-    cfg = FinetuneConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, weight_decay=args.weight_decay,
-                         init=args.init, seed=args.seed, eval_batches=args.eval_batches, device=args.device,
-                         workers=args.workers)
-    try:
-        result = finetune_table(args.checkpoint, args.task, args.data, modes, fractions, args.shots, cfg,
-                                args.train_split, args.eval_split, args.replace, args.save_dir, out)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(format_table(result))
-    print(f"results: {out}")
-    return 0
-
+try:
+    from squad.cli.finetune_router import main  # the tool (arguments, error handling) lives in the package
+except ModuleNotFoundError as e:
+    print(f"error: cannot import squad with {sys.executable} ({e}); install it first: `make test` builds "
+          ".venv with it, or run `pip install -e .` in the checkout", file=sys.stderr)
+    sys.exit(2)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -13,12 +13,13 @@ continues the run in --out from its last complete checkpoint.
 import os
 import sys
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgomp (see squad/train/runtime.py)
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgomp (squad/train/runtime.py)
 try:
-    from squad.cli.train import main  # the tool itself (argparse, error handling) lives in the package
+    from squad.cli.train import main  # the tool (arguments, error handling) lives in the package
 except ModuleNotFoundError as e:
-    print(f"error: {e} in {sys.executable}: install squad first (`make test` builds .venv, or `pip install -e .`)",
-          file=sys.stderr)
+    print(f"error: cannot import squad with {sys.executable} ({e}); install it first: `make test` builds "
+          ".venv with it, or run `pip install -e .` in the checkout", file=sys.stderr)
     sys.exit(2)
 
 if __name__ == "__main__":

@@ -1,0 +1,138 @@
+"""Turn a trained dense ViT into a Mixture-of-Depths model with no training, and compare the two routings.
+
+    python tools/adapt_pretrained.py --checkpoint runs/dense/model.pt --capacity 0.5 --routing attention \\
+        --data data/synthetic --out runs/dense/amod.pt
+    python tools/adapt_pretrained.py --checkpoint vit_small.pth --capacity 0.5 --data data/synthetic --out amod.pt
+
+The checkpoint is a squad model (``model.pt`` or a run folder) or a timm VisionTransformer state dict on disk
+(.pth/.pt/.safetensors; architecture read from the weight shapes, heads = width / 64 unless --num-heads). Every
+other block becomes a MoD block at --capacity. Both routings are evaluated on --data without any training (A-MoD
+Table 3): task metrics for squad models, and for any model the agreement with the dense model (top-1 of a class
+or token head, cosine of the final features). The model for --routing is written to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from squad.cli import run
+
+
+def load_dense(path: str, num_heads: int | None):
+    """A dense SquadViT from a squad model file/run folder or a timm state dict on disk."""
+    from squad import io
+    from squad.config.model import load_config
+    from squad.models.timm import load_timm_file, load_timm_weights
+    from squad.models.vit import build_model
+
+    p = Path(path)
+    if p.is_dir() or (p.suffix == ".pt" and _is_squad_file(p)):
+        return io.load_model(p)
+    state = load_timm_file(p)
+    if "patch_embed.proj.weight" not in state or "pos_embed" not in state:
+        raise ValueError(f"{p}: neither a squad model file nor a timm VisionTransformer state dict "
+                         "(no patch_embed.proj.weight / pos_embed)")
+    w = state["patch_embed.proj.weight"]  # [D, C, p, p]
+    dim, chans, patch = w.shape[0], w.shape[1], w.shape[2]
+    class_token = "cls_token" in state
+    grid = int(round((state["pos_embed"].shape[1] - int(class_token)) ** 0.5))
+    depth = 1 + max(int(k.split(".")[1]) for k in state if k.startswith("blocks."))
+    heads = num_heads or max(1, dim // 64)
+    data = {"img_size": grid * patch, "patch_size": patch, "in_chans": chans, "embed_dim": dim, "depth": depth,
+            "num_heads": heads, "mlp_ratio": state["blocks.0.mlp.fc1.weight"].shape[0] / dim,
+            "qkv_bias": "blocks.0.attn.qkv.bias" in state, "class_token": class_token, "task_embed": "none",
+            "plan": [{"attn": "dense", "mlp": "dense"}]}
+    if "head.weight" in state and class_token:
+        data["heads"] = [{"name": "timm", "kind": "token", "channels": state["head.weight"].shape[0]}]
+    else:
+        data["heads"] = [{"name": "features", "kind": "class", "channels": 1}]
+    model = build_model(load_config({"model": data}).model)
+    load_timm_weights(model, state, head="timm" if "head.weight" in state and class_token else None)
+    return model.eval()
+
+
+def _is_squad_file(p: Path) -> bool:
+    from squad import io
+
+    try:
+        io.read_payload(p)
+        return True
+    except ValueError:
+        return False
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The arguments of ``tools/adapt_pretrained.py`` / ``squad-adapt-pretrained``."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", required=True, help="squad model.pt / run folder, or a timm ViT state dict file")
+    ap.add_argument("--capacity", type=float, default=0.5, help="share of tokens each MoD block processes")
+    ap.add_argument("--routing", choices=["attention", "learned"], default="attention",
+                    help="routing of the model written to --out (both are evaluated)")
+    ap.add_argument("--every", type=int, default=2, help="MoD on every N-th block (default 2)")
+    ap.add_argument("--data", default=None, help="Taskonomy-format data to evaluate on (e.g. data/synthetic)")
+    ap.add_argument("--split", default="val")
+    ap.add_argument("--batches", type=int, default=8, help="evaluation batches (0 = the whole split)")
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--num-heads", type=int, default=None, help="attention heads of a timm file (default D/64)")
+    ap.add_argument("--out", required=True, help="where to write the adapted model (squad model file)")
+    return ap
+
+
+def _adapt(argv: list[str] | None) -> int:
+    args = build_parser().parse_args(argv)
+    if not 0.0 < args.capacity <= 1.0:
+        raise ValueError(f"--capacity must be in (0, 1], got {args.capacity}")
+    import torch
+
+    from squad import io
+    from squad.posttrain.adapt import fidelity, to_mod
+
+    torch.manual_seed(0)
+    dense = load_dense(args.checkpoint, args.num_heads)
+    models = {"dense": dense}
+    for routing in ("attention", "learned"):
+        models[routing] = to_mod(dense, args.capacity, routing, args.every).eval()
+
+    rows = {name: {} for name in models}
+    if args.data:
+        from squad.data import build_dataset
+        from squad.eval.evaluate import eval_loader, evaluate, primary
+        from squad.tasks import TASK_NAMES
+
+        tasks = [t for t in dense.task_names if t in TASK_NAMES]
+        ds = build_dataset(args.data, tasks or ["depth_euclidean"], args.split, image_size=dense.cfg.img_size)
+        loader = eval_loader(ds, args.batch_size)
+        images = torch.cat([b["rgb"] for i, b in zip(range(args.batches or 10**9), loader, strict=False)])
+        probe = tasks[0] if tasks else dense.task_names[0]
+        for name, m in models.items():
+            if tasks:
+                rows[name].update(primary(evaluate(m, loader, tasks, max_batches=args.batches)))
+            if name != "dense":
+                f = fidelity(m, dense, images, probe)
+                rows[name].update({"top1_agreement": f.top1_agreement, "feature_cosine": f.feature_cosine})
+    keys = sorted({k for r in rows.values() for k in r})
+    print(f"MoD adaptation of {args.checkpoint}: capacity {args.capacity}, every {args.every} blocks, no training")
+    print(f"{'model':<10}" + "".join(f"{k[:18]:>20}" for k in keys))
+    for name, r in rows.items():
+        print(f"{name:<10}" + "".join(f"{r.get(k, float('nan')):>20.4f}" for k in keys))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    chosen = models[args.routing]
+    io.export_model(out, chosen, None, {"adapted_from": str(args.checkpoint), "capacity": args.capacity,
+                                          "routing": args.routing, "evaluation": rows})
+    out.with_suffix(".json").write_text(json.dumps({"capacity": args.capacity, "every": args.every,
+                                                    "results": rows}, indent=2))
+    print(f"wrote {out} ({args.routing} routing) and {out.with_suffix('.json')}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Adapts a dense model to MoD and compares both routings; exit 2 on bad input (`squad.cli.run`)."""
+    return run(_adapt, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

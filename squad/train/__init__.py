@@ -1,0 +1,10 @@
+"""Training with DeepSpeed (the library side of tools/train.py).
+
+- engine.py: the training loop (`train(cfg, run_dir)`, `Trainer`): data, DeepSpeed engine, logging, eval, resume.
+- objective.py: `MultiTaskObjective` (fused forward, task losses, auxiliary losses, weighting) and `TrainingError`.
+- losses.py: mutual-information loss (all-reduced with autograd), switch/cv² balance, uncertainty weighting.
+- optim.py: AdamW parameter groups (no decay on norms/biases/embeddings) and the warm-up + cosine schedule.
+- checkpoint.py: checkpoint tags, the COMPLETE marker and ``latest``, finding the tag to resume.
+- distributed.py: process-group set-up (CPU/gloo or GPU/nccl), `is_distributed`, barrier, all-reduce, broadcast.
+- runtime.py: CPU threads per rank and malloc tuning for CPU ranks.
+"""

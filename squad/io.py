@@ -32,8 +32,6 @@ The format strings are part of the file format: files written by earlier version
 
 from __future__ import annotations
 
-import pickle
-import re
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +45,15 @@ from squad.models.single_task import SingleTaskModel
 from squad.models.vit import SquadViT
 from squad.posttrain.pruning import prune_model
 from squad.posttrain.surgery import build_on_meta, load_assigned
-from squad.train.checkpoint import COMPLETE, MODEL_STATES, atomic_torch_save, atomic_write_text, find_resume_tag
+from squad.train.checkpoint import (
+    COMPLETE,
+    MODEL_STATES,
+    atomic_torch_save,
+    atomic_write_text,
+    find_resume_tag,
+    load_checkpoint_file,
+    refusal_reason,
+)
 
 __all__ = [
     "CHECKPOINT_FORMAT",
@@ -203,7 +209,9 @@ def _full_from_payload(payload: dict) -> SquadViT:
     state = payload.get("state_dict")
     if not isinstance(state, dict):
         raise ValueError(f"{source}: no state_dict in the file")
-    model = load_assigned(build_on_meta(cfg), {k: v.clone() for k, v in state.items()}, source).eval()
+    # fp32 whatever the run's precision: a bf16/fp16 run exports half-precision module weights
+    state = {k: v.to(torch.float32, copy=True) if v.is_floating_point() else v.clone() for k, v in state.items()}
+    model = load_assigned(build_on_meta(cfg), state, source).eval()
     model.usage = ExpertUsage.from_state_dict(payload["usage"]) if payload.get("usage") else None
     model.meta = _meta(payload)
     return model
@@ -287,44 +295,15 @@ def _load_checkpoint(tag: Path) -> SquadViT:
     return model
 
 
-def _deepspeed_safe_globals() -> list:
-    """The only non-tensor classes allowed when a model-states file holds more than plain data: DeepSpeed's fp16 loss
-    scalers and the bf16 optimizer's fragment addresses (plain attribute records; nothing else is allowed). DeepSpeed
-    is imported only here, for such files: loading never needs it otherwise."""
-    try:
-        from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-        from deepspeed.utils.tensor_fragment import fragment_address
-    except ImportError:
-        return []
-    return [DynamicLossScaler, LossScaler, fragment_address]
-
-
 def _load_model_states(file: Path) -> Any:
-    """``torch.load(weights_only=True)`` of a DeepSpeed model-states file; if DeepSpeed stored one of its own records
-    beside the weights, once more with exactly those classes allowed (`_deepspeed_safe_globals`)."""
-    try:
-        return torch.load(file, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        error: Exception = e
-    except Exception as e:  # noqa: BLE001 - a damaged file: say which
-        raise ValueError(f"{file}: not a loadable DeepSpeed checkpoint ({type(e).__name__}: {str(e)[:200]})") from e
-    allowed = _deepspeed_safe_globals()
-    if allowed:
-        try:
-            with torch.serialization.safe_globals(allowed):
-                return torch.load(file, map_location="cpu", weights_only=True)
-        except Exception as e:  # noqa: BLE001
-            error = e
-    raise ValueError(f"{file}: weights_only loading refuses this checkpoint ({_why(error)}); squad never unpickles "
-                     f"files without weights_only") from error
+    """``torch.load(weights_only=True)`` of a DeepSpeed model-states file, with exactly DeepSpeed's plain records
+    allowed beside the weights (`squad.train.checkpoint.load_checkpoint_file`, which training's resume uses too)."""
+    return load_checkpoint_file(file)
 
 
 def _why(error: Exception) -> str:
     """What ``torch.load(weights_only=True)`` refused, in a few words (its own message is a page long)."""
-    found = re.search(r"GLOBAL (\S+)", str(error))
-    if found:
-        return f"it holds {found.group(1)}, which weights_only loading does not allow"
-    return f"{type(error).__name__}: {error}"[:200]
+    return refusal_reason(error)
 
 
 # ------------------------------------------------------------------------------------------------------ saving

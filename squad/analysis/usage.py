@@ -53,9 +53,33 @@ class ExpertUsage:
                 v.zero_()
 
     def all_reduce(self) -> None:
-        """Sums the tables over all ranks (every rank must hold the same layers, in the same order)."""
+        """Sums the tables over all ranks.
+
+        The ranks first agree on the layers (the union of theirs): a rank that has not seen a layer yet (no step since
+        a resume, or no token of it routed there) counts zero for it, so every rank makes the same collective calls.
+
+        Raises:
+            ValueError: two ranks hold one layer with different shapes (named), on every rank.
+        """
         if not is_distributed():
             return
+        mine = {name: (tuple(self.counts[name].shape), self.kinds[name], self.top_k[name]) for name in self.counts}
+        every: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        layers: dict[str, tuple] = {}
+        for rank, theirs in enumerate(every):
+            for name, spec in theirs.items():
+                if name in layers and layers[name][0] != spec[0]:
+                    raise ValueError(f"expert usage of layer {name}: shape {list(spec[0])} on rank {rank}, "
+                                     f"{list(layers[name][0])} on another rank")
+                layers.setdefault(name, spec)
+        for name, (shape, kind, top_k) in layers.items():
+            if name not in self.counts:
+                self.counts[name] = torch.zeros(shape, dtype=torch.float64)
+                self.mass[name] = torch.zeros(shape, dtype=torch.float64)
+                self.tokens[name] = torch.zeros(len(self.tasks), dtype=torch.float64)
+                self.kinds[name] = kind
+                self.top_k[name] = top_k
         for name in sorted(self.counts):
             for table in (self.counts, self.mass, self.tokens):
                 t = table[name].clone()
@@ -85,8 +109,17 @@ class ExpertUsage:
                 "tokens": dict(self.tokens), "kinds": dict(self.kinds), "top_k": dict(self.top_k)}
 
     @classmethod
-    def from_state_dict(cls, state: dict) -> ExpertUsage:
+    def from_state_dict(cls, state: dict, zeroed: bool = False) -> ExpertUsage:
+        """The statistics `state_dict` saved (copies of its tables).
+
+        Args:
+            state: a `state_dict`.
+            zeroed: keep the layers but not the sums (every rank but one, when a run resumes: the saved sums are
+                already over all ranks, and every rank must hold the same layers).
+        """
         usage = cls(state["tasks"])
-        for key in ("counts", "mass", "tokens", "kinds", "top_k"):
+        for key in ("kinds", "top_k"):
             setattr(usage, key, dict(state[key]))
+        for key in ("counts", "mass", "tokens"):
+            setattr(usage, key, {k: torch.zeros_like(v) if zeroed else v.clone() for k, v in state[key].items()})
         return usage

@@ -1,0 +1,290 @@
+"""Resuming and saving when things go wrong: a finished run started again (2 DeepSpeed ranks), a planted pickle
+payload, a checkpoint damaged after it was marked complete, a disk that fills up during a save.
+
+Each run is a real `tools/train.py` subprocess at the smallest sizes (depth 2, 32 px, 4 steps) with a timeout that
+fails fast: a rank left waiting in a collective call would otherwise sit out gloo's 600 s timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from squad.train import checkpoint as ckpt
+from tests.helpers import ROOT, tool_env
+
+PY = sys.executable
+DEEPSPEED = str(Path(sys.executable).parent / "deepspeed")
+TIMEOUT = 240  # a 2-rank tiny run takes well under a minute, even on 2 busy cores
+STEP2, STEP4 = "step00000002", "step00000004"
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory) -> Path:
+    from squad.data.synthetic import render_dataset
+
+    root = tmp_path_factory.mktemp("synth")
+    render_dataset(root, n=16, image_size=32, seed=0, buildings=4)  # 8 training images
+    cfg = {
+        "model": {
+            "img_size": 32, "patch_size": 8, "embed_dim": 32, "depth": 2, "num_heads": 2,
+            "plan": [{"attn": "moa", "mlp": "moe"}, {"attn": "dense", "mlp": "dense", "mod": "learned"}],
+            "moa": {"num_experts": 4, "top_k": 2, "head_dim": 16, "router": {"noise": False}},
+            "moe": {"num_experts": 4, "top_k": 2, "router": {"noise": True}},
+            "mod": {"capacity": 0.5},
+            "heads": ["depth_euclidean", "class_scene"],
+        },
+        "loss": {"w_mi": 0.01, "weighting": "equal"},
+        "data": {"root": str(root), "workers": 0, "augment": False},
+        "optim": {"lr": 5e-3, "warmup_steps": 1, "steps": 4, "batch_per_rank": 4, "weight_decay": 0.0},
+        "train": {"seed": 0, "log_every": 1, "eval_every": 0, "ckpt_every": 2, "progress": False},
+    }
+    path = tmp_path_factory.mktemp("cfg") / "tiny.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _train(config: Path, out: Path, *extra: str, ranks: int = 1, script: str = "tools/train.py",
+           env: dict | None = None) -> subprocess.CompletedProcess:
+    launcher = [DEEPSPEED, "--num_gpus", str(ranks), "--master_port", str(_port())] if ranks > 1 else [PY]
+    cmd = [*launcher, script, "--config", str(config), "--out", str(out), *extra]
+    return subprocess.run(cmd, env=tool_env(**(env or {})), cwd=ROOT, capture_output=True, text=True,
+                          timeout=TIMEOUT)
+
+
+def _ok(res: subprocess.CompletedProcess) -> None:
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+
+
+def _losses(run_dir: Path) -> list[tuple[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tensorboard"))
+    acc.Reload()
+    return [(e.step, e.value) for e in acc.Scalars("train/loss/total")]
+
+
+def _model(run_dir: Path) -> dict:
+    return torch.load(run_dir / "model.pt", weights_only=True)
+
+
+def _same_model(a: dict, b: dict) -> None:
+    assert a["state_dict"].keys() == b["state_dict"].keys()
+    assert all(torch.equal(a["state_dict"][k], b["state_dict"][k]) for k in a["state_dict"])
+    assert a["extra"]["metrics"] == b["extra"]["metrics"] and a["extra"]["step"] == b["extra"]["step"]
+    for table in ("counts", "tokens"):
+        assert all(torch.equal(a["usage"][table][k], b["usage"][table][k]) for k in a["usage"][table]), table
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory, config) -> Path:
+    out = tmp_path_factory.mktemp("runs") / "two_rank"
+    _ok(_train(config, out, ranks=2))
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_rank_run(tmp_path_factory, config) -> Path:
+    out = tmp_path_factory.mktemp("runs") / "one_rank"
+    _ok(_train(config, out))
+    return out
+
+
+def _copy(run: Path, dest: Path) -> Path:
+    shutil.copytree(run, dest, ignore=shutil.ignore_patterns("*.lock", ".shm-*"))
+    return dest
+
+
+# ------------------------------------------------------------------------------ item 1: a finished run, again
+def test_finished_two_rank_run_started_again(config, two_rank_run, tmp_path):
+    """Killed after the final checkpoint but before model.pt (or simply run again): every rank takes the same path,
+    model.pt is written once more, bit for bit, with the statistics of both ranks, and nothing is logged twice."""
+    run = _copy(two_rank_run, tmp_path / "run")
+    original = _model(run)
+    rows = (run / "metrics.jsonl").read_text()
+    losses = _losses(run)
+    assert [s for s, _ in losses] == [1, 2, 3, 4]
+    (run / "model.pt").unlink()
+    _ok(_train(config, run, ranks=2))
+    _same_model(original, _model(run))
+    tokens = next(iter(original["usage"]["tokens"].values())).sum()
+    assert tokens == 4 * 2 * 4 * 2 * 17  # steps × ranks × images × tasks × tokens: both ranks' statistics, once
+    assert "has no model.pt: writing it" in (run / "train.log").read_text()
+    res = _train(config, run, ranks=2)  # finished, model.pt there: nothing to do
+    _ok(res)
+    assert "nothing to do" in (run / "train.log").read_text()
+    _same_model(original, _model(run))
+    assert (run / "metrics.jsonl").read_text() == rows
+    assert _losses(run) == losses
+
+
+# ------------------------------------------------------------------- item 4: a planted pickle payload is refused
+class _WritesAFile:
+    """Unpickling this calls ``open(target, "w")``: a stand-in for any code a pickle can run."""
+
+    def __init__(self, target):
+        self.target = str(target)
+
+    def __reduce__(self):
+        return open, (self.target, "w")
+
+
+def _plant(tag: Path, target: Path) -> Path:
+    file = tag / ckpt.MODEL_STATES
+    states = torch.load(file, weights_only=True)
+    states["client"] = _WritesAFile(target)
+    torch.save(states, file)
+    return file
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_resume_refuses_a_planted_payload_without_running_it(config, one_rank_run, two_rank_run, tmp_path, ranks):
+    run = _copy(one_rank_run if ranks == 1 else two_rank_run, tmp_path / "run")
+    (run / "model.pt").unlink()
+    target = tmp_path / "pwned"
+    bad = _plant(run / "checkpoints" / STEP4, target)
+    res = _train(config, run, ranks=ranks)
+    assert res.returncode == 2, res.stdout[-3000:] + res.stderr[-3000:]
+    assert not target.exists()
+    output = res.stdout + res.stderr  # the launcher passes the ranks' stderr on through its stdout
+    assert "refusing to resume" in output and str(bad) in output
+    assert "open, which weights_only loading does not allow" in output
+    assert not (run / "model.pt").exists()
+
+
+def test_deepspeed_reads_checkpoints_weights_only(one_rank_run, tmp_path):
+    """The guard also covers DeepSpeed's own reads, should a file change after it was verified."""
+    class Engine:
+        class checkpoint_engine:  # noqa: N801 - DeepSpeed's attribute name
+            @staticmethod
+            def save(state_dict, path):
+                torch.save(state_dict, path)
+
+            @staticmethod
+            def load(path, map_location=None):
+                return torch.load(path, map_location=map_location, weights_only=False)
+
+    engine = Engine()
+    ckpt.guard_engine(engine)
+    target = tmp_path / "pwned"
+    bad = _plant(_copy(one_rank_run, tmp_path / "run") / "checkpoints" / STEP4, target)
+    with pytest.raises(ckpt.UnsafeCheckpointError, match="open, which weights_only loading does not allow"):
+        engine.checkpoint_engine.load(str(bad), map_location="cpu")
+    assert not target.exists()
+
+
+# ------------------------------------------------------------ item 7: damaged after it was marked complete
+def test_damaged_checkpoint_falls_back_to_the_previous_one(config, one_rank_run, tmp_path):
+    run = _copy(one_rank_run, tmp_path / "run")
+    original = _model(run)
+    rows = (run / "metrics.jsonl").read_text()
+    bad = run / "checkpoints" / STEP4 / ckpt.MODEL_STATES
+    bad.write_bytes(bad.read_bytes()[: bad.stat().st_size // 2])  # truncated: "failed finding central directory"
+    res = _train(config, run)
+    _ok(res)
+    log = (run / "train.log").read_text()
+    assert f"checkpoint {run / 'checkpoints' / STEP4} is damaged" in log and str(bad) in log
+    assert f"falling back to {run / 'checkpoints' / STEP2}" in log and str(bad) in res.stderr
+    assert f"resumed from {run / 'checkpoints' / STEP2} at step 2" in log
+    _same_model(original, _model(run))  # steps 3 and 4 again, exactly
+    assert ckpt.verify_tag(run / "checkpoints" / STEP4) is None  # saved again, whole
+    assert (run / "metrics.jsonl").read_text() == rows  # the final validation once, not twice
+    assert [s for s, _ in _losses(run)] == [1, 2, 3, 4]
+
+
+def test_every_checkpoint_damaged_names_each_file(config, one_rank_run, tmp_path):
+    run = _copy(one_rank_run, tmp_path / "run")
+    (run / "model.pt").unlink()
+    files = [run / "checkpoints" / tag / ckpt.MODEL_STATES for tag in (STEP2, STEP4)]
+    for f in files:
+        f.write_bytes(f.read_bytes()[:1000])
+    res = _train(config, run)
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert "no loadable checkpoint" in res.stderr and all(str(f) in res.stderr for f in files)
+
+
+def test_unit_verify_tag_and_markers(tmp_path):
+    d = tmp_path / "checkpoints"
+    for step in (2, 4, 6):
+        (d / ckpt.tag_for(step)).mkdir(parents=True)
+        torch.save({"module": {"w": torch.ones(2)}, "ds_config": {}}, d / ckpt.tag_for(step) / ckpt.MODEL_STATES)
+        ckpt.mark_complete(d, ckpt.tag_for(step), step, keep=5)
+    (d / ckpt.tag_for(6) / ckpt.COMPLETE).write_text("")  # a marker cut short: the tag is not complete
+    assert ckpt.complete_tags(d) == [ckpt.tag_for(2), ckpt.tag_for(4)]
+    assert ckpt.resume_candidates(d) == [ckpt.tag_for(4), ckpt.tag_for(2)]
+    assert ckpt.verify_tag(d / ckpt.tag_for(4)) is None
+    (d / ckpt.tag_for(4) / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"PK\x03\x04 cut")
+    problem = ckpt.verify_tag(d / ckpt.tag_for(4))
+    assert isinstance(problem, ckpt.DamagedCheckpointError) and problem.file.endswith("optim_states.pt")
+    warnings = []
+    assert ckpt.select_resume_tag(d, ckpt.resume_candidates(d), warn=warnings.append) == ckpt.tag_for(2)
+    assert len(warnings) == 1 and "optim_states.pt" in warnings[0]
+
+
+# --------------------------------------------------------------------------- item 8: the disk fills up mid-save
+INJECT = '''
+import errno, os, sys, torch
+where, rank, kind = os.environ["SQUAD_TEST_FAIL"].split(":")
+real = torch.save
+def save(obj, f, *args, **kwargs):
+    if where in str(f) and os.environ.get("RANK", "0") == rank:
+        if kind == "torch":  # what torch's zip writer raises on a full disk
+            raise RuntimeError("basic_ios::clear: iostream error")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(f))
+    return real(obj, f, *args, **kwargs)
+torch.save = save
+from squad.cli.train import main
+sys.exit(main(sys.argv[1:]))
+'''
+
+
+def test_disk_full_during_a_two_rank_save_keeps_the_previous_checkpoint(config, tmp_path):
+    """Rank 1 cannot write its ZeRO shard of the step-4 checkpoint: both ranks stop at once with the same message, in
+    train.log and on stderr; step 2 stays the latest checkpoint, and the run resumes from it."""
+    script = tmp_path / "inject.py"
+    script.write_text(INJECT)
+    run = tmp_path / "run"
+    res = _train(config, run, "--set", "train.zero_stage=1", ranks=2, script=str(script),
+                 env={"SQUAD_TEST_FAIL": f"{STEP4}/zero_pp_rank_1:1:torch"})
+    output = res.stdout + res.stderr
+    assert res.returncode == 3, output[-3000:]
+    message = f"could not write checkpoint {STEP4} to {run / 'checkpoints' / STEP4 / 'zero_pp_rank_1'}"
+    assert message in output and "basic_ios::clear: iostream error" in output and "MiB free" in output
+    log = (run / "train.log").read_text()
+    assert message in log and f"previous checkpoint {run / 'checkpoints' / STEP2} is intact" in log
+    assert ckpt.find_resume_tag(run / "checkpoints") == STEP2 and not (run / "checkpoints" / STEP4).exists()
+    assert not (run / "model.pt").exists()
+    _ok(_train(config, run, "--set", "train.zero_stage=1", ranks=2))  # room again: it resumes and finishes
+    assert f"resumed from {run / 'checkpoints' / STEP2}" in (run / "train.log").read_text()
+    assert (run / "model.pt").is_file()
+
+
+def test_disk_full_writing_model_pt(config, one_rank_run, tmp_path):
+    script = tmp_path / "inject.py"
+    script.write_text(INJECT)
+    run = tmp_path / "run"
+    res = _train(config, run, script=str(script), env={"SQUAD_TEST_FAIL": ".model.pt.tmp:0:oserror"})
+    assert res.returncode == 3, res.stderr[-3000:]
+    message = f"could not write the exported model to {run / 'model.pt'}: No space left on device"
+    assert message in res.stderr and message in (run / "train.log").read_text()
+    assert "rerun the same command" in res.stderr
+    assert not (run / "model.pt").exists() and not list(run.glob(".model.pt.tmp*"))
+    assert ckpt.find_resume_tag(run / "checkpoints") == STEP4
+    _ok(_train(config, run))  # the rerun writes it, without training or logging again
+    _same_model(_model(one_rank_run), _model(run))
+    rows = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert rows == [0, 4]

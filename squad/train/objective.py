@@ -8,6 +8,8 @@ augmentation draws come from (seed, epoch, index), and the torch RNG (router noi
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch.nn as nn
 
 from squad.config.run import RunConfig
@@ -18,6 +20,30 @@ from squad.train.losses import TaskWeighting, auxiliary_loss
 
 class TrainingError(RuntimeError):
     """The run cannot go on (e.g. too many non-finite losses in a row); the message says why and what to try."""
+
+
+def nonfinite_stop(count: int, step: int, run_dir: Path) -> TrainingError:
+    """The error that stops a run after ``count`` non-finite losses in a row, saying what can be done about it.
+
+    A resume must keep the config keys that exact resumption depends on (`squad.train.run_folder.RESUMABLE_KEYS`
+    lists those that may change), so a lower ``optim.lr`` means a new run; a resume may tighten ``optim.clip`` or
+    raise ``train.max_nonfinite``.
+
+    Args:
+        count: the non-finite losses in a row.
+        step: the optimiser step the run stopped at.
+        run_dir: the run folder (its last complete checkpoint is named, if it has one).
+    """
+    from squad.train import checkpoint as ckpt
+
+    tag = ckpt.find_resume_tag(Path(run_dir) / "checkpoints")
+    resume = (f"resume this run from its last checkpoint ({tag}, --resume auto) with a lower optim.clip, or with "
+              f"a higher train.max_nonfinite if only a few batches are bad" if tag else
+              "this run has no checkpoint to resume")
+    return TrainingError(
+        f"{count} non-finite losses in a row at step {step}: stopping. Options: start a new run with a lower "
+        f"optim.lr (another --out, or --resume none --overwrite to replace this one; optim.lr cannot change on "
+        f"resume); {resume}; check the data for broken images or targets")
 
 
 class MultiTaskObjective(nn.Module):

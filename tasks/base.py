@@ -129,7 +129,11 @@ class Task:
             if pred.dim() != 2 or pred.shape[1] != self.channels or target.shape != pred.shape:
                 raise ValueError(f"task {self.name}: expected pred and target [B, {self.channels}], got "
                                  f"pred {tuple(pred.shape)}, target {tuple(target.shape)}")
-            mask = mask.reshape(pred.shape[0], -1)
+            b = pred.shape[0]
+            if b == 0:  # a task that drew no image in this batch (train.tasks_per_image): [0] or [0, 1]
+                mask = mask.reshape(0, mask.shape[-1] if mask.dim() > 1 else 1)
+            else:
+                mask = mask.reshape(b, -1)
             if mask.shape[1] != 1:
                 raise ValueError(f"task {self.name}: expected mask [B] or [B, 1], got {tuple(mask.shape)}")
             return mask[:, 0].bool()

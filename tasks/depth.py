@@ -3,7 +3,8 @@
 * decode: metres ``float32 [1, H, W]``; mask ``code != 65535`` (masked pixels hold 0 m).
 * target: the authors' log scale, ``t = log(1 + 512·d) / log(65536)`` ∈ [0, 1] (their loader applies
   ``log(1 + code) / log(2^16)``), regressed with a masked L1 loss.
-* to_units: ``d = (exp(t · log 65536) − 1) / 512``, with t clamped at 0 so predictions are never negative.
+* to_units: ``d = (exp(t · log 65536) − 1) / 512``, with t clamped to the encoding's range [0, 1] first, so a
+  prediction lies in [0, 128] m (65535 / 512, the largest depth a file can hold) and never overflows.
 * metrics (paper Table 1, after Eigen et al.): RMSE in metres (primary, lower is better, Δt's default metric),
   absolute and squared relative error, and the share of pixels with ``max(d/d*, d*/d) < 1.25, 1.25², 1.25³`` (%).
   Pixels count when the mask is set and the true depth is > 0. The authors report RMSE after an extra remapping
@@ -58,7 +59,8 @@ class DepthTask(Task):
         return torch.log1p(value.float().clamp_min(0) * DEPTH_SCALE) / _LOG_RANGE
 
     def to_units(self, pred: torch.Tensor) -> torch.Tensor:
-        return torch.expm1(pred.float().clamp_min(0) * _LOG_RANGE) / DEPTH_SCALE
+        # clamped to the encoding's [0, 1]: an untrained head's outputs of 8 would otherwise give e^44 m (inf in RMSE)
+        return torch.expm1(pred.float().clamp(0.0, 1.0) * _LOG_RANGE) / DEPTH_SCALE
 
     def loss(self, pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         mask = self.check_batch(pred, target, mask)

@@ -304,3 +304,39 @@ def test_normal_loss_ignores_prediction_scale():
     value, mask = batch_of("normal")
     pred = value + 0.3 * torch.randn_like(value)
     torch.testing.assert_close(task.loss(pred, value, mask), task.loss(5 * pred, value, mask))
+
+
+@pytest.mark.parametrize("name", TASK_NAMES)
+@pytest.mark.parametrize("mask_shape", ["full", "squeezed"])
+def test_empty_batch_gives_zero_loss_and_zero_sums(name, mask_shape):
+    """train.tasks_per_image can leave a task without any image in a micro-batch: 0 loss (with a gradient path),
+    all-zero metric sums, for every task kind and both mask layouts the dataset gives."""
+    task = get_task(name)
+    if task.head_kind == "class":
+        shape, mask = (0, task.channels), torch.zeros((0, 1) if mask_shape == "full" else (0,), dtype=torch.bool)
+    else:
+        shape = (0, task.channels, 8, 8)
+        mask = torch.zeros((0, 1, 8, 8) if mask_shape == "full" else (0, 8, 8), dtype=torch.bool)
+    pred = torch.zeros(shape, requires_grad=True)
+    loss = task.loss(pred, torch.zeros(shape), mask)
+    assert loss.shape == () and float(loss.detach()) == 0.0
+    loss.backward()
+    assert pred.grad is not None and pred.grad.shape == shape
+    sums = task.metric_sums(pred.detach(), torch.zeros(shape), mask)
+    assert sums and all(float(v) == 0.0 for v in sums.values())
+    assert all(math.isnan(v) for v in task.metrics(sums).values())  # nothing seen: NaN, never a fake 0
+
+
+@pytest.mark.parametrize("name", ["depth_euclidean", "depth_zbuffer"])
+def test_depth_units_clamped_to_the_encoding(name):
+    """An untrained head's outputs far outside the encoding's [0, 1] give depths within [0, 65535/512] m, so
+    metrics stay finite (expm1 of unclamped outputs overflowed to inf from about 8)."""
+    task = get_task(name)
+    pred = torch.tensor([-5.0, 0.0, 0.5, 1.0, 8.0, 50.0, 1e4]).view(1, 1, 1, 7)
+    units = task.to_units(pred)
+    assert torch.isfinite(units).all()
+    assert float(units.min()) == 0.0 and float(units.max()) == pytest.approx(65535 / 512)
+    assert float(units[0, 0, 0, 2]) == pytest.approx((65536**0.5 - 1) / 512)  # inside the range: unchanged
+    value, mask = batch_of(name)
+    final = task.metrics(task.metric_sums(torch.full_like(value, 100.0), task.target(value), mask))
+    assert math.isfinite(final["rmse"]) and final["rmse"] < 65535 / 512

@@ -35,7 +35,8 @@ class HeadConfig:
     """One task head.
 
     ``dense``: linear per patch token to patch·patch·channels pixels; ``class``: mean-pooled patch tokens →
-    LayerNorm → Linear(channels) (the paper's heads); ``token``: the class token → Linear (timm's ViT head).
+    LayerNorm → Linear(channels) (the paper's heads, and timm's average-pooled ViT head: pool → fc_norm → head);
+    ``token``: the class token → Linear (timm's class-token ViT head).
     """
 
     name: str
@@ -181,6 +182,7 @@ class ModelConfig:
     mlp_ratio: float = 4.0
     qkv_bias: bool = True
     class_token: bool = True
+    final_norm: bool = True  # LayerNorm on the final tokens; false for timm's avg-pool ViTs (norm after pooling)
     plan: list[BlockSpec] = dataclasses.field(default_factory=lambda: [BlockSpec()])  # tiled to depth
     moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
     moa: MoAConfig = dataclasses.field(default_factory=MoAConfig)

@@ -1,7 +1,8 @@
 """Task heads on the backbone's final normed tokens (Mod-Squad: one linear layer per task).
 
 ``dense``: Linear(D, p·p·C) per patch token, rearranged to a [B, C, H, W] map at the input resolution.
-``class``: mean of the patch tokens → LayerNorm → Linear(C) logits.
+``class``: mean of the patch tokens → LayerNorm → Linear(C) logits (also timm's ``global_pool="avg"`` head, its
+``fc_norm`` being the LayerNorm).
 ``token``: the class token → Linear(C) (timm's ViT head, so a timm classifier loads with its head).
 """
 

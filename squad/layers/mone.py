@@ -5,7 +5,9 @@ MLP fc1/fc2) and pads its output back to D; QKᵀV runs at full width and the ML
 router (per task) at the first MoNE block assigns tokens with Expert Preferred Routing under a capacity
 distribution solved from the effective capacity e_c; its decision is reused by every later MoNE block. Tokens are
 permuted ONCE so each expert's tokens are contiguous in every row (the group sizes are static for a given N and
-e_c), so each width runs dense matmuls; the model undoes the permutation before the heads.
+e_c), so each width runs dense matmuls. The model undoes the permutation before the heads and before any
+non-MoNE block (and redoes it before the next MoNE block), so every other layer sees tokens in their original
+positions: the class token stays at 0 (MoD's keep_cls), A-MoD scores and routing records are per original token.
 
 Memory layout: the blocks keep the routed tokens token-major ([N, R, D] in memory, handed between blocks as the
 [R, N, D] view), so the rows of one expert group over the whole batch form ONE contiguous [n_j·R, D] block. Each
@@ -51,6 +53,21 @@ class MoNEState:
         idx = self.order.view(*self.order.shape, *([1] * (x.dim() - 2))).expand_as(x)
         return torch.empty_like(x).scatter(1, idx, x)
 
+    def permute(self, x: torch.Tensor) -> torch.Tensor:
+        """[R, N, D] in original token order → routed order, token-major in memory (as the MoNE blocks want)."""
+        r, n, d = x.shape
+        xt = x.transpose(0, 1)  # [N, R, D] view
+        return torch.gather(xt, 0, self.order.t().unsqueeze(-1).expand(n, r, d)).transpose(0, 1)
+
+
+def upgrade_legacy_alpha(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` with each MoNE α saved 0-dim (files written before α became shape [1]) reshaped to [1].
+
+    Every other entry is returned as it is; the input dict is not changed.
+    """
+    return {k: v.reshape(1) if (k == "alpha" or k.endswith(".alpha")) and isinstance(v, torch.Tensor) and v.dim() == 0
+            else v for k, v in state.items()}
+
 
 class MoNERouter(RoutedLayer):
     """Per-task router ``softmax(W x + b)`` over the E nested experts, with EPR under the capacity budget."""
@@ -84,9 +101,7 @@ class MoNERouter(RoutedLayer):
         tokens = ctx.per_task_sum(torch.full((r,), float(n), device=x.device))
         ctx.stats.append(RouterStats(self.layer_name, self.kind, ctx.per_task_sum(probs.sum(1)),
                                      ctx.per_task_sum(hard), tokens, 1))
-        xt = x.transpose(0, 1)  # [N, R, D] view
-        routed = torch.gather(xt, 0, order.t().unsqueeze(-1).expand(n, r, d))  # [N, R, D] token-major memory
-        return routed.transpose(0, 1)  # [R, N, D] in routed order
+        return ctx.mone.permute(x)  # [R, N, D] in routed order, [N, R, D] token-major memory
 
     def macs(self, n: int) -> int:
         return n * self.dim * self.cfg.num_experts
@@ -117,9 +132,19 @@ class MoNEBlock(nn.Module):
         self.mlp = nn.Module()
         self.mlp.fc1 = nn.Linear(dim, mlp_hidden)
         self.mlp.fc2 = nn.Linear(mlp_hidden, dim)
-        self.alpha = nn.Parameter(torch.zeros(()))
+        # [1], not 0-dim: DeepSpeed broadcasts parameters as byte views, which a 0-dim tensor cannot give.
+        # Files written while α was 0-dim load through `_load_from_state_dict`.
+        self.alpha = nn.Parameter(torch.zeros(1))
         self.router = MoNERouter(dim, cfg, num_tasks) if has_router else None
         self.want_scores = False
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        """Accepts α saved 0-dim (files written before α became shape [1])."""
+        key = prefix + "alpha"
+        alpha = state_dict.get(key)
+        if isinstance(alpha, torch.Tensor) and alpha.dim() == 0:
+            state_dict[key] = alpha.reshape(1)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, key_mask: torch.Tensor | None = None) -> torch.Tensor:
         """x [R, N, D] in routed order → [R, N, D], laid out token-major in memory (see the module docstring)."""

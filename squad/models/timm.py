@@ -1,6 +1,13 @@
 """timm VisionTransformer ↔ SquadViT: dense SquadViT blocks use timm's parameter names and layout, so a timm
 model's weights load as they are (``patch_embed.proj``, ``cls_token``, ``pos_embed``, ``blocks.i.{norm1, attn.qkv,
-attn.proj, norm2, mlp.fc1, mlp.fc2}``, ``norm``, and ``head`` for a token-pooled classifier)."""
+attn.proj, norm2, mlp.fc1, mlp.fc2}``, ``norm``).
+
+Pooling: a class-token ViT (``global_pool="token"``) ends in ``norm`` and its classifier ``head`` becomes a
+``token`` head. An average-pooled ViT (``global_pool="avg"``, timm's default ``fc_norm``) has no ``norm`` on its
+tokens; its LayerNorm ``fc_norm`` comes after pooling. SquadViT models it with ``final_norm: false`` and a ``class``
+head (patch-token mean → LayerNorm ← ``fc_norm`` → Linear ← ``head``), so features and logits equal timm's. Other
+poolings (``max``, ``avgmax``, attention pooling ``map``) are refused.
+"""
 
 from __future__ import annotations
 
@@ -34,6 +41,17 @@ def timm_config_dict(vit: nn.Module) -> dict:
     attn = block.attn
     if not isinstance(getattr(attn, "q_norm", nn.Identity()), nn.Identity):
         raise ValueError("from_timm: qk-norm is not supported")
+    pool = timm_pooling(vit)
+    act = getattr(block.mlp, "act", None)
+    if act is not None and not (isinstance(act, nn.GELU) and act.approximate == "none"):
+        raise ValueError(f"from_timm: the MLP activation is {act}; SquadViT uses exact GELU")
+    norms = [("blocks.0.norm1", block.norm1), ("blocks.0.norm2", block.norm2), ("norm", pool["norm"]),
+             ("fc_norm", pool["fc_norm"])]
+    for name, norm in norms:
+        if norm is not None and not (isinstance(norm, nn.LayerNorm) and norm.elementwise_affine
+                                     and abs(norm.eps - 1e-6) < 1e-12):
+            raise ValueError(f"from_timm: {name} is {norm}; SquadViT uses LayerNorm(eps=1e-6) "
+                             f"(features would differ from timm's)")
     embed = vit.patch_embed
     img = embed.img_size[0] if isinstance(embed.img_size, tuple | list) else embed.img_size
     patch = embed.patch_size[0] if isinstance(embed.patch_size, tuple | list) else embed.patch_size
@@ -48,7 +66,41 @@ def timm_config_dict(vit: nn.Module) -> dict:
         "mlp_ratio": block.mlp.fc1.out_features / dim,
         "qkv_bias": attn.qkv.bias is not None,
         "class_token": vit.cls_token is not None,
+        "final_norm": pool["norm"] is not None,
     }
+
+
+def timm_pooling(vit: nn.Module) -> dict:
+    """How a timm VisionTransformer turns its tokens into logits, as far as SquadViT can reproduce it.
+
+    Returns:
+        ``{"pool": "token" | "avg" | "", "norm": the final token norm or None, "fc_norm": the norm after pooling or
+        None, "head_kind": "token" | "class" | None}``; ``head_kind`` is the squad head that equals timm's
+        classifier (None: no squad head does, e.g. avg pooling without fc_norm).
+
+    Raises:
+        ValueError: a pooling SquadViT does not model (``map``, ``max``, ``avgmax``, pooling over the class token).
+    """
+    if getattr(vit, "attn_pool", None) is not None:
+        raise ValueError("from_timm: attention pooling (global_pool='map') is not supported")
+    pool = getattr(vit, "global_pool", "token")
+    if pool not in ("token", "avg", ""):
+        raise ValueError(f"from_timm: global_pool={pool!r} is not supported (token, avg or '')")
+    if pool == "avg" and getattr(vit, "pool_include_prefix", False):
+        raise ValueError("from_timm: average pooling over the class token too (pool_include_prefix=True) is not "
+                         "supported")
+    norm = getattr(vit, "norm", None)
+    fc_norm = getattr(vit, "fc_norm", None)
+    norm = None if norm is None or isinstance(norm, nn.Identity) else norm
+    fc_norm = None if fc_norm is None or isinstance(fc_norm, nn.Identity) else fc_norm
+    if norm is not None and fc_norm is not None:
+        raise ValueError("from_timm: a ViT with both a final norm and fc_norm is not supported")
+    head_kind = None
+    if pool == "token" and fc_norm is None and vit.cls_token is not None:
+        head_kind = "token"
+    elif pool == "avg" and fc_norm is not None:
+        head_kind = "class"
+    return {"pool": pool, "norm": norm, "fc_norm": fc_norm, "head_kind": head_kind}
 
 
 def _as_data(items: Sequence[HeadConfig | BlockSpec | str | dict], what: str) -> list[str | dict]:
@@ -73,26 +125,29 @@ def from_timm(vit: nn.Module, heads: Sequence[HeadConfig | str | dict] | str | N
         vit: a ``timm.models.vision_transformer.VisionTransformer`` (weights already in it; nothing is downloaded).
         heads: task heads, as in YAML's ``model.heads``: task names from `squad.tasks` (``"depth_euclidean"``; one
             name alone is a list of one), ``{name, kind, channels}`` mappings, or `HeadConfig`. Default: the timm
-            classifier as a ``token`` head named ``"timm"`` (weights copied) when it has one and pools the class
-            token.
+            classifier as a head named ``"timm"`` (weights copied; a ``token`` head for class-token pooling, a
+            ``class`` head holding ``fc_norm`` for average pooling) when it has one that SquadViT reproduces, else
+            a placeholder ``"features"`` head.
         plan: layer plan as `BlockSpec` or mappings like YAML's ``model.plan`` (default: all dense). Dense
             attention/MLP weights are copied into every block whose attention/MLP is dense (also inside MoD
             blocks); routed parts keep their fresh init.
         overrides: extra ModelConfig fields (e.g. ``{"mod": {"capacity": 0.5}}``), merged into the config.
 
     Returns:
-        The model; with the default plan its ``forward_features`` equals timm's.
+        The model; with the default plan its ``forward_features`` equals timm's (and the ``"timm"`` head's logits
+        equal timm's output).
 
     Raises:
         ConfigError: a bad head, plan entry or override (named as its ``model.`` key).
         ValueError: a timm feature SquadViT does not model.
     """
     arch = timm_config_dict(vit)
+    head_kind = timm_pooling(vit)["head_kind"]
     copy_head = False
     if heads is None:
         n_cls = getattr(vit, "num_classes", 0)
-        if n_cls and getattr(vit, "global_pool", "token") == "token":
-            heads = [HeadConfig("timm", "token", int(n_cls))]
+        if n_cls and head_kind is not None:
+            heads = [HeadConfig("timm", head_kind, int(n_cls))]
             copy_head = True
         else:
             heads = [HeadConfig("features", "class", 1)]
@@ -112,19 +167,39 @@ def load_timm_weights(model: SquadViT, state: dict[str, torch.Tensor], head: str
     Args:
         model: the target model.
         state: timm ``state_dict()`` (or a checkpoint's ``model``/``state_dict`` entry).
-        head: name of a ``token`` head to receive timm's ``head.*`` weights.
+        head: name of the head to receive timm's classifier: a ``token`` head takes ``head.*``; a ``class`` head
+            takes ``head.*`` and ``fc_norm.*`` (an average-pooled ViT's norm after pooling).
 
     Returns:
         Names of ``model`` parameters that received no timm weight (routers, experts, heads...).
+
+    Raises:
+        ValueError: weights that do not fit, e.g. an average-pooled ViT's weights (``fc_norm``, no ``norm``) into a
+            model with a final norm (build it with ``final_norm: false``), or a shape mismatch.
     """
     own = model.state_dict()
+    fc_norm = any(k.startswith("fc_norm.") for k in state)
+    if "norm.weight" in own and "norm.weight" not in state:
+        why = " (an average-pooled ViT: its norm, fc_norm, comes after pooling)" if fc_norm else ""
+        raise ValueError(f"timm weights have no final norm (norm.weight){why}; the model needs "
+                         "model.final_norm=false for its features to equal timm's (from_timm sets it)")
+    if head is not None and fc_norm and f"heads.{head}.norm.weight" not in own:
+        raise ValueError(f"timm weights pool with fc_norm (average pooling); head {head!r} must be a 'class' head "
+                         "to take it")
+    if head is not None and not fc_norm and f"heads.{head}.norm.weight" in own:
+        raise ValueError(f"head {head!r} is a 'class' head (mean → LayerNorm → Linear), but the timm weights have no "
+                         "fc_norm for its LayerNorm: use a 'token' head for a class-token classifier")
     mapped: dict[str, torch.Tensor] = {}
     for key, value in state.items():
         if key.startswith("head."):
             if head is not None:
                 mapped[f"heads.{head}.fc.{key[5:]}"] = value
             continue
-        if key.startswith("fc_norm.") or key.startswith("head_drop"):
+        if key.startswith("fc_norm."):
+            if head is not None:
+                mapped[f"heads.{head}.norm.{key[8:]}"] = value
+            continue
+        if key.startswith("head_drop"):
             continue
         if key.startswith("blocks."):
             parts = key.split(".")

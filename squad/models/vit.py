@@ -82,7 +82,8 @@ class SquadViT(nn.Module):
                 block = MoDBlock(block, cfg.mod, spec.mod, d, t, cfg.class_token)
             blocks.append(block)
         self.blocks = nn.ModuleList(blocks)
-        self.norm = nn.LayerNorm(d, eps=1e-6)
+        # timm's avg-pool ViTs have no norm here (their fc_norm comes after pooling: a `class` head's own norm)
+        self.norm = nn.LayerNorm(d, eps=1e-6) if cfg.final_norm else nn.Identity()
         self.heads = nn.ModuleDict({h.name: build_head(h, d, cfg.patch_size, cfg.grid, cfg.class_token)
                                     for h in heads})
         self.mone_capacity = cfg.mone.capacity
@@ -152,9 +153,15 @@ class SquadViT(nn.Module):
 
     # ---------------------------------------------------------------------------------------------------- forward
     def set_mone_capacity(self, e_c: float) -> None:
-        """Effective capacity used by MoNE blocks at inference (and in training unless sampled per step)."""
-        if not 0.0 < e_c <= 1.0:
-            raise ValueError(f"MoNE effective capacity must be in (0, 1], got {e_c}")
+        """Effective capacity used by MoNE blocks at inference (and in training unless sampled per step).
+
+        Raises:
+            ValueError: e_c outside [1/2^(E-1), 1], the range ``model.mone.capacity`` accepts (E nested experts).
+        """
+        low = 2 ** (self.cfg.mone.num_experts - 1)
+        if not 1 / low - 1e-9 <= e_c <= 1.0:
+            raise ValueError(f"MoNE effective capacity must be in [1/{low}, 1] (from every token at the smallest "
+                             f"expert's width share to every token at full width, as model.mone.capacity), got {e_c}")
         self.mone_capacity = float(e_c)
 
     def _capacity_for_step(self) -> float:
@@ -178,11 +185,22 @@ class SquadViT(nn.Module):
             emb = self.task_embeddings().index_select(0, task_ids).to(x.dtype)  # [R, D]
             if self.cfg.task_embed == "moe_inputs":
                 ctx.moe_task_embed = emb
+        # `routed`: the MoNE block x just came from while x is in MoNE's routed token order, else None. Only MoNE
+        # blocks see that order (squad.layers.mone): it is undone before any other block and redone after it.
+        routed: MoNEBlock | None = None
         for block in self.blocks:
             if emb is not None and self.cfg.task_embed == "every_block":
                 x = x + emb[:, None, :]
+            is_mone = isinstance(block, MoNEBlock)
+            if ctx.mone is not None and is_mone and routed is None:
+                x = ctx.mone.permute(x)
+            elif routed is not None and not is_mone:
+                x = ctx.mone.unpermute(x)
+                scores = ctx.attn_scores if routed.want_scores else None  # A-MoD scores for this block, if any
+                ctx.attn_scores = ctx.mone.unpermute(scores) if scores is not None else None
             x = block(x, ctx)
-        if ctx.mone is not None:
+            routed = block if is_mone else None
+        if routed is not None:
             x = ctx.mone.unpermute(x)
         return self.norm(x), ctx
 

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from squad.config.model import HeadConfig
+from squad.layers.mone import upgrade_legacy_alpha
 from squad.layers.routing import TaskLinear, TaskRouter
 from squad.models.vit import SquadViT
 
@@ -36,6 +37,7 @@ def load_assigned(model: SquadViT, state: dict[str, torch.Tensor], source: str) 
         ValueError: names or shapes differ, naming the first offending keys and ``source``.
     """
     own = model.state_dict()
+    state = upgrade_legacy_alpha(state)  # MoNE's α was saved 0-dim before it became [1]
     missing = [k for k in own if k not in state]
     unexpected = [k for k in state if k not in own]
     if missing or unexpected:

@@ -181,3 +181,21 @@ def test_runs_under_the_deepspeed_launcher(base_file, tiny_data, tmp_path):
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     assert json.loads(out.read_text())["runs"][0]["frozen_unchanged"] is True
+
+
+def test_missing_checkpoint_says_how_to_train_one_without_the_task(tmp_path, tiny_data, load_tool, capsys,
+                                                                   monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    tool = load_tool("tools/finetune_router.py")
+    assert tool.main(["--checkpoint", "runs/no_scene", "--task", "scene", "--data", str(tiny_data)]) == 2
+    err = capsys.readouterr().err
+    assert "runs/no_scene" in err and "trained without class_scene" in err
+    assert err.strip().splitlines()[-1].startswith("error: model file not found: runs/no_scene")  # one line
+    command = err[err.index("python tools/train.py"):].strip()
+    assert command.startswith("python tools/train.py --config configs/demo.yaml --out runs/no_scene "
+                              "--set 'data.tasks=[")
+    assert not (tmp_path / "runs").exists()
+    # the command it gives is a valid run config: every task of the demo model but class_scene
+    override = command.split("--set ", 1)[1].strip("'")
+    cfg = squad.load_config(ROOT / "configs" / "demo.yaml", [override])
+    assert "class_scene" not in cfg.train_tasks() and len(cfg.train_tasks()) == 12 == len(cfg.model.heads) - 1

@@ -92,13 +92,15 @@ def test_figures_are_written_with_data(run_dir, tiny_data, tmp_path):
     out = tmp_path / "figs"
     result = draw_figures(run_dir, out, data=tiny_data, split="val", batches=1, batch_size=4)
     names = sorted(p.name for p in out.glob("*.png"))
-    assert names == ["relations_all.png", "relations_first.png", "relations_last.png", "relations_middle.png",
-                     "usage_blocks.0.attn.png", "usage_blocks.0.mlp.png", "usage_blocks.1.block.mlp.png"]
+    assert names == ["mod_tokens.png", "relations_all.png", "relations_first.png", "relations_last.png",
+                     "relations_middle.png", "usage_blocks.0.attn.png", "usage_blocks.0.mlp.png",
+                     "usage_blocks.1.block.mlp.png"]
     for p in out.glob("*.png"):
         assert _is_png(p) and p.stat().st_size > 5000, p
     numbers = json.loads((out / "figures.json").read_text())
     assert numbers["relations"]["tasks"] == HEADS
     assert len(numbers["usage"]["blocks.0.mlp"]["share"]) == 3
+    assert numbers["mod"] == {"mode": "topk", "blocks": ["blocks.1"], "share": [[9 / 17], [9 / 17], [9 / 17]]}
     assert result["tensorboard"] == str(run_dir / "tensorboard")
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
 
@@ -107,8 +109,8 @@ def test_visualize_tool_without_data_uses_saved_usage(run_dir, tmp_path, load_to
     tool = load_tool("tools/visualize.py")
     out = tmp_path / "figs"
     assert tool.main(["--checkpoint", str(run_dir / "model.pt"), "--out", str(out), "--tb", "none"]) == 0
-    assert sorted(p.name for p in out.glob("*.png")) == ["usage_blocks.0.attn.png", "usage_blocks.0.mlp.png",
-                                                         "usage_blocks.1.block.mlp.png"]
+    assert sorted(p.name for p in out.glob("*.png")) == ["mod_tokens.png", "usage_blocks.0.attn.png",
+                                                         "usage_blocks.0.mlp.png", "usage_blocks.1.block.mlp.png"]
     assert "saved in model.pt" in capsys.readouterr().out
     bare = tmp_path / "bare.pt"
     export_model(bare, tiny_model(HEADS), None)

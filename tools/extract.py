@@ -10,6 +10,11 @@ Expert usage comes from a calibration pass over the task's data (--data, --calib
 tokens (or all but the top H share with --keep-top) are removed from every MoE attention and MoE MLP layer;
 routing stays exact unless --renormalize. Prints a summary and writes the model and a JSON report; load the model
 with ``squad.load_extracted(path)``.
+
+A model without MoE attention / MoE MLP layers (dense MTL, MoD, A-MoD, MoNE) has no experts to prune: the extracted
+model keeps the backbone and only the task's head, router rows and task embedding, and the report says so (no
+calibration data needed). --mone-capacity and --mod-inference set MoNE's e_c and MoD's inference mode for the
+calibration, the metrics and the extracted model. A task the run never trained is refused.
 """
 
 import sys

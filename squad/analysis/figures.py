@@ -1,5 +1,14 @@
-"""Figures of expert usage: tasks × experts selection heatmaps per routed layer (paper Fig. 4 style) and task × task
-relation matrices (paper Fig. 5 style)."""
+"""Figures of routing, for every kind of routed layer:
+
+- MoE attention / MoE MLP: tasks × experts selection heatmaps per layer (paper Fig. 4 style) and task × task
+  relation matrices (paper Fig. 5 style, from a calibration pass);
+- Mixture-of-Depths: tasks × MoD blocks, the share of each task's tokens each block processed (top-k: the capacity;
+  threshold inference: what the routers let through);
+- Mixture of Nested Experts: tasks × nested experts, the share of each task's tokens assigned to each width (fixed
+  by e_c), and the task's mean router probability per width (where the tasks differ).
+
+A model with no routed layer (a dense ViT) is refused: there is no routing to draw.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +24,7 @@ import torch
 from squad.analysis.relations import TaskRelations, task_relations
 from squad.analysis.usage import ExpertUsage
 from squad.io import load_model
+from squad.layers.base import EXPERT_KINDS, RoutedLayer
 from squad.models.vit import SquadViT
 
 matplotlib.use("Agg")  # files and TensorBoard only; never a window
@@ -58,6 +68,21 @@ def usage_figure(share: np.ndarray, tasks: Sequence[str], layer: str):
     return fig
 
 
+def mod_figure(share: np.ndarray, tasks: Sequence[str], blocks: Sequence[str], mode: str):
+    """Share of each task's tokens each MoD block processed: rows = tasks, columns = MoD blocks, in [0, 1]."""
+    fig = heatmap(share, tasks, blocks, f"Mixture-of-Depths: tokens processed ({mode})", "share of tokens",
+                  vmin=0.0, vmax=1.0)
+    fig.axes[0].set_xlabel("MoD block", fontsize=8)
+    return fig
+
+
+def mone_figure(share: np.ndarray, tasks: Sequence[str], widths: Sequence[str], title: str, cbar: str):
+    """Per task, a share per nested expert: rows = tasks, columns = expert widths (smallest first)."""
+    fig = heatmap(share, tasks, widths, title, cbar, vmin=0.0, vmax=1.0)
+    fig.axes[0].set_xlabel("nested expert (width)", fontsize=8)
+    return fig
+
+
 def relation_figure(matrix: np.ndarray, tasks: Sequence[str], title: str):
     """Task × task relation matrix (mean share of experts two tasks select for the same token), in [0, 1]."""
     return heatmap(matrix, tasks, tasks, f"task relations — {title}", "mean share of shared experts", vmin=0.0,
@@ -80,9 +105,16 @@ def _slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
 
 
+def _has_moe(model: SquadViT) -> bool:
+    return any(isinstance(m, RoutedLayer) and m.kind in EXPERT_KINDS for m in model.modules())
+
+
 def calibration_pass(model: SquadViT, data: str | Path, split: str = "val", batches: int = 4, batch_size: int = 8,
-                     device: str | torch.device = "cpu", workers: int = 0) -> tuple[ExpertUsage, TaskRelations]:
-    """Usage statistics and task relations of ``model`` over ``batches`` batches of ``split`` (every task fused)."""
+                     device: str | torch.device = "cpu",
+                     workers: int = 0) -> tuple[ExpertUsage, TaskRelations | None]:
+    """Usage statistics of ``model`` over ``batches`` batches of ``split`` (every task fused), and the task
+    relations when it has MoE attention / MoE MLP layers (None otherwise: MoD and MoNE routing has no experts two
+    tasks could share)."""
     from squad.data import build_dataset
     from squad.eval.evaluate import eval_loader
     from squad.tasks import TASK_NAMES
@@ -90,14 +122,36 @@ def calibration_pass(model: SquadViT, data: str | Path, split: str = "val", batc
     probe = next((t for t in model.task_names if t in TASK_NAMES), TASK_NAMES[0])  # images only: targets unused
     ds = build_dataset(data, [probe], split, image_size=model.cfg.img_size, augment=False, missing="mask")
     usage = ExpertUsage(model.task_names)
-    rel = task_relations(model, eval_loader(ds, batch_size, workers), max_batches=batches, device=device, usage=usage)
-    return usage, rel
+    loader = eval_loader(ds, batch_size, workers)
+    if _has_moe(model):
+        rel = task_relations(model, loader, max_batches=batches, device=device, usage=usage)
+        return usage, rel
+    was = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for i, batch in enumerate(loader):
+                if batches and i >= batches:
+                    break
+                usage.update(model(batch["rgb"].to(device)).stats)
+    finally:
+        model.train(was)
+    return usage, None
+
+
+def _mone_widths(model: SquadViT) -> list[str]:
+    e = model.cfg.mone.num_experts
+    return [f"D/{2 ** (e - 1 - j)}" if j < e - 1 else "D" for j in range(e)]
 
 
 def draw_figures(source: str | Path | SquadViT, out_dir: str | Path, *, data: str | Path | None = None,
                  split: str = "val", batches: int = 4, batch_size: int = 8, tb_dir: str | Path | None = None,
-                 device: str | torch.device = "cpu", workers: int = 0) -> dict:
+                 device: str | torch.device = "cpu", workers: int = 0, mone_capacity: float | None = None,
+                 mod_inference: str | None = None) -> dict:
     """Draws every figure into ``out_dir`` (and TensorBoard) and returns what was written.
+
+    The model and its statistics are checked before anything is created: a missing checkpoint, a model without
+    routed layers or no statistics to draw from leave no folder behind.
 
     Args:
         source: run folder, ``model.pt``, or a model in memory.
@@ -110,15 +164,20 @@ def draw_figures(source: str | Path | SquadViT, out_dir: str | Path, *, data: st
             pass ``""`` to skip TensorBoard).
         device: where to run.
         workers: data loader workers.
+        mone_capacity: MoNE effective capacity e_c for the calibration pass (MoNE models).
+        mod_inference: MoD inference mode for the calibration pass, topk or threshold (MoD models).
 
     Returns:
         ``{"files": [png paths], "json": path, "usage_source": ..., "tensorboard": dir or None}``.
 
     Raises:
-        ValueError: no data and no saved usage statistics.
+        ValueError: a model without routed layers; no data and no saved usage statistics; an inference setting
+            the model cannot take, or one given without data (saved statistics come from training).
+        FileNotFoundError: a missing checkpoint or data.
     """
+    from squad.eval.evaluate import set_inference
+
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     step = 0
     if isinstance(source, SquadViT):
         model, saved = source, None
@@ -128,6 +187,13 @@ def draw_figures(source: str | Path | SquadViT, out_dir: str | Path, *, data: st
         step = int((model.meta.get("extra") or {}).get("step", 0) or 0)
         if tb_dir is None and Path(source).is_dir() and (Path(source) / "tensorboard").is_dir():
             tb_dir = Path(source) / "tensorboard"
+    if not any(isinstance(m, RoutedLayer) for m in model.modules()):
+        raise ValueError(f"{model.cfg.name} has no routed layers (MoE attention, MoE MLP, Mixture-of-Depths or "
+                         f"nested experts): there is no routing to draw")
+    settings = set_inference(model, mone_capacity, mod_inference)
+    if data is None and (mone_capacity is not None or mod_inference is not None):
+        raise ValueError("--mone-capacity / --mod-inference change how the model routes, which only a calibration "
+                         "pass shows: pass data= (--data DIR); the saved statistics come from training")
     model.to(device)
     rel = None
     if data is not None:
@@ -135,38 +201,61 @@ def draw_figures(source: str | Path | SquadViT, out_dir: str | Path, *, data: st
         usage_source = f"calibration pass over {data} ({split})"
     elif saved is not None:
         usage, usage_source = saved, "usage statistics saved in model.pt (training)"
-        log.warning("no data given: task-relation matrices need a calibration pass (--data); drawing heatmaps only")
+        if _has_moe(model):
+            log.warning("no data given: task-relation matrices need a calibration pass (--data); drawing heatmaps "
+                        "only")
     else:
         raise ValueError("no usage statistics saved with the model; pass data= (--data DIR) for a calibration pass")
+    out_dir.mkdir(parents=True, exist_ok=True)
     writer = None
     if tb_dir:
         from torch.utils.tensorboard import SummaryWriter
 
         writer = SummaryWriter(str(tb_dir))
-    files, numbers = [], {"usage_source": usage_source, "usage": {}, "relations": None}
+    files = []
+    numbers = {"usage_source": usage_source, "inference": settings, "usage": {}, "relations": None, "mod": None,
+               "mone": None}
+
+    def emit(fig, tag: str, name: str) -> None:
+        if writer is not None:
+            writer.add_figure(tag, fig, step, close=False)
+        path = out_dir / name
+        save_figure(fig, path)
+        files.append(str(path))
+
     try:
-        shares = usage.selection_share()
-        for layer, share in shares.items():
+        for layer, share in usage.selection_share().items():
             kind = KIND_NAMES.get(usage.kinds[layer], usage.kinds[layer])
-            fig = usage_figure(share.numpy(), usage.tasks, f"{layer} ({kind})")
-            if writer is not None:
-                writer.add_figure(f"figures/usage/{layer}", fig, step, close=False)
-            path = out_dir / f"usage_{_slug(layer)}.png"
-            save_figure(fig, path)
-            files.append(str(path))
+            emit(usage_figure(share.numpy(), usage.tasks, f"{layer} ({kind})"), f"figures/usage/{layer}",
+                 f"usage_{_slug(layer)}.png")
             numbers["usage"][layer] = {"kind": usage.kinds[layer], "share": share.tolist()}
+        mod = [name for name in usage.counts if usage.kinds[name] == "mod"]
+        if mod:  # [T, blocks] share of each task's tokens processed
+            share = torch.stack([usage.counts[b][:, 0] / usage.tokens[b].clamp_min(1.0) for b in mod], dim=1)
+            mode = ("training, top-k" if data is None else settings.get("mod_inference", "topk"))
+            emit(mod_figure(share.numpy(), usage.tasks, mod, mode), "figures/mod/tokens", "mod_tokens.png")
+            numbers["mod"] = {"mode": mode, "blocks": mod, "share": share.tolist()}
+        mone = [name for name in usage.counts if usage.kinds[name] == "mone"]
+        if mone:
+            numbers["mone"] = {"widths": _mone_widths(model), "routers": {}}
+        for layer in mone:
+            tokens = usage.tokens[layer].clamp_min(1.0).unsqueeze(1)
+            share, prob = usage.counts[layer] / tokens, usage.mass[layer] / tokens
+            widths = _mone_widths(model)
+            emit(mone_figure(share.numpy(), usage.tasks, widths, f"nested experts: tokens per expert — {layer}",
+                             "share of tokens"), f"figures/mone/tokens/{layer}", f"mone_tokens_{_slug(layer)}.png")
+            emit(mone_figure(prob.numpy(), usage.tasks, widths, f"nested experts: mean router probability — {layer}",
+                             "mean probability"), f"figures/mone/router/{layer}", f"mone_router_{_slug(layer)}.png")
+            numbers["mone"]["routers"][layer] = {"tokens": share.tolist(), "router_probability": prob.tolist()}
         if rel is not None:
             for key, (title, matrix) in rel.summary().items():
-                fig = relation_figure(matrix.numpy(), rel.tasks, title)
-                if writer is not None:
-                    writer.add_figure(f"figures/relations/{key}", fig, step, close=False)
-                path = out_dir / f"relations_{key}.png"
-                save_figure(fig, path)
-                files.append(str(path))
+                emit(relation_figure(matrix.numpy(), rel.tasks, title), f"figures/relations/{key}",
+                     f"relations_{key}.png")
             numbers["relations"] = rel.to_dict()
     finally:
         if writer is not None:
             writer.close()
+    numbers["tasks"] = list(usage.tasks)
     json_path = out_dir / "figures.json"
     json_path.write_text(json.dumps(numbers, indent=1) + "\n")
     log.info("wrote %d figures to %s", len(files), out_dir)

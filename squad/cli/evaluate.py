@@ -7,6 +7,14 @@
 A checkpoint is a run folder, a model.pt, or an extracted model (tools/extract.py). Δt (percent, higher is better)
 is computed per task from each task's primary metric against the baseline results (files written by this tool,
 merged; e.g. one per single-task run), and averaged. Prints a table and writes JSON (--out).
+
+    python tools/evaluate.py --checkpoint runs/mone --data DATA --mone-capacity 0.5
+    python tools/evaluate.py --checkpoint runs/mod --data DATA --mod-inference threshold
+
+--mone-capacity sets MoNE's effective capacity e_c, --mod-inference MoD's inference mode (top-k, or threshold:
+the tokens a learned router lets through; the model must have been trained with model.mod.aux_loss=true). Every
+model's compute is reported too: MACs per image at capacity and, for MoD models, the share of tokens each MoD block
+actually processed and the MACs from it; for MoNE models the tokens per nested expert.
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ import logging
 import sys
 from pathlib import Path
 
-from squad.cli import run
+from squad.cli import device_arg, run
 
 
 def _label(path: str, taken: set[str]) -> str:
@@ -27,6 +35,42 @@ def _label(path: str, taken: set[str]) -> str:
         label += "'"
     taken.add(label)
     return label
+
+
+def add_inference_arguments(p: argparse.ArgumentParser) -> None:
+    """``--mone-capacity`` and ``--mod-inference``, shared by evaluate, extract and visualize."""
+    p.add_argument("--mone-capacity", type=float, default=None, help="MoNE effective capacity e_c in "
+                   "[1/2^(E-1), 1] (MoNE models; default: the one the model was saved with)")
+    p.add_argument("--mod-inference", choices=["topk", "threshold"], default=None, help="MoD inference: the top-k "
+                   "tokens per block, or every token whose learned router says yes (needs a model trained with "
+                   "model.mod.aux_loss=true; the share of tokens processed is reported). Default: the saved mode")
+
+
+def format_compute(label: str, compute: dict) -> list[str]:
+    """Lines on a model's inference settings and compute (`squad.eval.evaluate.compute_summary`)."""
+    lines = []
+    settings = compute.get("inference") or {}
+    if settings:
+        lines.append(f"inference {label}: " + ", ".join(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}"
+                                                        for k, v in settings.items()))
+    for layer, per_task in (compute.get("mod_tokens") or {}).items():
+        if per_task:
+            mean = sum(per_task.values()) / len(per_task)
+            lines.append(f"  {layer} processed {mean:.1%} of tokens (mean over {len(per_task)} tasks; "
+                         f"{min(per_task.values()):.1%}–{max(per_task.values()):.1%})")
+    for layer, per_task in (compute.get("mone_tokens") or {}).items():
+        for task, shares in per_task.items():
+            lines.append(f"  {layer} {task}: tokens per nested expert (smallest first) "
+                         + " ".join(f"{v:.1%}" for v in shares))
+            break  # the group sizes are fixed by e_c: the same for every task
+    macs = compute.get("macs") or {}
+    if macs:
+        line = f"  MACs/image (mean over tasks): {sum(macs.values()) / len(macs):,.0f} at capacity"
+        measured = compute.get("macs_measured")
+        if measured and measured != macs:
+            line += f", {sum(measured.values()) / len(measured):,.0f} from the measured MoD shares"
+        lines.append(line)
+    return lines
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline", nargs="+", default=None, help="baseline results JSON file(s) for Δt")
     p.add_argument("--batches", type=int, default=0, help="batches to evaluate (0 = the whole split)")
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--device", default="cpu")
+    add_inference_arguments(p)
+    p.add_argument("--device", default="cpu", type=device_arg, help="cpu, cuda or cuda:N (default cpu)")
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--out", default=None, help="results JSON (default: eval_<split>.json beside the first checkpoint)")
     return p
@@ -50,22 +95,30 @@ def _evaluate(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[squad] %(message)s")
 
-    from squad.eval.evaluate import delta_against, evaluate_file, format_results, load_baseline
+    from squad.eval.evaluate import delta_against, evaluate_run, format_results, load_baseline
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else None
     taken: set[str] = set()
     baseline = load_baseline(args.baseline) if args.baseline else None
     models = {}
     for path in args.checkpoint:
-        metrics = evaluate_file(path, args.data, args.split, tasks, args.batches, args.batch_size, args.device,
-                                args.workers)
-        entry = {"checkpoint": path, "metrics": metrics}
+        try:
+            run_ = evaluate_run(path, args.data, args.split, tasks, args.batches, args.batch_size, args.device,
+                                args.workers, mone_capacity=args.mone_capacity, mod_inference=args.mod_inference)
+        except ValueError as e:
+            if len(args.checkpoint) == 1:
+                raise
+            raise ValueError(f"{path}: {e}") from e  # name the model among several
+        metrics = run_["metrics"]
+        entry = {"checkpoint": path, "metrics": metrics, "compute": run_["compute"], "data": run_["data"]}
         if baseline is not None:
             entry["delta_t"] = delta_against(metrics, baseline)
         models[_label(path, taken)] = entry
     print(f"split {args.split} of {args.data}")
     print(format_results({label: e["metrics"] for label, e in models.items()}))
     for label, e in models.items():
+        for line in format_compute(label, e["compute"]):
+            print(line)
         if "delta_t" in e:
             dt = e["delta_t"]
             parts = ", ".join(f"{t} {v:+.2f}%" for t, v in dt["per_task"].items())

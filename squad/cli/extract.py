@@ -9,6 +9,11 @@ Expert usage comes from a calibration pass over the task's data (--data, --calib
 tokens (or all but the top H share with --keep-top) are removed from every MoE attention and MoE MLP layer;
 routing stays exact unless --renormalize. Prints a summary and writes the model and a JSON report; load the model
 with ``squad.load_extracted(path)``.
+
+A model without MoE attention / MoE MLP layers (dense MTL, MoD, A-MoD, MoNE) has no experts to prune: the extracted
+model keeps the backbone and only the task's head, router rows and task embedding, and the report says so (no
+calibration data needed). --mone-capacity and --mod-inference set MoNE's e_c and MoD's inference mode for the
+calibration, the metrics and the extracted model. A task the run never trained is refused.
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ import logging
 import sys
 from pathlib import Path
 
-from squad.cli import run
+from squad.cli import device_arg, run
+from squad.cli.evaluate import add_inference_arguments
 
 
 def _default_out(checkpoint: str, task: str, theta: float | None, keep_top: float | None) -> Path:
@@ -45,11 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-batches", type=int, default=0, help="evaluation batches (0 = the whole split)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--saved-usage", action="store_true", help="use the usage statistics saved in model.pt")
-    p.add_argument("--device", default="cpu")
+    add_inference_arguments(p)
+    p.add_argument("--device", default="cpu", type=device_arg, help="cpu, cuda or cuda:N (default cpu)")
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--out", default=None, help="output file (default: <run>/<task>_theta<θ>.pt); the report is "
                    "written beside it as .json")
     return p
+
 
 
 def _extract(argv: list[str] | None) -> int:
@@ -63,7 +71,8 @@ def _extract(argv: list[str] | None) -> int:
         args.checkpoint, args.task, out, theta=args.theta, keep_top=args.keep_top, renormalize=args.renormalize,
         data=args.data, calib_split=args.calib_split, calib_batches=args.calib_batches,
         eval_split=None if args.eval_split.lower() == "none" else args.eval_split, eval_batches=args.eval_batches,
-        batch_size=args.batch_size, saved_usage=args.saved_usage, device=args.device, workers=args.workers)
+        batch_size=args.batch_size, saved_usage=args.saved_usage, device=args.device, workers=args.workers,
+        mone_capacity=args.mone_capacity, mod_inference=args.mod_inference)
     print(format_report(report))
     print(f"model: {out}\nreport: {Path(out).with_suffix('.json')}")
     return 0

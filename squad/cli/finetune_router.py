@@ -1,8 +1,15 @@
 """Learn a new task on a trained multi-task model by training only its routers, task embedding and head.
 
-    python tools/finetune_router.py --checkpoint runs/x --task scene --data data/synthetic \
+    # first a model trained without the new task (here: the demo on every task but class_scene)
+    python tools/train.py --config configs/demo.yaml --out runs/no_scene --set 'data.tasks=[class_object,
+        depth_euclidean, depth_zbuffer, normal, principal_curvature, reshading, edge_texture, edge_occlusion,
+        keypoints2d, keypoints3d, segment_unsup2d, segment_unsup25d]'
+    python tools/finetune_router.py --checkpoint runs/no_scene --task scene --data data/synthetic \
         --fractions 0.005,0.01,0.02,0.05 --mode router,head,full,linear-probe
-    python tools/finetune_router.py --checkpoint runs/x --task class_scene --data data/synthetic --shots 5
+    python tools/finetune_router.py --checkpoint runs/no_scene --task class_scene --data data/synthetic --shots 5
+
+The model may have a head for the task that its run never trained (data.tasks left it out, as above): that head
+and its router rows are learned anew. A task the run did train needs --replace.
 
 Modes: router (router rows + task embedding + head), head (head only), full (everything), linear-probe (logistic
 regression on frozen pooled features, class tasks). Every parameter a mode does not train is frozen for real and
@@ -18,7 +25,7 @@ import os
 import sys
 from pathlib import Path
 
-from squad.cli import run
+from squad.cli import device_arg, run
 
 
 def _floats(text: str) -> list[float]:
@@ -55,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "router rows are dropped and learned again)")
     p.add_argument("--save-dir", default=None, help="also save every fine-tuned model (merged, model.pt format)")
     p.add_argument("--out", default=None, help="result JSON (default: <run>/finetune_<task>.json)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", type=device_arg, help="cpu, cuda or cuda:N (default cpu)")
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the deepspeed launcher
     return p

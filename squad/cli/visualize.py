@@ -1,4 +1,5 @@
-"""Draw a trained model's expert-usage heatmaps and task-relation matrices (PNG, JSON, TensorBoard).
+"""Draw a trained model's routing: expert-usage heatmaps, task-relation matrices, MoD and MoNE token shares (PNG,
+JSON, TensorBoard).
 
     python tools/visualize.py --checkpoint runs/demo --data data/synthetic --split val --out runs/demo/figures
     python tools/visualize.py --checkpoint runs/demo/model.pt            # saved usage only: heatmaps, no relations
@@ -7,7 +8,11 @@ For every MoE attention and MoE MLP layer, a tasks × experts heatmap of the sha
 went to each expert; and tasks × tasks matrices of the mean share of experts two tasks select for the same input
 token, over all routed layers and for the first, middle and last one. With --data the figures come from one pass
 over that split; without it the heatmaps use the statistics saved in model.pt and the relations are skipped.
-Figures are also logged to the run's TensorBoard folder (or --tb DIR; --tb none to skip).
+For every Mixture-of-Depths model, a tasks × MoD blocks heatmap of the share of each task's tokens each block
+processed (--mod-inference threshold shows what learned routers let through); for a MoNE model, tasks × nested
+experts heatmaps of the tokens per expert (set by e_c, --mone-capacity) and the mean router probability per
+expert. A model without routed layers (a dense ViT) is refused. Figures are also logged to the run's TensorBoard
+folder (or --tb DIR; --tb none to skip). Nothing is created before the checkpoint and its statistics are checked.
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ import logging
 import sys
 from pathlib import Path
 
-from squad.cli import run
+from squad.cli import device_arg, run
+from squad.cli.evaluate import add_inference_arguments
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--out", default=None, help="figure folder (default: <run>/figures)")
     p.add_argument("--tb", default=None, help="TensorBoard folder (default: the run's tensorboard/; 'none' skips)")
-    p.add_argument("--device", default="cpu")
+    add_inference_arguments(p)
+    p.add_argument("--device", default="cpu", type=device_arg, help="cpu, cuda or cuda:N (default cpu)")
     p.add_argument("--workers", type=int, default=0)
     return p
 
@@ -45,7 +52,8 @@ def _visualize(argv: list[str] | None) -> int:
     out = Path(args.out) if args.out else folder / "figures"
     tb = "" if args.tb and args.tb.lower() == "none" else args.tb
     result = draw_figures(args.checkpoint, out, data=args.data, split=args.split, batches=args.batches,
-                          batch_size=args.batch_size, tb_dir=tb, device=args.device, workers=args.workers)
+                          batch_size=args.batch_size, tb_dir=tb, device=args.device, workers=args.workers,
+                          mone_capacity=args.mone_capacity, mod_inference=args.mod_inference)
     print(f"usage from: {result['usage_source']}")
     for f in result["files"]:
         print(f"  {f}")

@@ -8,8 +8,14 @@ that task uses, as a standalone model file that loads without DeepSpeed.
 
 The task's usage frequencies come from a calibration pass over its data (`collect_usage`, the default in
 tools/extract.py) or from the statistics saved in ``model.pt``; `squad.posttrain.pruning` decides and slices. MoD
-and MoNE parts stay as they are. The file holds the single-task config, the kept experts per layer, the routing mode and
-the weights; `squad.load` rebuilds the model from the config, applies the same pruning and loads the weights.
+and MoNE parts stay as they are (with the inference settings the model had: `squad.eval.evaluate.set_inference`).
+The file holds the single-task config, the kept experts per layer, the routing mode and the weights; `squad.load`
+rebuilds the model from the config, applies the same pruning and loads the weights.
+
+A model without MoE attention / MoE MLP layers (dense MTL, MoD, A-MoD, MoNE) has no experts to prune: its
+extraction still keeps only the task's head, router rows and embedding — a real single-task model, smaller by the
+other tasks' heads, that loads and runs alone — and the report says that no experts could be pruned. A task the
+run never trained (a head left at its initialisation) is refused.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import torch.nn as nn
 from squad.analysis.flops import profile
 from squad.analysis.usage import ExpertUsage
 from squad.data import EmptyDatasetError, build_dataset
-from squad.eval.evaluate import eval_loader, evaluate
+from squad.eval.evaluate import compute_summary, eval_loader, evaluate, set_inference
 from squad.io import load_model, save_extracted
 from squad.models.single_task import SingleTaskModel
 from squad.models.vit import SquadViT
@@ -86,14 +92,18 @@ def collect_usage(model: SquadViT, task: str, batches: Iterable, max_batches: in
 
 
 # ------------------------------------------------------------------------------------------ extraction
-def extract(model: SquadViT, task: str, usage: ExpertUsage, theta: float | None = 0.01, keep_top: float | None = None,
-            renormalize: bool = False) -> SingleTaskModel:
+def extract(model: SquadViT, task: str, usage: ExpertUsage | None, theta: float | None = 0.01,
+            keep_top: float | None = None, renormalize: bool = False) -> SingleTaskModel:
     """Extracts ``task``'s subnetwork from a multi-task model (which is left unchanged).
+
+    A model without MoE attention / MoE MLP layers keeps every weight of its backbone; only the other tasks' heads,
+    router rows and embeddings go.
 
     Args:
         model: the full model.
         task: task name or alias.
-        usage: its expert usage (calibration pass or saved statistics).
+        usage: its expert usage (calibration pass or saved statistics); may be None for a model without MoE
+            attention / MoE MLP layers.
         theta: remove experts used by at most θ of the task's tokens (θ in [0, 1)); ignored with ``keep_top``.
         keep_top: keep the top H share of experts per layer instead (H in (0, 1]).
         renormalize: the paper's pruned router (softmax over the kept experts) instead of exact routing.
@@ -103,8 +113,13 @@ def extract(model: SquadViT, task: str, usage: ExpertUsage, theta: float | None 
     """
     (t,) = model.task_index([task])
     name = model.task_names[t]
-    freqs = task_frequencies(usage, name, model)
-    kept = choose_experts(freqs, None if keep_top is not None else theta, keep_top)
+    if not prunable_layers(model):
+        kept: dict[str, list[int]] = {}
+    elif usage is None:
+        raise ValueError(f"extract: {name}'s expert usage is needed to prune the model's MoE layers")
+    else:
+        freqs = task_frequencies(usage, name, model)
+        kept = choose_experts(freqs, None if keep_top is not None else theta, keep_top)
     single = select_tasks(model, [name])
     prune_model(single, kept, exact=not renormalize)
     return SingleTaskModel(single.eval(), name, kept, exact=not renormalize)
@@ -129,7 +144,8 @@ def extract_to_file(checkpoint: str | Path, task: str, out: str | Path, *, theta
                     keep_top: float | None = None, renormalize: bool = False, data: str | Path | None = None,
                     calib_split: str = "train", calib_batches: int = 8, eval_split: str | None = "val",
                     eval_batches: int = 0, batch_size: int = 8, saved_usage: bool = False,
-                    device: str | torch.device = "cpu", workers: int = 0) -> dict:
+                    device: str | torch.device = "cpu", workers: int = 0, mone_capacity: float | None = None,
+                    mod_inference: str | None = None) -> dict:
     """Extracts ``task`` from a trained model into ``out`` and returns the report (also written as JSON).
 
     Args:
@@ -148,9 +164,19 @@ def extract_to_file(checkpoint: str | Path, task: str, out: str | Path, *, theta
         saved_usage: use the statistics saved in ``model.pt`` even when ``data`` is given.
         device: where to run.
         workers: data loader workers.
+        mone_capacity: MoNE effective capacity e_c for calibration, metrics and the extracted model (MoNE models).
+        mod_inference: MoD inference mode, topk or threshold, likewise (MoD models; `set_inference`).
+
+    Returns:
+        The report: task, criterion, usage source, parameters / active parameters / MACs / experts before and after,
+        per-layer kept experts, ``pruned`` (False for a model without MoE layers, with a ``note`` saying so),
+        ``inference`` and ``compute`` (`squad.eval.evaluate.compute_summary` of the extracted model on the held-out
+        split, e.g. the share of tokens its MoD blocks processed), and the metrics before/after.
 
     Raises:
-        ValueError: θ or H out of range, an unknown task, a file that is not a squad model, no usage available.
+        ValueError: θ or H out of range, an unknown task (the message lists the model's tasks), a task the run never
+            trained, a file that is not a squad model, no usage available, an inference setting the model cannot
+            take.
         FileNotFoundError: missing checkpoint or data.
     """
     check_theta(theta if keep_top is None else None)
@@ -161,9 +187,20 @@ def extract_to_file(checkpoint: str | Path, task: str, out: str | Path, *, theta
     saved, meta = model.usage, model.meta
     (t,) = model.task_index([task])
     name = model.task_names[t]
+    trained = (meta.get("extra") or {}).get("trained_tasks")
+    if trained is not None and name not in trained:
+        raise ValueError(f"{meta['path']}: the run never trained {name} (its head is untrained; the run trained "
+                         f"{', '.join(trained)}); extract a trained task, or learn {name} first with "
+                         f"tools/finetune_router.py")
+    inference = set_inference(model, mone_capacity, mod_inference)
     model.to(device)
     size = model.cfg.img_size
-    if data is not None and not saved_usage:
+    prunable = bool(prunable_layers(model))
+    if not prunable:
+        usage, source = None, {"kind": "none (no MoE attention / MoE MLP layers to prune)"}
+        log.info("%s has no MoE attention / MoE MLP layers: no experts can be pruned; keeping %s's head, router rows "
+                 "and embedding only", meta["path"], name)
+    elif data is not None and not saved_usage:
         loader, n_images = _loader(data, name, calib_split, size, batch_size, workers)
         usage = collect_usage(model, name, loader, calib_batches, device)
         images = min(n_images, calib_batches * batch_size) if calib_batches else n_images
@@ -184,14 +221,21 @@ def extract_to_file(checkpoint: str | Path, task: str, out: str | Path, *, theta
         "criterion": {"keep_top": keep_top} if keep_top is not None else {"theta": theta},
         "routing": "renormalized" if renormalize else "exact",
         "usage": source,
+        "pruned": prunable,
         "params": _pair(full_prof["params"], ext_prof["params"]),
         "active_params": _pair(full_prof["tasks"][name]["active_params"], ext_prof["tasks"][name]["active_params"]),
         "macs": _pair(full_prof["tasks"][name]["macs"], ext_prof["tasks"][name]["macs"]),
         "experts": _pair(sum(v["experts_before"] for v in layers.values()),
                          sum(v["experts_after"] for v in layers.values())),
         "layers": layers,
+        "inference": inference,
+        "compute": None,
         "metrics": None,
     }
+    if not prunable:
+        report["note"] = (f"no experts could be pruned: {model.cfg.name} has no MoE attention / MoE MLP layers; "
+                          f"the extracted model keeps the shared backbone and only {name}'s head, router rows and "
+                          f"task embedding")
     if data is not None and eval_split:
         try:
             loader, n_eval = _loader(data, name, eval_split, size, batch_size, workers)
@@ -199,8 +243,10 @@ def extract_to_file(checkpoint: str | Path, task: str, out: str | Path, *, theta
             log.warning("no held-out metrics: %s", e)
         else:
             before = evaluate(model, loader, [name], device, eval_batches)[name]
-            after = evaluate(ext.model, loader, [name], device, eval_batches)[name]
+            usage_after = ExpertUsage(ext.model.task_names)
+            after = evaluate(ext.model, loader, [name], device, eval_batches, usage=usage_after)[name]
             report["metrics"] = {"split": eval_split, "images": n_eval, "full": before, "extracted": after}
+            report["compute"] = compute_summary(ext.model, [name], usage_after)
     out = Path(out)
     save_extracted(out, ext, report)
     out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
@@ -210,7 +256,7 @@ def extract_to_file(checkpoint: str | Path, task: str, out: str | Path, *, theta
 
 
 def _pair(full: float, extracted: float) -> dict:
-    return {"full": full, "extracted": extracted, "ratio": extracted / full if full else float("nan")}
+    return {"full": full, "extracted": extracted, "ratio": extracted / full if full else None}
 
 
 def format_report(report: dict) -> str:
@@ -220,11 +266,24 @@ def format_report(report: dict) -> str:
              f"{'':<16}{'full':>14}{'extracted':>14}{'ratio':>9}"]
     for key in ("params", "active_params", "macs", "experts"):
         p = report[key]
-        lines.append(f"{key:<16}{p['full']:>14,}{p['extracted']:>14,}{p['ratio']:>9.3f}")
-    lines.append("experts kept per layer:")
+        ratio = f"{p['ratio']:>9.3f}" if p["ratio"] is not None else f"{'-':>9}"
+        lines.append(f"{key:<16}{p['full']:>14,}{p['extracted']:>14,}{ratio}")
+    if report.get("note"):
+        lines.append(report["note"])
+    else:
+        lines.append("experts kept per layer:")
     for layer, info in report["layers"].items():
         lines.append(f"  {layer:<24} {info['kind']:<4} {info['experts_after']:>3}/{info['experts_before']:<3} "
                      f"top-{info['top_k']}  {info['kept']}")
+    settings = report.get("inference") or {}
+    if settings:
+        lines.append("inference: " + ", ".join(f"{k} {v}" for k, v in settings.items()))
+    compute = report.get("compute") or {}
+    for layer, per_task in (compute.get("mod_tokens") or {}).items():
+        lines.append(f"  {layer}: processed {', '.join(f'{t} {v:.1%}' for t, v in per_task.items())} of tokens")
+    if compute.get("macs_measured"):
+        lines.append("MACs from the measured MoD shares: "
+                     + ", ".join(f"{t} {v:,}" for t, v in compute["macs_measured"].items()))
     m = report.get("metrics")
     if m:
         lines.append(f"metrics on {m['split']} ({m['images']} images):")

@@ -36,7 +36,7 @@ from squad.eval.evaluate import eval_loader, evaluate
 from squad.io import export_model, load_model
 from squad.models.vit import SquadViT
 from squad.posttrain.surgery import select_tasks
-from squad.tasks import get_task
+from squad.tasks import TASK_NAMES, get_task
 
 log = logging.getLogger(__name__)
 MODES = ("router", "head", "full", "linear-probe")
@@ -283,6 +283,16 @@ def base_without(model: SquadViT, task: str, trained: Sequence[str] | None, repl
     return select_tasks(model, others), note
 
 
+def train_without_hint(checkpoint: str | Path, task: str, config: str = "configs/demo.yaml") -> str:
+    """How to make the model router fine-tuning starts from: a run trained on every task but ``task``."""
+    path = Path(checkpoint)
+    run = path.parent if path.suffix == ".pt" else path
+    others = ",".join(t for t in TASK_NAMES if t != get_task(task).name)
+    return (f"router fine-tuning starts from a model trained without {task}: train one first, e.g. with the demo "
+            f"config on every task but {task}: python tools/train.py --config {config} --out {run} "
+            f"--set 'data.tasks=[{others}]'")
+
+
 def finetune_table(checkpoint: str | Path, task: str, data: str | Path, modes: Sequence[str] = ("router",),
                    fractions: Sequence[float] | None = None, shots: Sequence[int] | None = None,
                    cfg: FinetuneConfig | None = None, train_split: str = "train", eval_split: str = "val",
@@ -321,7 +331,10 @@ def finetune_table(checkpoint: str | Path, task: str, data: str | Path, modes: S
             raise ValueError(f"{kind} must be {'in (0, 1]' if kind == 'fraction' else '>= 1'}, got {v}")
     if "linear-probe" in modes and spec.head_kind != "class":
         raise ValueError(f"mode linear-probe needs a class task; {name} is {spec.head_kind}")
-    full = load_model(checkpoint)
+    try:
+        full = load_model(checkpoint)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"{e}; {train_without_hint(checkpoint, name)}") from e
     meta = full.meta
     trained = (meta.get("extra") or {}).get("trained_tasks")
     base, note = base_without(full, name, trained, replace)

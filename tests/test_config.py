@@ -1,3 +1,5 @@
+import re
+
 import pytest
 import yaml
 
@@ -79,11 +81,33 @@ def test_run_configs_load(path):
     (["train.tasks_per_image=20"], "train.tasks_per_image"),
     (["data.tasks=[depth, flow]"], "data.tasks"),
     (["data.image_size=32"], "data.image_size"),
+    # non-finite and out-of-range numbers, each named by its key (NaN clipping used to switch clipping off)
+    (["optim.lr=.nan"], "optim.lr"),
+    (["optim.lr=.inf"], "optim.lr"),
+    (["optim.lr=0"], "optim.lr"),
+    (["optim.eps=-1"], "optim.eps"),
+    (["optim.eps=0"], "optim.eps"),
+    (["optim.clip=.nan"], "optim.clip"),
+    (["optim.clip=-1"], "optim.clip"),
+    (["optim.betas=[0.9, .nan]"], r"optim.betas[1]"),
+    (["optim.epochs=-1"], "optim.epochs"),
+    (["optim.steps=-5"], "optim.steps"),
+    (["optim.min_lr=1"], "optim.min_lr"),
+    (["optim.grad_accum=0"], "optim.grad_accum"),
+    (["optim.weight_decay=-.inf"], "optim.weight_decay"),
+    (["data.split=foo"], "data.split"),
+    (["data.val_split=validation"], "data.val_split"),
+    (["data.resize=16"], "data.resize"),
+    (["data.workers=-1"], "data.workers"),
+    (["train.seed=-1"], "train.seed"),
+    (["loss.w_mi=.nan"], "loss.w_mi"),
+    (["model.mod.capacity=.nan"], "model.mod.capacity"),
+    (["model.mlp_ratio=.inf"], "model.mlp_ratio"),
 ])
 def test_bad_run_config(override, needle):
     from squad.config.run import RunConfig
 
-    with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
+    with pytest.raises(ConfigError, match="^" + re.escape(needle)):  # the message starts with the key
         load_config("configs/demo.yaml", override, cls=RunConfig)
 
 

@@ -8,6 +8,11 @@
 
 With no GPU, DeepSpeed's CPU accelerator, gloo and fp32 are selected automatically. ``--resume auto`` (default)
 continues the run in --out from its last complete checkpoint.
+
+The run folder is locked while a run uses it (run.lock names the holder; a second run into it exits 2). A resume
+may change only the keys that keep it exact: optim.steps/epochs/min_lr/clip, train.log_every/eval_every/
+ckpt_every/keep_checkpoints/stop_at/max_nonfinite/progress, data.root/workers/val_split/val_batches (recorded in
+train.log, config.prev.yaml and run_history.jsonl); any other change is refused — start a new run for it.
 """
 
 import os

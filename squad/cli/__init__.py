@@ -14,10 +14,16 @@ Exit codes, the same for every tool (`run`):
   usage errors exit 2 too);
 - 3: training stopped (`squad.train.objective.TrainingError`, e.g. too many non-finite losses in a row);
 - 130: interrupted (Ctrl-C).
+
+`run` also prints, at the end of every tool, one line per dataset the tool read and did not report itself: the
+files it could not use (corrupt, wrong size, missing; `squad.data.accounting`). A multi-rank run's process group is
+torn down before the exit (`squad.train.distributed.shutdown`), so a rank never aborts on its way out and the
+launcher passes the tool's own exit code on. Every ``--device`` is checked by `device_arg` (exit 2 naming it).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from collections.abc import Callable
@@ -50,10 +56,15 @@ def run(body: Callable[[list[str] | None], int], argv: list[str] | None = None, 
     Returns:
         The exit status. Other exceptions propagate with their traceback: they are bugs, not bad input.
     """
+    from squad.data.accounting import track
     from squad.train.objective import TrainingError  # light: no deepspeed
 
     try:
-        return body(argv)
+        with track() as tracked:
+            code = body(argv)
+        for data in tracked.pending():  # datasets the tool read without reporting them itself
+            print(f"[squad] {data.line()}", file=sys.stderr)
+        return code
     except TrainingError as e:
         print(f"error: {_message(e)}", file=sys.stderr)
         return EXIT_TRAINING_FAILED
@@ -63,6 +74,26 @@ def run(body: Callable[[list[str] | None], int], argv: list[str] | None = None, 
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    finally:
+        if "torch.distributed" in sys.modules:  # a multi-rank run: leave without gloo aborting the process (250)
+            from squad.train.distributed import shutdown
+
+            shutdown()
+
+
+def device_arg(name: str) -> str:
+    """The ``type=`` of every tool's ``--device``: a device this machine has (else argparse's exit 2, naming it).
+
+    Returns:
+        `name` unchanged (the tools pass the string on).
+    """
+    from squad.train.distributed import check_device
+
+    try:
+        check_device(name)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--device ")) from None  # argparse names the flag
+    return name
 
 
 def rerun_with_passive_omp(module: str) -> None:

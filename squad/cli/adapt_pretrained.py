@@ -5,8 +5,9 @@
     python tools/adapt_pretrained.py --checkpoint vit_small.pth --capacity 0.5 --data data/synthetic --out amod.pt
 
 The checkpoint is a squad model (``model.pt`` or a run folder) or a timm VisionTransformer state dict on disk
-(.pth/.pt/.safetensors; architecture read from the weight shapes, heads = width / 64 unless --num-heads). Every
-other block becomes a MoD block at --capacity. Both routings are evaluated on --data without any training (A-MoD
+(.pth/.pt/.safetensors; architecture read from the weight shapes, heads = width / 64 unless --num-heads; a file
+with ``fc_norm`` is an average-pooled ViT, its classifier on the mean patch token). Every other block becomes a
+MoD block at --capacity. Both routings are evaluated on --data without any training (A-MoD
 Table 3): task metrics for squad models, and for any model the agreement with the dense model (top-1 of a class
 or token head, cosine of the final features). The model for --routing is written to --out.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 from squad.cli import run
@@ -23,6 +25,8 @@ from squad.cli import run
 
 def load_dense(path: str, num_heads: int | None):
     """A dense SquadViT from a squad model file/run folder or a timm state dict on disk."""
+    import torch
+
     from squad import io
     from squad.config.model import load_config
     from squad.models.timm import load_timm_file, load_timm_weights
@@ -31,27 +35,55 @@ def load_dense(path: str, num_heads: int | None):
     p = Path(path)
     if p.is_dir() or (p.suffix == ".pt" and _is_squad_file(p)):
         return io.load_model(p)
-    state = load_timm_file(p)
-    if "patch_embed.proj.weight" not in state or "pos_embed" not in state:
-        raise ValueError(f"{p}: neither a squad model file nor a timm VisionTransformer state dict "
-                         "(no patch_embed.proj.weight / pos_embed)")
+    if not p.is_file():
+        raise FileNotFoundError(f"--checkpoint {p} not found (a squad model.pt / run folder, or a timm ViT state "
+                                f"dict .pth/.pt/.safetensors)")
+    try:
+        state = load_timm_file(p)
+    except (FileNotFoundError, ValueError):
+        raise
+    except Exception as e:  # noqa: BLE001 - pickle, zip and safetensors readers each raise their own kinds
+        raise ValueError(f"{p}: not a readable model file: neither a squad model nor a timm ViT state dict "
+                         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
+    need = ("patch_embed.proj.weight", "pos_embed", "blocks.0.mlp.fc1.weight")
+    if not isinstance(state, Mapping) or any(not isinstance(state.get(k), torch.Tensor) for k in need):
+        have = f"keys {', '.join(list(state)[:5])}..." if isinstance(state, Mapping) else type(state).__name__
+        raise ValueError(f"{p}: neither a squad model file nor a timm VisionTransformer state dict (it needs "
+                         f"{', '.join(need)}; it holds {have})")
     w = state["patch_embed.proj.weight"]  # [D, C, p, p]
+    if w.ndim != 4 or state["pos_embed"].ndim != 3:
+        raise ValueError(f"{p}: patch_embed.proj.weight {tuple(w.shape)} / pos_embed {tuple(state['pos_embed'].shape)}"
+                         f" are not a timm ViT's [D, C, p, p] / [1, N, D]")
     dim, chans, patch = w.shape[0], w.shape[1], w.shape[2]
     class_token = "cls_token" in state
     grid = int(round((state["pos_embed"].shape[1] - int(class_token)) ** 0.5))
     depth = 1 + max(int(k.split(".")[1]) for k in state if k.startswith("blocks."))
     heads = num_heads or max(1, dim // 64)
+    final_norm = "norm.weight" in state  # an average-pooled ViT has none: its fc_norm comes after pooling
     data = {"img_size": grid * patch, "patch_size": patch, "in_chans": chans, "embed_dim": dim, "depth": depth,
             "num_heads": heads, "mlp_ratio": state["blocks.0.mlp.fc1.weight"].shape[0] / dim,
-            "qkv_bias": "blocks.0.attn.qkv.bias" in state, "class_token": class_token, "task_embed": "none",
-            "plan": [{"attn": "dense", "mlp": "dense"}]}
-    if "head.weight" in state and class_token:
-        data["heads"] = [{"name": "timm", "kind": "token", "channels": state["head.weight"].shape[0]}]
+            "qkv_bias": "blocks.0.attn.qkv.bias" in state, "class_token": class_token, "final_norm": final_norm,
+            "task_embed": "none", "plan": [{"attn": "dense", "mlp": "dense"}]}
+    kind = None  # the squad head that equals the file's classifier, if any
+    if "head.weight" in state:
+        if "fc_norm.weight" in state:
+            kind = "class"  # average pooling → fc_norm → head
+        elif class_token and final_norm:
+            kind = "token"  # norm → class token → head
+    if kind is not None:
+        data["heads"] = [{"name": "timm", "kind": kind, "channels": state["head.weight"].shape[0]}]
     else:
         data["heads"] = [{"name": "features", "kind": "class", "channels": 1}]
     model = build_model(load_config({"model": data}).model)
-    load_timm_weights(model, state, head="timm" if "head.weight" in state and class_token else None)
+    try:
+        load_timm_weights(model, state, head="timm" if kind is not None else None)
+    except (KeyError, RuntimeError) as e:  # a tensor missing or of the wrong shape for the inferred architecture
+        raise ValueError(f"{p}: the state dict does not fit the ViT its shapes describe ({_message(e)})") from e
     return model.eval()
+
+
+def _message(e: BaseException) -> str:
+    return e.args[0] if isinstance(e, KeyError) and e.args else str(e).splitlines()[0]
 
 
 def _is_squad_file(p: Path) -> bool:

@@ -40,7 +40,11 @@ def _pack(args: argparse.Namespace) -> None:
                         domains=args.domains, compression=args.compression, workers=args.workers)
     elapsed = time.perf_counter() - t0
     info = json.loads(index.read_text())
-    print(f"packed {args.src} into {args.out} in {elapsed:.1f} s ({info['corrupt']} unreadable files skipped)")
+    print(f"packed {args.src} into {args.out} in {elapsed:.1f} s")
+    left = {k: info.get(k, 0) for k in ("corrupt", "wrong_size", "missing")}
+    print(f"data {args.src}: " + (", ".join(f"{n} {k.replace('_', '-')} file{'s' if n != 1 else ''}"
+                                            for k, n in left.items() if n) + " left out (stored as absent)"
+                                  if any(left.values()) else "every file read"))
     print(f"{'split':<8}{'shards':>8}{'samples':>10}")
     for part in dict.fromkeys(s["split"] for s in info["shards"]):
         shards = [s for s in info["shards"] if s["split"] == part]

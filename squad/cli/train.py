@@ -7,6 +7,11 @@
 
 With no GPU, DeepSpeed's CPU accelerator, gloo and fp32 are selected automatically. ``--resume auto`` (default)
 continues the run in --out from its last complete checkpoint.
+
+The run folder is locked while a run uses it (run.lock names the holder; a second run into it exits 2). A resume
+may change only the keys that keep it exact: optim.steps/epochs/min_lr/clip, train.log_every/eval_every/
+ckpt_every/keep_checkpoints/stop_at/max_nonfinite/progress, data.root/workers/val_split/val_batches (recorded in
+train.log, config.prev.yaml and run_history.jsonl); any other change is refused — start a new run for it.
 """
 
 from __future__ import annotations
@@ -26,6 +31,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override a config key, e.g. --set optim.lr=1e-4 --set model.depth=6 (repeatable)")
     p.add_argument("--out", default=None, help="run folder (default: runs/<config name>)")
     p.add_argument("--resume", default="auto", help="auto (default), none, or a run/checkpoint folder")
+    p.add_argument("--overwrite", action="store_true",
+                   help="delete the outputs of the run already in --out (checkpoints, logs, model.pt) and start over; "
+                        "without it, --resume none (or another run's checkpoint) into a folder holding a run exits 2")
+    p.add_argument("--allow-world-size-change", action="store_true",
+                   help="resume on another number of ranks than the checkpoint was written by (the global batch "
+                        "changes); without it such a resume exits 2")
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the deepspeed launcher
     return p
 
@@ -42,7 +53,8 @@ def _train(argv: list[str] | None) -> int:
 
     cfg = load_config(args.config, args.set, cls=RunConfig)
     out = Path(args.out or Path("runs") / Path(args.config).stem)
-    path = train(cfg, out, args.resume)
+    path = train(cfg, out, args.resume, overwrite=args.overwrite,
+                 allow_world_size_change=args.allow_world_size_change)
     print(f"model: {path}")
     return 0
 

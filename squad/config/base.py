@@ -2,8 +2,9 @@
 
 Every config in squad is a tree of dataclasses. `load_dataclass` builds one from a plain dict and rejects what
 does not fit, naming the dotted key: an unknown key (with the valid ones listed), a wrong type, a value outside a
-`Literal`'s choices. Semantic checks live in each dataclass's ``check(path)`` method, which raises `ConfigError`
-with the key's full name; `load_dataclass` calls it on every node after building the tree.
+`Literal`'s choices, a float that is not finite (``.nan``, ``.inf``). Semantic checks (ranges) live in each
+dataclass's ``check(path)`` method, which raises `ConfigError` with the key's full name; `load_dataclass` calls it
+on every node after building the tree.
 
 The paper configs (the repository's configs/, installed as package data under ``squad/configs``) are found with
 `config_root`, `model_names` and `find_config`, so a registered name such as ``"modsquad_vit_s"`` works from any
@@ -15,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import importlib.resources
+import math
 import re
 import types
 import typing
@@ -91,9 +93,11 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
         return value
     if tp is float:
         if isinstance(value, str) and _SCIENTIFIC.fullmatch(value.strip()):
-            return float(value)  # YAML 1.1 reads "1e-4" (no dot) as a string
+            value = float(value)  # YAML 1.1 reads "1e-4" (no dot) as a string
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(f"{key}: expected a number, got {value!r}")
+        if not math.isfinite(value):  # YAML's .nan / .inf: no config value means "not a number" or "unbounded"
+            raise ConfigError(f"{key}: expected a finite number, got {value!r}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):

@@ -12,6 +12,8 @@ from typing import Literal
 
 from squad.config.model import ConfigError, LossConfig, ModelConfig
 
+SPLIT_NAMES = ("train", "val", "test", "all")  # what data.split / data.val_split may name (`squad.data`)
+
 
 @dataclasses.dataclass
 class DataConfig:
@@ -30,10 +32,16 @@ class DataConfig:
     val_batches: int = 0  # validation batches per evaluation (0 = the whole split)
 
     def check(self, path: str) -> None:
-        if self.workers < 0:
-            raise ConfigError(f"{path}.workers must be >= 0, got {self.workers}")
-        if self.val_batches < 0:
-            raise ConfigError(f"{path}.val_batches must be >= 0, got {self.val_batches}")
+        for key in ("split", "val_split"):
+            value = getattr(self, key)
+            if value not in SPLIT_NAMES:
+                raise ConfigError(f"{path}.{key} must be one of {', '.join(SPLIT_NAMES)}, got {value!r}")
+        for key in ("workers", "val_batches"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"{path}.{key} must be >= 0, got {getattr(self, key)}")
+        for key in ("image_size", "resize"):
+            if getattr(self, key) is not None and getattr(self, key) < 1:
+                raise ConfigError(f"{path}.{key} must be >= 1 (or null), got {getattr(self, key)}")
 
 
 @dataclasses.dataclass
@@ -54,17 +62,23 @@ class OptimConfig:
     clip: float = 1.0  # gradient-norm clipping (0 = off)
 
     def check(self, path: str) -> None:
-        if self.lr <= 0:
-            raise ConfigError(f"{path}.lr must be > 0, got {self.lr}")
+        # every float is finite already (squad.config.base rejects .nan / .inf, naming the key)
+        for key in ("lr", "eps"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"{path}.{key} must be > 0, got {getattr(self, key)}")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ConfigError(f"{path}.betas must be two numbers in [0, 1), got {self.betas}")
-        if self.steps <= 0 and self.epochs <= 0:
-            raise ConfigError(f"{path}: set {path}.steps or {path}.epochs to a positive number")
-        if self.batch_per_rank < 1 or self.grad_accum < 1:
-            raise ConfigError(f"{path}.batch_per_rank and {path}.grad_accum must be >= 1")
-        for key in ("weight_decay", "warmup_steps", "warmup_epochs", "min_lr", "clip"):
+        for key in ("weight_decay", "warmup_steps", "warmup_epochs", "min_lr", "steps", "epochs", "clip"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{path}.{key} must be >= 0, got {getattr(self, key)}")
+        if self.steps == 0 and self.epochs == 0:
+            raise ConfigError(f"{path}.steps and {path}.epochs are both 0: set one of them to a positive number")
+        for key in ("batch_per_rank", "grad_accum"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"{path}.{key} must be >= 1, got {getattr(self, key)}")
+        if self.min_lr > self.lr:
+            raise ConfigError(f"{path}.min_lr={self.min_lr} is above {path}.lr={self.lr} (the floor of the cosine "
+                              f"decay must not exceed the peak)")
 
 
 @dataclasses.dataclass
@@ -86,7 +100,7 @@ class TrainConfig:
     def check(self, path: str) -> None:
         if self.zero_stage not in (0, 1, 2):
             raise ConfigError(f"{path}.zero_stage must be 0, 1 or 2 (ZeRO-3 is not supported with MoE layers)")
-        for key in ("tasks_per_image", "log_every", "eval_every", "ckpt_every", "stop_at"):
+        for key in ("seed", "tasks_per_image", "log_every", "eval_every", "ckpt_every", "stop_at"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{path}.{key} must be >= 0, got {getattr(self, key)}")
         if self.log_every == 0:
@@ -120,6 +134,9 @@ class RunConfig:
         if self.data.image_size is not None and self.data.image_size != self.model.img_size:
             raise ConfigError(f"data.image_size={self.data.image_size} differs from model.img_size="
                               f"{self.model.img_size}")
+        if self.data.resize is not None and self.data.resize < self.model.img_size:
+            raise ConfigError(f"data.resize={self.data.resize} is below model.img_size={self.model.img_size} (the "
+                              f"crop is taken from the resized image)")
         if self.train.tasks_per_image > len(self.train_tasks()):
             raise ConfigError(f"train.tasks_per_image={self.train.tasks_per_image} exceeds the "
                               f"{len(self.train_tasks())} trained tasks")
@@ -134,11 +151,19 @@ class RunConfig:
 
 
 def precision(cfg: TrainConfig, cuda: bool) -> str:
-    """The precision actually used: bf16 on GPUs when ``auto``, fp32 on CPUs (half precision needs a GPU)."""
+    """The precision actually used: ``auto`` is bf16 on GPUs and fp32 on CPUs.
+
+    bf16 also runs on the CPU (DeepSpeed's CPU accelerator supports it; often slower than fp32 there); fp16, with
+    its dynamic loss scaling, needs a GPU.
+
+    Raises:
+        ConfigError: ``train.precision=fp16`` without a GPU.
+    """
     if cfg.precision == "auto":
         return "bf16" if cuda else "fp32"
-    if cfg.precision in ("bf16", "fp16") and not cuda:
-        raise ConfigError(f"train.precision={cfg.precision} needs a GPU; use fp32 or auto on the CPU")
+    if cfg.precision == "fp16" and not cuda:
+        raise ConfigError("train.precision=fp16 needs a GPU; on the CPU use bf16 (half the activation memory, no "
+                          "loss scaling), fp32 or auto")
     return cfg.precision
 
 

@@ -2,7 +2,9 @@
 
 `build_dataset(root, tasks, split, ...)` returns a `ShardDataset` when `root` holds a shard index (``shards.json``)
 and a `TaskonomyDataset` otherwise; both yield the same sample dicts, batched by `collate`. `build_loader` wraps a
-dataset in a DataLoader with a `DistributedSampler` when a process group is running.
+dataset in a DataLoader with a `DistributedSampler` when a process group is running. `report(dataset, name)`
+gives what a dataset could not use (corrupt, wrong-size and missing files, each counted once over workers and
+ranks; `squad.data.accounting`) as a `DataReport` whose ``line()`` every run and tool prints at its end.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
+from squad.data.accounting import DataReport, report
 from squad.data.pack import pack_shards
 from squad.data.random_tree import write_random_tree
 from squad.data.shards import INDEX_NAME, ShardDataset, is_shard_root
@@ -32,9 +35,10 @@ from squad.data.transforms import SamplePipeline
 from squad.train.distributed import has_process_group
 
 __all__ = [
-    "INDEX_NAME", "CorruptFileError", "EmptyDatasetError", "SamplePipeline", "ShardDataset", "TaskonomyBase",
-    "TaskonomyDataset", "build_dataset", "build_loader", "collate", "find_split_csv",
-    "is_shard_root", "make_data_hint", "pack_shards", "read_raw", "read_split_csv", "set_epoch", "write_random_tree",
+    "INDEX_NAME", "CorruptFileError", "DataReport", "EmptyDatasetError", "SamplePipeline", "ShardDataset",
+    "TaskonomyBase", "TaskonomyDataset", "build_dataset", "build_loader", "collate", "find_split_csv",
+    "is_shard_root", "make_data_hint", "pack_shards", "read_raw", "read_split_csv", "report", "set_epoch",
+    "write_random_tree",
 ]
 
 

@@ -36,7 +36,7 @@ from squad.data.taskonomy import (
     make_data_hint,
     read_raw,
 )
-from squad.data.transforms import SamplePipeline
+from squad.data.transforms import SamplePipeline, WrongSizeError, check_size
 from squad.tasks import TASK_NAMES, DecodeError, get_task
 
 
@@ -52,17 +52,22 @@ class _PackSource(Dataset):
     def __len__(self) -> int:
         return len(self.tree)
 
-    def __getitem__(self, index: int) -> tuple[str, dict[str, np.ndarray | None], list[str]]:
+    def __getitem__(self, index: int) -> tuple[str, dict[str, np.ndarray | None], list[tuple[str, str]]]:
         bits = int(self.tree._present[index])
         arrays: dict[str, np.ndarray | None] = {}
-        errors: list[str] = []
+        errors: list[tuple[str, str]] = []  # (kind, what): kinds of squad.data.accounting
+        rgb_hw = None
         for domain in self.domains:
             k = self.tree.domains.index(domain)
             if not bits >> k & 1:
                 arrays[domain] = None
                 continue
             try:
-                raw = self.pipeline.prepare_raw(domain, read_raw(self.tree.path(index, domain)), self.image_size)
+                raw = read_raw(self.tree.path(index, domain))
+                check_size(domain, raw, rgb_hw, self.image_size is not None)
+                if domain == "rgb":
+                    rgb_hw = tuple(raw.shape[:2])
+                raw = self.pipeline.prepare_raw(domain, raw, self.image_size)
                 if domain != "rgb":
                     task = get_task(domain)
                     if task.head_kind == "class":
@@ -70,8 +75,11 @@ class _PackSource(Dataset):
                     task.decode(raw)  # validates the contents; the stored array is the raw one
                 arrays[domain] = raw
             except (CorruptFileError, DecodeError) as e:
-                errors.append(f"{self.tree._ids[index]} ({domain}): {e}")
+                kind = "wrong_size" if isinstance(e, WrongSizeError) else "corrupt"
+                errors.append((kind, f"{self.tree._ids[index]} ({domain}): {e}"))
                 arrays[domain] = None
+                if domain == "rgb":
+                    break  # the sample is not packed; its other files are not read
         return str(self.tree._ids[index]), arrays, errors
 
 
@@ -97,7 +105,8 @@ def pack_shards(src: str | Path, out: str | Path, split_csv: str | Path | None =
         workers: DataLoader workers reading and resizing files in parallel.
 
     Returns:
-        Path of the written ``shards.json``.
+        Path of the written ``shards.json``; its ``corrupt``, ``wrong_size`` and ``missing`` hold the number of
+        files of each kind left out (`squad.data.accounting`; the first of each kind is logged as a warning).
 
     Raises:
         FileNotFoundError: `src` or its rgb folder does not exist.
@@ -114,7 +123,7 @@ def pack_shards(src: str | Path, out: str | Path, split_csv: str | Path | None =
     out.mkdir(parents=True, exist_ok=True)
     index: dict[str, Any] = {"format": FORMAT, "version": VERSION, "image_size": image_size, "domains": domains,
                              "source": str(src), "split_csv": str(csv) if csv else None, "shards": [],
-                             "shapes": {}, "corrupt": 0}
+                             "shapes": {}, "corrupt": 0, "wrong_size": 0, "missing": 0}
     for part in parts:
         try:
             tree = TaskonomyDataset(src, tasks, split=part, split_csv=csv, missing="mask", geometry_mask=False)
@@ -124,10 +133,12 @@ def pack_shards(src: str | Path, out: str | Path, split_csv: str | Path | None =
         loader = DataLoader(_PackSource(tree, domains, image_size), batch_size=1, num_workers=workers,
                             collate_fn=_first)
         writer = _ShardWriter(out, part, domains, shard_size, compression, index)
+        index["missing"] += tree.missing_files
         for sample_id, arrays, errors in loader:
-            for e in errors:
-                index["corrupt"] += 1
-                logger.warning("pack: skipping unreadable %s", e)
+            for kind, e in errors:
+                index[kind] += 1
+                first = index[kind] == 1
+                (logger.warning if first else logger.debug)("pack: skipping %s %s", kind.replace("_", "-"), e)
             if arrays["rgb"] is None:
                 continue
             writer.add(sample_id, arrays)
@@ -162,7 +173,7 @@ class _ShardWriter:
             elif shapes[d] != spec:
                 logger.warning("pack: %s (%s) has shape %s %s, expected %s; stored as missing", sample_id, d,
                                spec["shape"], spec["dtype"], shapes[d])
-                self.index["corrupt"] += 1
+                self.index["wrong_size"] += 1
                 arrays[d] = None
         self.buffer.append((sample_id, arrays))
         if len(self.buffer) >= self.shard_size:

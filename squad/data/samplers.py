@@ -8,7 +8,7 @@ augmentation draws come from (seed, epoch, index), and the torch RNG (router noi
 
 from __future__ import annotations
 
-from torch.utils.data import DistributedSampler, Sampler
+from torch.utils.data import DistributedSampler, IterableDataset, Sampler, get_worker_info
 
 
 class ResumableSampler(DistributedSampler):
@@ -35,3 +35,33 @@ class ShardSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return len(self.indices)
+
+
+class InOrderBatches(IterableDataset):
+    """This rank's share of a dataset (rank, rank + world, ...) as collated batches in order, leaving out the samples
+    the dataset cannot produce (it returns None for them) rather than serving a substitute.
+
+    Batch ``j`` holds positions ``j·B ... j·B + B - 1`` of the rank's share; DataLoader workers take every
+    ``num_workers``-th batch, so the loader yields them in the same order whatever the number of workers. A batch
+    with a left-out sample is smaller; one with nothing usable is not yielded. Use with ``batch_size=None``.
+    """
+
+    def __init__(self, dataset, batch_size: int, rank: int = 0, world: int = 1, collate_fn=None) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.indices = list(range(rank, len(dataset), world))
+        self.collate_fn = collate_fn
+
+    def __len__(self) -> int:
+        return -(-len(self.indices) // self.batch_size)
+
+    def __iter__(self):
+        info = get_worker_info()
+        first, step = (0, 1) if info is None else (info.id, info.num_workers)
+        for j in range(first, len(self), step):
+            chunk = self.indices[j * self.batch_size: (j + 1) * self.batch_size]
+            samples = [s for s in (self.dataset[i] for i in chunk) if s is not None]
+            if samples:
+                yield self.collate_fn(samples) if self.collate_fn is not None else samples

@@ -79,6 +79,7 @@ class ShardDataset(TaskonomyBase):
             raise FileNotFoundError(f"{self.root}: domains {lacking} were not packed (packed: {packed}); use "
                                     f"missing='mask' to train without them")
         splits = [split] if isinstance(split, str) else list(split)
+        self.split = split
         self.files = [s["file"] for s in self.index["shards"] if "all" in splits or s["split"] in splits]
         self._index(packed, set(buildings) if buildings is not None else None)
         if len(self) == 0:
@@ -92,7 +93,9 @@ class ShardDataset(TaskonomyBase):
     def _index(self, packed: list[str], buildings: set[str] | None) -> None:
         cols = [packed.index(d) if d in packed else -1 for d in self.domains]
         required = sum(1 << k for k, d in enumerate(self.domains) if d in self.required)
+        counted = sum(1 << k for k, d in enumerate(self.domains) if d in self.task_domains and d in packed)
         ids, present, loc = [], [], []
+        missing_files, unindexed, examples = 0, 0, []
         for fi, name in enumerate(self.files):
             with h5py.File(self.root / name, "r") as f:
                 sid = f["id"].asstr()[...]
@@ -101,9 +104,15 @@ class ShardDataset(TaskonomyBase):
             for k, c in enumerate(cols):
                 if c >= 0:
                     bits |= pres[:, c].astype(np.int64) << k
-            keep = (bits & required) == required
+            chosen = np.ones(len(sid), dtype=bool)
             if buildings is not None:
-                keep &= np.array([s.split("/", 1)[0] in buildings for s in sid], dtype=bool)
+                chosen = np.array([s.split("/", 1)[0] in buildings for s in sid], dtype=bool)
+            lacking = (counted & ~bits) * chosen  # a domain stored as absent: missing, or bad when packed
+            if lacking.any():
+                missing_files += int(sum(int(v).bit_count() for v in lacking[lacking != 0]))
+                examples += [f"{name}[{r}] {sid[r]}" for r in np.flatnonzero(lacking)[: 3 - len(examples)]]
+            keep = chosen & ((bits & required) == required)
+            unindexed += int((chosen & ~keep).sum())
             rows = np.nonzero(keep)[0]
             ids.append(sid[rows])
             present.append(bits[rows])
@@ -111,6 +120,7 @@ class ShardDataset(TaskonomyBase):
         self._ids = np.concatenate(ids).astype(str) if ids else np.array([], dtype=str)
         self._present = np.concatenate(present) if present else np.zeros(0, dtype=np.int64)
         self._loc = np.concatenate(loc) if loc else np.zeros((0, 2), dtype=np.int64)
+        self._indexed(missing_files, unindexed, examples)
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()

@@ -16,21 +16,25 @@ Augmentation draws come from ``(seed, epoch, index)``, not from global RNG state
 worker or rank loads it; call `set_epoch` each epoch (before creating the loader iterator, or with
 non-persistent workers) to vary them.
 
-Corrupt or truncated files (Taskonomy has a few) are skipped: the first one is logged as a warning, all are
-counted in `num_corrupt` (shared with DataLoader workers). A corrupt rgb file — or, with ``missing="skip"``, a
-corrupt target — skips the sample: the next index is served instead, so the epoch goes on at full length. With
-``missing="mask"`` a corrupt target is masked like a missing one.
+Unusable files are counted once per file, whichever worker or rank meets them, in three kinds
+(`squad.data.accounting`): corrupt (truncated, bad PNG or .npy), wrong size (non-square where it would be resized,
+or not the size of its rgb image: refused, never stretched) and missing (a domain file the sample lacks, found
+while indexing; with ``missing="skip"`` the sample is left out of the index, counted in `unindexed`). The first
+file of each kind is logged as a warning; `report` gives the totals over all ranks, and every run and tool prints
+them in one line at its end. A bad rgb file — or, with ``missing="skip"``, a bad target — makes the sample
+unusable: training (``substitute=True``, the default) is served the next index instead, so the epoch goes on at
+full length; evaluation (`without_substitutes`, used by `squad.eval.evaluate.eval_loader`) leaves it out, so no
+sample is scored twice. With ``missing="mask"`` a bad target is masked like a missing one. A file found bad is not
+read again.
 """
 
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
 import struct
 import zlib
 from collections.abc import Sequence
-from multiprocessing.context import get_spawning_popen
 from pathlib import Path
 from typing import Any, Literal
 
@@ -38,7 +42,8 @@ import numpy as np
 from PIL import Image
 from torch.utils.data import Dataset, default_collate
 
-from squad.data.transforms import SamplePipeline
+from squad.data.accounting import FileIssues, register
+from squad.data.transforms import SamplePipeline, WrongSizeError
 from squad.tasks import DecodeError, get_task, resolve_task_names
 
 logger = logging.getLogger(__name__)
@@ -202,9 +207,10 @@ def select_buildings(root: str | Path, split: str | Sequence[str], split_csv: st
 
 
 class TaskonomyBase(Dataset):
-    """Shared sample logic of the PNG-tree and HDF5 readers: index, presence bits, corrupt-file handling.
+    """Shared sample logic of the PNG-tree and HDF5 readers: index, presence bits, unusable-file accounting.
 
-    Subclasses fill `_ids` (``str`` array), `_present` (``int64`` bit mask over `domains`) and implement `_read`.
+    Subclasses fill `_ids` (``str`` array), `_present` (``int64`` bit mask over `domains`), call `_indexed` once
+    the index is built, and implement `_read`.
     """
 
     def __init__(self, tasks: str | Sequence[str], image_size: int | None, resize: int | None, augment: bool,
@@ -219,9 +225,25 @@ class TaskonomyBase(Dataset):
         self.missing = missing
         self.seed = seed
         self.epoch = 0
+        self.substitute = True  # serve the next index for an unusable sample (training); False: None (evaluation)
+        self.reported = False  # a report (squad.data.accounting) was made: the tools do not print another
+        self.split: str | Sequence[str] = "all"
+        self.missing_files = 0  # domain files the indexed (and left-out) samples lack
+        self.unindexed = 0  # samples left out of the index (a required domain file is missing)
         self._ids = np.array([], dtype=str)
         self._present = np.zeros(0, dtype=np.int64)
-        self._corrupt = multiprocessing.Value("i", 0)
+        self.issues = FileIssues(0, len(self.domains))
+
+    def _indexed(self, missing_files: int, unindexed: int, examples: Sequence[str]) -> None:
+        """Finishes the index: the shared per-file record and the missing-file count (warned about once)."""
+        self.issues = FileIssues(len(self._ids), len(self.domains))
+        self.missing_files, self.unindexed = int(missing_files), int(unindexed)
+        if missing_files:
+            what = (f"{unindexed} samples lacking a file of {', '.join(self.required[1:])} are left out of the "
+                    f"index (missing='skip')" if unindexed else "their targets are masked (missing='mask')")
+            logger.warning("%s: %d domain files are missing; %s. First: %s", getattr(self, "root", "data"),
+                           missing_files, what, ", ".join(examples[:3]))
+        register(self)
 
     # ------------------------------------------------------------------------------------------ public
     def __len__(self) -> int:
@@ -234,19 +256,24 @@ class TaskonomyBase(Dataset):
 
     @property
     def num_corrupt(self) -> int:
-        """Corrupt files met so far by this dataset in all processes that share it."""
-        return int(self._corrupt.value)
+        """Distinct corrupt files met so far by this dataset in this process and its DataLoader workers."""
+        return self.issues.count("corrupt")
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        if get_spawning_popen() is None:  # plain pickling (not a worker start): keep the count, not the lock
-            state["_corrupt"] = self._corrupt.value
-        return state
+    @property
+    def num_wrong_size(self) -> int:
+        """Distinct files refused for their size so far (this process and its workers)."""
+        return self.issues.count("wrong_size")
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        if isinstance(state["_corrupt"], int):
-            state["_corrupt"] = multiprocessing.Value("i", state["_corrupt"])
-        self.__dict__.update(state)
+    def without_substitutes(self) -> TaskonomyBase:
+        """The same dataset (sharing its file record) yielding None for an unusable sample instead of the next one.
+
+        `squad.eval.evaluate.eval_loader` uses it so that an evaluation leaves such samples out rather than scoring
+        a neighbour twice.
+        """
+        view = object.__new__(type(self))
+        view.__dict__.update(self.__dict__)
+        view.substitute = False
+        return view
 
     def set_epoch(self, epoch: int) -> None:
         """Changes the augmentation draws (as `DistributedSampler.set_epoch` changes the order)."""
@@ -257,12 +284,15 @@ class TaskonomyBase(Dataset):
         if not 0 <= index < n:
             raise IndexError(f"index {index} out of range for a dataset of {n} samples")
         rng = np.random.default_rng([self.seed, self.epoch, index]) if self.pipeline.augment else None
+        self.issues.mark_used()
+        if not self.substitute:
+            return self._load(index, rng)
         for attempt in range(min(_MAX_SKIP, n)):
             sample = self._load((index + attempt) % n, rng)
             if sample is not None:
                 return sample
         raise RuntimeError(f"{min(_MAX_SKIP, n)} consecutive samples from index {index} are unreadable "
-                           f"({self.num_corrupt} corrupt files so far)")
+                           f"({self.num_corrupt} corrupt and {self.num_wrong_size} wrong-size files so far)")
 
     # ---------------------------------------------------------------------------------------- internals
     def _read(self, index: int, domain: str) -> np.ndarray:
@@ -279,34 +309,40 @@ class TaskonomyBase(Dataset):
             if not bits >> k & 1:
                 raws[domain] = None
                 continue
-            try:
-                raws[domain] = self._read(index, domain)
-            except (CorruptFileError, DecodeError) as e:
-                self._note_corrupt(str(e))
-                if domain in self.required:
-                    return None
-                raws[domain] = None
+            bad = self.issues.known(index, k)
+            if bad is None:
+                try:
+                    raws[domain] = self._read(index, domain)
+                    continue
+                except (CorruptFileError, DecodeError) as e:
+                    self._note(index, domain, "wrong_size" if isinstance(e, WrongSizeError) else "corrupt", str(e))
+            if domain in self.required:
+                return None
+            raws[domain] = None
         while True:
             try:
                 rgb, targets, masks = self.pipeline(raws, rng)
                 break
             except DecodeError as e:
-                self._note_corrupt(f"{self._ids[index]}: {e}")
-                domain = getattr(e, "domain", None)
-                if domain is None or domain in self.required or raws.get(domain) is None:
+                domain = getattr(e, "domain", None) or "rgb"
+                kind = "wrong_size" if isinstance(e, WrongSizeError) else "corrupt"
+                self._note(index, domain, kind, f"{self._describe(index, domain)}: {e}")
+                if domain in self.required or raws.get(domain) is None:
                     return None
                 raws[domain] = None  # mask mode: a target that does not decode is treated as missing
         return {"rgb": rgb, "targets": targets, "masks": masks, "id": str(self._ids[index])}
 
-    def _note_corrupt(self, what: str) -> None:
-        with self._corrupt.get_lock():
-            self._corrupt.value += 1
-            first = self._corrupt.value == 1
-        if first:
-            logger.warning("skipping unreadable data: %s (further ones are counted in num_corrupt and logged at "
-                           "DEBUG level)", what)
+    def _note(self, index: int, domain: str, kind: str, what: str) -> None:
+        """Records an unusable file once; the first of each kind is a warning, the others DEBUG lines."""
+        k = self.domains.index(domain) if domain in self.domains else 0
+        if not self.issues.note(index, k, kind):
+            return
+        label = {"corrupt": "unreadable", "wrong_size": "wrong-size"}[kind]
+        if self.issues.count(kind) == 1:
+            logger.warning("skipping %s data: %s (further ones are counted, reported at the end and logged at "
+                           "DEBUG level)", label, what)
         else:
-            logger.debug("skipping unreadable data: %s", what)
+            logger.debug("skipping %s data: %s", label, what)
 
 
 class TaskonomyDataset(TaskonomyBase):
@@ -356,6 +392,7 @@ class TaskonomyDataset(TaskonomyBase):
         if chosen is None:
             chosen = sorted(e.name for e in os.scandir(self.dirs["rgb"]) if e.is_dir())
         self.buildings = chosen
+        self.split = split
         self._index(chosen)
         if len(self) == 0:
             raise EmptyDatasetError(f"no samples in {self.root} for split {split!r} with tasks {self.tasks} "
@@ -365,7 +402,10 @@ class TaskonomyDataset(TaskonomyBase):
         ids: list[str] = []
         present: list[int] = []
         required = sum(1 << k for k, d in enumerate(self.domains) if d in self.required)
+        # missing files are counted for the task domains whose folder exists (an absent folder is warned about)
+        counted = sum(1 << k for k, d in enumerate(self.domains) if d in self.task_domains and self.dirs[d])
         absent = []
+        missing_files, unindexed, examples = 0, 0, []
         for b in buildings:
             rgb = sorted(list_stems(self.dirs["rgb"] / b, "rgb"))
             if not rgb:
@@ -374,14 +414,23 @@ class TaskonomyDataset(TaskonomyBase):
             have = {d: set(list_stems(self.dirs[d] / b, d)) for d in self.domains[1:] if self.dirs[d] is not None}
             for stem in rgb:
                 bits = 1 | sum(1 << k for k, d in enumerate(self.domains) if k and d in have and stem in have[d])
+                lacking = counted & ~bits
+                if lacking:
+                    missing_files += lacking.bit_count()
+                    if len(examples) < 3:
+                        names = ", ".join(d for k, d in enumerate(self.domains) if lacking >> k & 1)
+                        examples.append(f"{b}/{stem} ({names})")
                 if bits & required == required:
                     ids.append(f"{b}/{stem}")
                     present.append(bits)
+                else:
+                    unindexed += 1
         if absent:
             logger.warning("%d buildings of the split have no rgb images in %s and are skipped: %s",
                            len(absent), self.dirs["rgb"], ", ".join(absent[:10]) + (" ..." if len(absent) > 10 else ""))
         self._ids = np.array(ids, dtype=str)  # one numpy buffer, not millions of objects, for worker forks
         self._present = np.array(present, dtype=np.int64)
+        self._indexed(missing_files, unindexed, examples)
 
     def path(self, index: int, domain: str) -> Path:
         """File of one domain of one sample."""

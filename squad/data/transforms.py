@@ -13,6 +13,11 @@ The order is fixed so that any two readers of the same raw arrays give identical
 The HDF5 packer stores the output of steps 1–2, so a shard reader that asks for the packed size skips them and
 yields exactly what the PNG reader yields.
 
+Sizes: a square file of another size than wanted is resized (aspect kept). A file that would be distorted — a
+non-square image when a size is asked for — or a dense target whose size differs from its rgb image's raises
+`WrongSizeError` (a `DecodeError` carrying the domain): the dataset skips or masks it and counts it as a wrong-size
+file (`squad.data.accounting`), never stretches it.
+
 Geometry mask: Taskonomy ships no valid-mask domain; where the scene has no geometry, depth_zbuffer holds 65535.
 When that file is at hand, its valid mask is ANDed into the masks of the geometric tasks (`Task.geometric`).
 """
@@ -28,6 +33,37 @@ import torch.nn.functional as F
 from squad.tasks import DecodeError, Task, get_task
 
 GEOMETRY_DOMAIN = "depth_zbuffer"
+
+
+class WrongSizeError(DecodeError):
+    """A file whose size the pipeline refuses: non-square where it would be resized, or not its rgb image's size."""
+
+    def __init__(self, message: str, domain: str) -> None:
+        super().__init__(message)
+        self.domain = domain
+
+
+def check_size(domain: str, raw: np.ndarray, rgb_hw: tuple[int, int] | None, resizes: bool) -> None:
+    """Refuses a raw array the pipeline could only distort (see the module docstring).
+
+    Args:
+        domain: the file's domain (``"rgb"`` or a task domain; class vectors are never checked).
+        raw: the array as read.
+        rgb_hw: the sample's rgb size (None when checking the rgb file itself).
+        resizes: whether the pipeline resizes to a square size.
+
+    Raises:
+        WrongSizeError: the file is not square although it would be resized, or differs from the rgb size.
+    """
+    if domain != "rgb" and get_task(domain).head_kind == "class":
+        return
+    hw = tuple(raw.shape[:2])
+    if rgb_hw is not None and hw != tuple(rgb_hw):
+        raise WrongSizeError(f"{domain}: size {hw[0]}×{hw[1]} differs from the rgb image's {rgb_hw[0]}×{rgb_hw[1]}",
+                             domain)
+    if rgb_hw is None and resizes and hw[0] != hw[1]:
+        raise WrongSizeError(f"{domain}: {hw[0]}×{hw[1]} is not square; resizing it to a square would distort it "
+                             f"(crop or pad the files to squares)", domain)
 
 
 def compact_rgb(raw: np.ndarray) -> np.ndarray:
@@ -167,7 +203,13 @@ class SamplePipeline:
         Returns:
             rgb ``float32 [3, H, W]``, targets ``{task: value}``, masks ``{task: bool}`` (shapes in squad.tasks.base).
         """
-        rgb_raw = self.prepare_raw("rgb", raws["rgb"])
+        stored_hw = tuple(raws["rgb"].shape[:2])
+        check_size("rgb", raws["rgb"], None, self.resize is not None)
+        try:
+            rgb_raw = self.prepare_raw("rgb", raws["rgb"])
+        except DecodeError as e:
+            e.domain = "rgb"
+            raise
         hw = rgb_raw.shape[:2]
         out_hw = hw if self.image_size is None else (self.image_size, self.image_size)
         top, left = crop_box(hw, out_hw, rng if self.augment else None)
@@ -189,6 +231,7 @@ class SamplePipeline:
                 targets[task.name], masks[task.name] = self._missing(task, out_hw)
                 continue
             try:
+                check_size(task.domain, raw, stored_hw, self.resize is not None)
                 raw = self.prepare_raw(task.domain, raw)
                 value, mask = task.decode(raw if task.head_kind == "class" else window(raw))
             except DecodeError as e:
@@ -201,15 +244,16 @@ class SamplePipeline:
             if GEOMETRY_DOMAIN in masks:
                 geo = masks[GEOMETRY_DOMAIN]  # already decoded as a target: its mask is the geometry mask
             else:
-                geo = self._geometry(raws[GEOMETRY_DOMAIN], window, flip)
+                geo = self._geometry(raws[GEOMETRY_DOMAIN], window, flip, stored_hw)
             for task in self.tasks:
                 if task.geometric:
                     masks[task.name] = masks[task.name] & geo
         return rgb, targets, masks
 
-    def _geometry(self, raw: np.ndarray, window, flip: bool) -> torch.Tensor:
+    def _geometry(self, raw: np.ndarray, window, flip: bool, stored_hw: tuple[int, int]) -> torch.Tensor:
         """Valid-geometry mask ``bool [1, H, W]`` from a depth_zbuffer file."""
         try:
+            check_size(GEOMETRY_DOMAIN, raw, stored_hw, self.resize is not None)
             _, mask = self._depth.decode(window(self.prepare_raw(GEOMETRY_DOMAIN, raw)))
         except DecodeError as e:
             e.domain = GEOMETRY_DOMAIN

@@ -97,3 +97,41 @@ def broadcast_object(obj, src: int = 0):
         dist.broadcast_object_list(box, src=src)
         return box[0]
     return obj
+
+
+def shutdown() -> None:
+    """Tears the process group down (if one is up) before the interpreter exits.
+
+    A rank that leaves with its gloo group still alive can die in C++ teardown ("terminate called without an
+    active exception", SIGABRT) when a peer closes first; the launcher then reports 250 instead of the tool's own
+    exit code (e.g. 2 for a run folder under a file). Never raises: it runs on the way out of an error too.
+    """
+    if not has_process_group():
+        return
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - leaving anyway; the exit code that matters is the tool's
+        pass
+
+
+def check_device(name: str) -> torch.device:
+    """The `torch.device` a ``--device`` argument names, checked against this machine.
+
+    Raises:
+        ValueError: not a device name, CUDA asked for where there is none, or a GPU index that does not exist
+            (the message names the value and what this machine has).
+    """
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"--device {name}: not a device name (use cpu, cuda or cuda:N; {e})") from None
+    if device.type == "cuda":
+        if not cuda_available():
+            raise ValueError(f"--device {name}: this machine has no CUDA GPU (torch.cuda.is_available() is "
+                             f"False); use --device cpu")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"--device {name}: this machine has {count} GPU(s) (cuda:0 to cuda:{count - 1})")
+    elif device.type != "cpu":
+        raise ValueError(f"--device {name}: squad runs on cpu or cuda, not {device.type}")
+    return device

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import shutil
 import time
 from pathlib import Path
 
@@ -18,18 +19,18 @@ import torch
 from torch.utils.data import DataLoader
 
 from squad.analysis.usage import ExpertUsage
-from squad.config.base import write_yaml
 from squad.config.run import RunConfig, deepspeed_config, precision
-from squad.data import build_dataset, collate
+from squad.data import build_dataset, collate, report
 from squad.data.samplers import ResumableSampler
 from squad.eval.evaluate import eval_loader, evaluate
 from squad.io import export_model
 from squad.models.vit import SquadViT, build_model
 from squad.tasks import get_task
 from squad.train import checkpoint as ckpt
-from squad.train.distributed import all_reduce_sum, barrier, broadcast_object, cuda_available, init_distributed
-from squad.train.objective import MultiTaskObjective, TrainingError
+from squad.train.distributed import all_reduce_sum, broadcast_object, cuda_available, init_distributed
+from squad.train.objective import MultiTaskObjective, TrainingError, nonfinite_stop
 from squad.train.optim import lr_lambda, param_groups
+from squad.train.run_folder import RunFolder, ShmSegments
 
 log = logging.getLogger("squad.train")
 
@@ -45,11 +46,17 @@ class LoopState:
 class Trainer:
     """Runs one training job (`tools/train.py` is a thin wrapper around it)."""
 
-    def __init__(self, cfg: RunConfig, run_dir: str | Path, resume: str | None = "auto"):
+    def __init__(self, cfg: RunConfig, run_dir: str | Path, resume: str | None = "auto", *,
+                 overwrite: bool = False, allow_world_size_change: bool = False):
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.resume = resume
+        self.overwrite = overwrite
+        self.allow_world_size_change = allow_world_size_change
+        shm = ShmSegments.from_env()
+        shm.record(self.run_dir)  # before DeepSpeed creates them, so a crash at any point leaves a record
         self.rank, self.world, self.device = init_distributed()
+        self.folder = RunFolder(self.run_dir, self.rank, self.world, shm)
         self.cuda = cuda_available()
         self.prec = precision(cfg.train, self.cuda)
         self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.prec)
@@ -58,20 +65,10 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------------ set-up
     def _prepare_run_dir(self) -> None:
-        """Rank 0 creates the run folder; every rank learns whether that worked (no rank is left waiting)."""
-        error = None
-        if self.rank == 0:
-            try:
-                self.run_dir.mkdir(parents=True, exist_ok=True)
-                probe = self.run_dir / ".write_test"
-                probe.write_text("ok")
-                probe.unlink()
-                write_yaml(self.cfg, self.run_dir / "config.yaml")
-            except OSError as e:
-                error = f"run folder {self.run_dir} is not writable: {e.strerror or e}"
-        error = broadcast_object(error)
-        if error:
-            raise PermissionError(error)
+        """Rank 0 creates, locks and checks the run folder (`squad.train.run_folder`); every rank learns whether
+        that worked (no rank is left waiting)."""
+        self.folder.prepare(self.cfg, self.resume, overwrite=self.overwrite,
+                            allow_world_size_change=self.allow_world_size_change)
 
     def _datasets(self):
         d = self.cfg.data
@@ -108,6 +105,8 @@ class Trainer:
 
         self._prepare_run_dir()
         self._setup_logging()
+        for note in self.folder.notes:
+            log.warning(note)
         torch.manual_seed(self.cfg.train.seed)
         self.train_set, self.val_set = self._datasets()
         o = self.cfg.optim
@@ -139,6 +138,7 @@ class Trainer:
             (self.run_dir / "ds_config.json").write_text(json.dumps(ds_cfg, indent=2))
         self.engine, _, _, _ = deepspeed.initialize(model=self.objective, optimizer=optimizer,
                                                     lr_scheduler=scheduler, config=ds_cfg)
+        self.guard = ckpt.guard_engine(self.engine)  # weights_only reads; failed writes reach every rank
         self.model: SquadViT = self.engine.module.model
         self.usage = ExpertUsage(model.task_names)
         self.state = LoopState()
@@ -148,31 +148,64 @@ class Trainer:
                  self.total_steps, o.batch_per_rank * o.grad_accum * self.world)
 
     def _maybe_resume(self) -> None:
+        """Restores the newest complete checkpoint whose every file loads with ``weights_only``
+        (`ckpt.select_resume_tag`: a damaged one is skipped with a warning, one that would need arbitrary unpickling
+        stops the run)."""
         ckpt_dir = self.run_dir / "checkpoints"
         if self.resume in (None, "none", "no"):
             return
         if self.resume == "auto":
-            tag = ckpt.find_resume_tag(ckpt_dir)
-            if tag is None:
+            load_dir, tags = ckpt_dir, ckpt.resume_candidates(ckpt_dir)
+            if not tags:
                 return
-            load_dir = ckpt_dir
         else:
             path = Path(self.resume)
             if (path / "checkpoints").is_dir():
                 path = path / "checkpoints"
             if (path / ckpt.COMPLETE).is_file():
-                load_dir, tag = path.parent, path.name
+                load_dir, tags = path.parent, [path.name]
             else:
-                load_dir, tag = path, ckpt.find_resume_tag(path)
-            if tag is None:
+                load_dir, tags = path, ckpt.resume_candidates(path)
+            if not tags:
                 raise FileNotFoundError(f"--resume {self.resume}: no complete checkpoint there")
+        tag = ckpt.select_resume_tag(load_dir, tags, self.rank, self.world, log.warning if self.rank == 0 else None)
         _, client = self.engine.load_checkpoint(str(load_dir), tag=tag)
         if client is None:
             raise RuntimeError(f"checkpoint {load_dir / tag} could not be loaded")
         self.state = LoopState(**client["loop"])
-        if self.rank == 0 and client.get("usage"):
-            self.usage = ExpertUsage.from_state_dict(client["usage"])
+        if client.get("usage"):  # every rank holds the layers; rank 0 the sums (already over every rank)
+            self.usage = ExpertUsage.from_state_dict(client["usage"], zeroed=self.rank != 0)
+        self._forget_after(self.state.step)
         log.info("resumed from %s at step %d", load_dir / tag, self.state.step)
+
+    def _forget_after(self, step: int) -> None:
+        """Rank 0, on resuming at ``step``: drops what was logged after that checkpoint by the run that stopped
+        (``metrics.jsonl`` rows, TensorBoard events), since those steps run again."""
+        if self.rank != 0:
+            return
+        import json
+
+        metrics = self.run_dir / "metrics.jsonl"
+        if metrics.is_file():
+            lines = metrics.read_text().splitlines(keepends=True)
+
+            def later(line: str) -> bool:
+                try:
+                    return json.loads(line)["step"] > step
+                except (ValueError, KeyError, TypeError):
+                    return False
+
+            kept = [line for line in lines if not later(line)]
+            if len(kept) < len(lines):
+                ckpt.atomic_write_text(metrics, "".join(kept))
+                log.info("dropped %d rows of %s logged after step %d (those steps run again)", len(lines) - len(kept),
+                         metrics.name, step)
+        if self.writer is not None:  # TensorBoard hides the stopped run's events from step + 1 on
+            from torch.utils.tensorboard import SummaryWriter
+
+            log_dir = self.writer.log_dir
+            self.writer.close()
+            self.writer = SummaryWriter(log_dir, purge_step=step + 1)
 
     # --------------------------------------------------------------------------------------------- the loop
     def _assignment(self, batch_size: int, step: int) -> torch.Tensor | None:
@@ -208,6 +241,8 @@ class Trainer:
         """Trains to the configured number of steps; returns the path of the exported model (or of the
         checkpoints when the run stops early at ``train.stop_at``)."""
         self.setup()
+        if self.state.step >= self.total_steps:  # resumed from the final checkpoint: a rerun, or killed before export
+            return self._finish_again()
         if self.state.step == 0:
             self.validate()
         from tqdm import tqdm
@@ -234,9 +269,7 @@ class Trainer:
                     if self.writer:
                         self.writer.add_scalar("train/nonfinite_skipped", self.state.nonfinite, self.state.step)
                     if self.state.nonfinite >= self.cfg.train.max_nonfinite:
-                        raise TrainingError(f"{self.state.nonfinite} non-finite losses in a row at step "
-                                           f"{self.state.step}: stopping (lower optim.lr, check the data, or raise "
-                                           f"train.max_nonfinite)")
+                        raise nonfinite_stop(self.state.nonfinite, self.state.step, self.run_dir)
                     continue
                 self.state.nonfinite = 0
                 self.engine.backward(total)
@@ -262,11 +295,26 @@ class Trainer:
                 if not (every and self.state.step % every == 0):
                     self.save()
                 log.info("stopped at step %d (train.stop_at); resume with --resume auto", self.state.step)
+                self._report_data()
                 return self.run_dir / "checkpoints"
         bar.close()
         final = self.validate()
         self.save()
+        self._report_data()
         return self.export(final)
+
+    def _report_data(self) -> None:
+        """One line per dataset in train.log and ``data/<split>/<kind>`` TensorBoard scalars: the files it could not
+        use, each counted once over workers and ranks (`squad.data.accounting`; a collective: every rank calls it)."""
+        for name, ds in (("train", self.train_set), ("val", self.val_set)):
+            if ds is None:
+                continue
+            data = report(ds, name)
+            if self.rank == 0:
+                log.info("%s", data.line())
+                if self.writer:
+                    for kind in ("corrupt", "wrong_size", "missing", "unindexed"):
+                        self.writer.add_scalar(f"data/{name}/{kind}", getattr(data, kind), self.state.step)
 
     def _accumulate(self, logs, total, losses, weights, parts) -> None:
         logs["n"] = logs.get("n", 0) + 1
@@ -329,36 +377,126 @@ class Trainer:
             self.writer.add_figure(f"usage/{layer}", usage_figure(share.numpy(), self.usage.tasks, layer), step)
 
     def save(self) -> None:
-        """A checkpoint of every rank's state, marked complete only once all of it is on disk."""
+        """A checkpoint of every rank's state, marked complete only once all of it is on disk.
+
+        A write that fails on any rank (a full disk) stops the run on every rank with a `TrainingError` naming the
+        file and the space left; the tag's partial files are removed and the previous checkpoint stays the latest.
+        """
         ckpt_dir = self.run_dir / "checkpoints"
         tag = ckpt.tag_for(self.state.step)
         global_usage = ExpertUsage.from_state_dict(self.usage.state_dict())
         global_usage.all_reduce()
         client = {"loop": dataclasses.asdict(self.state),
                   "usage": global_usage.state_dict() if self.rank == 0 else None}
-        self.engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client, save_latest=False)
-        barrier()
+        what = f"checkpoint {tag}"
+        error = None
+        if self.rank == 0:  # DeepSpeed's own mkdir failing on rank 0 alone would leave the others in its barrier
+            try:
+                if (ckpt_dir / tag).exists():  # left by an earlier attempt at this step: replaced whole, never mixed
+                    shutil.rmtree(ckpt_dir / tag)
+                (ckpt_dir / tag).mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                error = ckpt.write_failure(what, ckpt_dir / tag, e)
+        if not broadcast_object(error):
+            self.guard.take()
+            self.engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client, save_latest=False)
+            failed = self.guard.take()  # recorded by the guard, so that every rank got through DeepSpeed's barriers
+            errors = ckpt.gather_objects(ckpt.write_failure(what, *failed) if failed else None)
+            error = next((e for e in errors if e), None)
+            if error is None and self.rank == 0:
+                try:
+                    ckpt.mark_complete(ckpt_dir, tag, self.state.step, self.cfg.train.keep_checkpoints)
+                except OSError as e:
+                    error = ckpt.write_failure(what, ckpt_dir / tag / ckpt.COMPLETE, e)
         if self.rank == 0:
-            ckpt.mark_complete(ckpt_dir, tag, self.state.step, self.cfg.train.keep_checkpoints)
-            log.info("checkpoint %s", ckpt_dir / tag)
-        barrier()
+            if error:
+                shutil.rmtree(ckpt_dir / tag, ignore_errors=True)  # never complete; frees what it held
+                previous = ckpt.find_resume_tag(ckpt_dir)
+                error += (f"; {what} was not saved (its partial files are removed). The previous checkpoint "
+                          f"{ckpt_dir / previous} is intact: make room and rerun the same command to resume from it"
+                          if previous else f"; {what} was not saved (its partial files are removed) and the run has "
+                          f"no earlier checkpoint")
+                log.error(error)
+            else:
+                log.info("checkpoint %s", ckpt_dir / tag)
+        error = broadcast_object(error)
+        if error:
+            raise TrainingError(error)
+
+    def _finish_again(self) -> Path:
+        """A run resumed from its final checkpoint (run again after it finished, or killed before ``model.pt`` was
+        written): nothing is trained, validated, saved or logged again; ``model.pt`` is written if it is missing."""
+        path = self.run_dir / "model.pt"
+        if broadcast_object(path.is_file() if self.rank == 0 else None):
+            log.info("run already finished at step %d: %s exists, nothing to do", self.state.step, path)
+            if self.writer:
+                self.writer.close()
+            return path
+        metrics = broadcast_object(self._recorded_metrics(self.state.step) if self.rank == 0 else None)
+        if metrics is None:  # the final validation was never recorded
+            metrics = self.validate()
+        log.info("run finished at step %d but has no %s: writing it", self.state.step, path.name)
+        return self.export(metrics)
+
+    def _recorded_metrics(self, step: int) -> dict | None:
+        """The validation metrics ``metrics.jsonl`` holds for ``step`` ({} without validation data), or None."""
+        if self.val_set is None:
+            return {}
+        import json
+
+        file = self.run_dir / "metrics.jsonl"
+        found = None
+        for line in file.read_text().splitlines() if file.is_file() else []:
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(row, dict) and row.get("step") == step:
+                found = row.get("metrics")
+        return found
 
     def export(self, final_metrics: dict) -> Path:
-        """Writes ``model.pt`` (weights, config, tasks, expert usage summed over ranks)."""
+        """Writes ``model.pt`` (weights, config, tasks, expert usage summed over ranks).
+
+        A failed write (a full disk) stops the run on every rank with a `TrainingError` naming the file; the final
+        checkpoint is complete, so running the same command again writes ``model.pt``.
+        """
         self.usage.all_reduce()
         path = self.run_dir / "model.pt"
+        error = None
         if self.rank == 0:
             log_vars = self.objective.weighting.log_vars
             extra = {"step": self.state.step, "metrics": final_metrics, "trained_tasks": self.tasks,
                      "task_log_vars": log_vars.detach().float().cpu() if log_vars is not None else None}
-            export_model(path, self.model, self.usage, extra)
-            log.info("exported %s", path)
+            try:
+                export_model(path, self.model, self.usage, extra)
+                log.info("exported %s", path)
+            except (OSError, RuntimeError) as e:  # torch reports a full disk as a RuntimeError
+                error = (ckpt.write_failure("the exported model", path, e) + "; the final checkpoint is complete: "
+                         "make room and rerun the same command to write it")
+                log.error(error)
             if self.writer:
                 self.writer.close()
-        barrier()
+        error = broadcast_object(error)
+        if error:
+            raise TrainingError(error)
         return path
 
 
-def train(cfg: RunConfig, run_dir: str | Path, resume: str | None = "auto") -> Path:
-    """Trains a run and returns the exported model's path."""
-    return Trainer(cfg, run_dir, resume).train()
+def train(cfg: RunConfig, run_dir: str | Path, resume: str | None = "auto", *, overwrite: bool = False,
+          allow_world_size_change: bool = False) -> Path:
+    """Trains a run and returns the exported model's path.
+
+    Args:
+        cfg: the run config.
+        run_dir: the run folder (locked while the run lasts).
+        resume: ``"auto"`` (the folder's last complete checkpoint, if any), ``"none"``, or a run/checkpoint folder.
+        overwrite: delete the outputs of a run already in ``run_dir`` and start over (else such a folder is refused
+            unless the run resumes it).
+        allow_world_size_change: resume on another number of ranks than the checkpoint was written by.
+    """
+    trainer = Trainer(cfg, run_dir, resume, overwrite=overwrite, allow_world_size_change=allow_world_size_change)
+    try:
+        return trainer.train()
+    finally:
+        trainer.folder.close()

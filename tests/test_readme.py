@@ -1,0 +1,347 @@
+"""Every command in README.md runs, as written, at tiny sizes.
+
+README.md is parsed when the tests are collected, so a command added there is run here without any change to this
+file — or, when this file cannot tell how to run it, fails `test_every_readme_command_is_known` until it is taught.
+
+What counts as a command:
+
+- every line of a fenced block whose lines start with a program (`PROGRAMS`: ``python``, ``deepspeed``,
+  ``torchrun``, ``make``, ``squad-*``, ...), ``\\``-continued lines joined, ``#`` comments dropped (a block of file
+  names, such as the Layout section, is not a command block);
+- every ``python`` fenced block: one script;
+- inline code (`` `...` ``) that starts with ``python tools/``, ``deepspeed``, ``torchrun``, ``make``, or
+  ``squad-<tool>`` followed by arguments; and inline ``squad.<function>(...)`` calls (run after the python block,
+  with the names in `GIVEN_NAMES`).
+
+How a command is run (the only changes, all here):
+
+- in one scratch folder, in README order (later commands use what earlier ones wrote: ``data/synthetic``,
+  ``runs/demo``, ``depth.pt``), with ``tools/`` and ``configs/`` linked from the checkout; ``python`` is this
+  interpreter, ``deepspeed``/``torchrun``/``squad-*`` the virtualenv's, on CPU DeepSpeed (`tests.helpers.tool_env`);
+- sizes (`SIZES`): ``make_data`` renders/packs 32 images of 32 px; ``torchrun --nproc_per_node`` runs 2 processes;
+  launchers get a free ``--master_port``; a training gets `TRAIN_SETS` appended as ``--set`` overrides (the
+  `tests.helpers.TINY` widths, 2 steps of 4 images, no workers, 1 validation batch); finetune_router gets
+  ``--steps 2`` (`TOOL_ARGS`);
+- paths (`PATHS`): ``/data/taskonomy`` is a random Taskonomy tree (`squad.data.write_random_tree`, its split CSV also
+  under the names ``tiny`` and ``full``), ``/data/taskonomy_shards`` a scratch folder; a training config whose
+  ``data.root`` is one of them gets it substituted; ``vit_small.pth`` is a small timm ViT-S state dict (32 px);
+- optional arguments written in ``[ ]`` are left out; ``...`` and ``<name>`` are placeholders, not commands;
+- the python block gets ``images`` (a batch at the model's 64 px, `GIVEN_NAMES`); a line ``expr  # literal`` asserts
+  that ``expr`` equals the literal.
+
+`SKIPPED` lists the commands that cannot run here, each with its reason.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import ROOT, TINY, tool_env
+
+README = ROOT / "README.md"
+BIN = Path(sys.executable).parent
+TIMEOUT = 300
+
+# The first word of a shell line in a fenced block (a block with none of these is a listing, not commands).
+PROGRAMS = ("python", "python3", "deepspeed", "torchrun", "make", "pip", "bash", "sh", "export", "cd", "git", "curl",
+            "wget", "conda", "docker", "TRITON_INTERPRET=", "squad-")
+INLINE = re.compile(r"^(python3? tools/\S+\.py|(deepspeed|torchrun|make|squad-[a-z-]+) \S)")
+
+# Commands that cannot run here (matched at the start of the command), each with its reason.
+SKIPPED = {
+    "make demo": "the whole demo: creates .venv and trains for ~5 minutes; its steps are the commands below",
+    "make test": "runs this test suite",
+    "deepspeed --hostfile hosts --num_nodes 4 --num_gpus 8": "needs 4 nodes with 8 GPUs each; multi-node launching "
+    "runs on loopback in test_train.py::test_multi_node_loopback_matches_one_node",
+    "python tools/bench.py@": "the full benchmark runs for many minutes; test_bench.py runs it at --quick sizes",
+}
+
+SIZES = {"--n": "32", "--image-size": "32", "--nproc_per_node": "2"}
+TRAIN_SETS = [*TINY, "model.head_dim=null", "optim.steps=2", "optim.batch_per_rank=4", "data.workers=0",
+              "data.val_batches=1", "train.progress=false"]
+TOOL_ARGS = {"finetune_router": ["--steps", "2"]}
+PATHS = {"/data/taskonomy_shards": "taskonomy_shards", "/data/taskonomy": "taskonomy"}
+GIVEN_NAMES = "import torch\nimages = torch.randn(2, 3, 64, 64)\n"
+
+
+@dataclass
+class Command:
+    kind: str  # "shell", "python" or "inline-python"
+    text: str  # as written in the README
+    line: int
+
+    @property
+    def id(self) -> str:
+        words = re.sub(r"[^\w./-]+", " ", self.text).split()
+        return f"L{self.line}-{'-'.join(words[:4])}"[:60]
+
+
+def readme_commands(text: str | None = None) -> list[Command]:
+    """The README's commands, in order (see the module docstring for what counts)."""
+    text = README.read_text() if text is None else text
+    commands: list[Command] = []
+    lines = text.splitlines()
+    i = 0
+    while i < len(lines):
+        fence = re.match(r"^```(\w*)\s*$", lines[i])
+        if not fence:
+            for span in re.findall(r"(?<!`)`([^`\n]+)`(?!`)", lines[i]):
+                span = span.strip()
+                if "..." in span or "<" in span:
+                    continue
+                if INLINE.match(span):
+                    commands.append(Command("shell", span, i + 1))
+                elif re.match(r"^squad\.[\w.]+\(.*\)$", span) and _parses(span):
+                    commands.append(Command("inline-python", span, i + 1))
+            i += 1
+            continue
+        lang, start, body = fence.group(1), i + 1, []
+        i += 1
+        while i < len(lines) and not lines[i].startswith("```"):
+            body.append(lines[i])
+            i += 1
+        i += 1
+        if lang == "python":
+            commands.append(Command("python", "\n".join(body), start + 1))
+        elif lang in ("", "bash", "sh", "shell", "console"):
+            joined, at = "", None
+            shell = [(n, ln) for n, ln in enumerate(body) if ln.strip().startswith(PROGRAMS)]
+            if not shell:
+                continue  # a listing (file names), not commands
+            for n, ln in enumerate(body):
+                stripped = _strip_comment(ln)
+                if not stripped.strip() and not joined:
+                    continue
+                at = at if joined else start + 1 + n
+                if stripped.rstrip().endswith("\\"):
+                    joined += stripped.rstrip()[:-1] + " "
+                    continue
+                joined += stripped
+                if joined.strip():
+                    commands.append(Command("shell", " ".join(joined.split()), at))
+                joined = ""
+    return commands
+
+
+def _parses(code: str) -> bool:
+    try:
+        ast.parse(code, mode="eval")
+    except SyntaxError:
+        return False
+    return True
+
+
+def _strip_comment(line: str) -> str:
+    return re.split(r"(?:^|\s)#", line, maxsplit=1)[0]
+
+
+def _skip_reason(cmd: Command) -> str | None:
+    for start, reason in SKIPPED.items():
+        if start.endswith("@") and cmd.text == start[:-1]:
+            return reason
+        if not start.endswith("@") and cmd.text.startswith(start):
+            return reason
+    return None
+
+
+def _tool_of(words: list[str]) -> str | None:
+    """The squad tool a command runs (``train`` for ``python tools/train.py`` or ``squad-train``)."""
+    for w in words:
+        if w.startswith("tools/") and w.endswith(".py"):
+            return Path(w).stem
+        if w.startswith("squad-"):
+            return w.removeprefix("squad-").replace("-", "_")
+    return None
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def to_argv(text: str, ws: Path) -> list[str]:
+    """A README shell command as the argv run here (the substitutions of the module docstring)."""
+    text = re.sub(r"\s\[[^\]]*\]", "", text)  # optional arguments
+    for src, dst in PATHS.items():
+        text = text.replace(src, str(ws / dst))
+    words = shlex.split(text)
+    program = words[0]
+    if program not in ("python", "python3", "deepspeed", "torchrun") and not program.startswith("squad-"):
+        raise LookupError(f"tests/test_readme.py does not know how to run {program!r}")
+    words[0] = sys.executable if program.startswith("python") else str(BIN / program)
+    for n in range(1, len(words) - 1):
+        if words[n] in SIZES:
+            words[n + 1] = SIZES[words[n]]
+    if program in ("deepspeed", "torchrun") and "--master_port" not in words:
+        words[1:1] = ["--master_port", str(_port())]
+    tool = _tool_of(words)
+    if tool is None:
+        raise LookupError(f"tests/test_readme.py does not know which squad tool {text!r} runs")
+    if tool == "train":
+        sets = list(TRAIN_SETS)
+        config = words[words.index("--config") + 1] if "--config" in words else None
+        if config:
+            import yaml
+
+            root = (yaml.safe_load((ws / config).read_text()) or {}).get("data", {}).get("root")
+            if root in PATHS:
+                sets += [f"data.root={ws / PATHS[root]}", "data.resize=null"]
+        words += [a for s in sets for a in ("--set", s)]
+    words += TOOL_ARGS.get(tool, [])
+    return words
+
+
+def _run(argv: list[str], cwd: Path) -> tuple[int | str, str]:
+    proc = subprocess.Popen(argv, env=tool_env(), cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        return "timeout", out
+    return proc.returncode, out
+
+
+def python_script(code: str) -> str:
+    """The python block with its ``expr  # literal`` lines turned into assertions."""
+    out = []
+    for line in code.splitlines():
+        m = re.match(r"^(?P<expr>[^#=]+?)\s+#\s*(?P<lit>.+)$", line)
+        if m:
+            try:
+                literal = ast.literal_eval(m["lit"].strip())
+                ast.parse(m["expr"], mode="eval")
+            except (ValueError, SyntaxError):
+                pass
+            else:
+                line = f"assert ({m['expr']}) == {literal!r}, ({m['expr']!r}, {m['expr']})"
+        out.append(line)
+    return "\n".join(out)
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory) -> Path:
+    """A scratch folder a new user's checkout would look like: tools/ and configs/ and the substituted paths."""
+    import timm
+    import torch
+
+    from squad.data.random_tree import write_random_tree
+
+    ws = tmp_path_factory.mktemp("readme")
+    for name in ("tools", "configs"):
+        (ws / name).symlink_to(ROOT / name)
+    tree = write_random_tree(ws / PATHS["/data/taskonomy"], n=16, size=32, buildings=2)
+    csv = next(tree.glob("train_val_test_*.csv"))
+    for split in ("tiny", "full"):
+        shutil.copy(csv, tree / f"train_val_test_{split}.csv")
+    torch.manual_seed(0)
+    vit = timm.create_model("vit_small_patch16_224", pretrained=False, img_size=32, patch_size=8, num_classes=0)
+    torch.save(vit.state_dict(), ws / "vit_small.pth")
+    return ws
+
+
+@pytest.fixture(scope="module")
+def walkthrough(workspace) -> dict[int, tuple[int | str, str]]:
+    """Runs every README command in order in the workspace; ``{line: (exit status, output)}``."""
+    results: dict[int, tuple[int | str, str]] = {}
+    done_python = False
+    for cmd in readme_commands():
+        if _skip_reason(cmd):
+            continue
+        if cmd.kind == "python":
+            script = GIVEN_NAMES + python_script(cmd.text)
+            results[cmd.line] = _run([sys.executable, "-c", script], workspace)
+            done_python = True
+        elif cmd.kind == "inline-python":
+            script = (GIVEN_NAMES + "import squad, timm\n"
+                      "model = squad.load('runs/demo')\npath = 'runs/demo/model.pt'\n"
+                      "timm_vit = timm.create_model('vit_small_patch16_224', pretrained=False, img_size=32, "
+                      "patch_size=8)\n" + f"print({cmd.text})\n")
+            results[cmd.line] = _run([sys.executable, "-c", script], workspace)
+        else:
+            try:
+                argv = to_argv(cmd.text, workspace)
+            except LookupError as e:
+                results[cmd.line] = ("unknown", str(e))
+                continue
+            results[cmd.line] = _run(argv, workspace)
+    assert done_python or not any(c.kind == "python" for c in readme_commands())
+    return results
+
+
+COMMANDS = readme_commands()
+
+
+def test_readme_has_commands():
+    kinds = {c.kind for c in COMMANDS}
+    assert {"shell", "python"} <= kinds and len(COMMANDS) > 10, [c.text for c in COMMANDS]
+
+
+def test_every_readme_command_is_known(workspace):
+    unknown = []
+    for cmd in COMMANDS:
+        if cmd.kind != "shell" or _skip_reason(cmd):
+            continue
+        try:
+            to_argv(cmd.text, workspace)
+        except LookupError as e:
+            unknown.append(f"README line {cmd.line}: {cmd.text}: {e}")
+    assert not unknown, "\n".join(unknown)
+
+
+def test_skip_list_is_current():
+    """Every skipped command is still in the README (the list stays short and honest)."""
+    for start in SKIPPED:
+        assert any(_skip_reason(c) == SKIPPED[start] for c in COMMANDS), f"{start!r} is no longer in README.md"
+
+
+@pytest.mark.parametrize("cmd", COMMANDS, ids=[f"{n:02d}-{c.id}" for n, c in enumerate(COMMANDS)])
+def test_readme_command(cmd, walkthrough):
+    reason = _skip_reason(cmd)
+    if reason:
+        pytest.skip(reason)
+    rc, out = walkthrough[cmd.line]
+    assert rc == 0, f"README line {cmd.line}: {textwrap.shorten(cmd.text, 300)}\nexit {rc}\n{out[-4000:]}"
+
+
+def test_parser_reads_blocks_inline_code_and_continuations():
+    text = textwrap.dedent("""\
+        Run `python tools/bench.py --profile` or `squad-train` (a name), `TRITON_INTERPRET=1 python ...`.
+        ```
+        python tools/extract.py --checkpoint runs/demo \\
+            --task depth   # a comment
+        [--baseline b.json]
+        ```
+        ```
+        squad/io.py   saving and loading
+        ```
+        ```python
+        x = 1
+        ```
+        Then `squad.load("runs/demo")`.
+        """)
+    cmds = readme_commands(text)
+    assert [(c.kind, c.text) for c in cmds] == [
+        ("shell", "python tools/bench.py --profile"),
+        ("shell", "python tools/extract.py --checkpoint runs/demo --task depth"),
+        ("shell", "[--baseline b.json]"),
+        ("python", "x = 1"),
+        ("inline-python", 'squad.load("runs/demo")'),
+    ]
+    assert python_script("squad.list_models('*')   # ['a']") == (
+        "assert (squad.list_models('*')) == ['a'], (\"squad.list_models('*')\", squad.list_models('*'))")

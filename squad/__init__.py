@@ -14,7 +14,8 @@ The public API (everything below is importable from ``squad``):
 """
 
 from squad.analysis.flops import profile
-from squad.config.model import ModelConfig, SquadConfig, load_config, model_config
+from squad.config.loading import load_config, model_config
+from squad.config.model import ModelConfig, SquadConfig
 from squad.config.run import RunConfig
 from squad.io import load, load_extracted, load_model
 from squad.models.registry import create_model, list_models

@@ -39,7 +39,7 @@ import torch
 
 from squad.analysis.usage import ExpertUsage
 from squad.config.base import ConfigError, to_dict
-from squad.config.model import load_config
+from squad.config.loading import load_config
 from squad.config.run import RunConfig
 from squad.models.single_task import SingleTaskModel
 from squad.models.vit import SquadViT

@@ -5,7 +5,8 @@ import yaml
 
 import squad
 from squad.config.base import write_yaml
-from squad.config.model import ConfigError, load_config
+from squad.config.loading import load_config
+from squad.config.model import ConfigError
 from tests.helpers import MODEL_CONFIGS
 
 

@@ -54,7 +54,7 @@ def test_run_folder_under_a_file_two_ranks_is_exit_2(tmp_path, tiny_data):
     blocker = tmp_path / "afile"
     blocker.write_text("x")
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port",
-           str(__import__("squad.train.distributed", fromlist=["free_port"]).free_port()), "tools/train.py",
+           str(__import__("squad.distributed", fromlist=["free_port"]).free_port()), "tools/train.py",
            "--config", "configs/demo.yaml", "--out", str(blocker / "run"), "--set", f"data.root={tiny_data}",
            "--set", "optim.steps=1", "--set", "model.img_size=32", "--set", "model.depth=2"]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=tool_env(), timeout=300)

@@ -10,8 +10,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from squad.analysis.usage import ExpertUsage
+from squad.distributed import has_process_group, is_distributed
 from squad.layers.context import ForwardContext, RouterStats
-from squad.train.distributed import has_process_group, is_distributed
 from squad.train.losses import TaskWeighting, all_reduce_mass, balance_loss, mutual_information
 
 

@@ -1,12 +1,8 @@
 #!/usr/bin/env python
 """Make data for squad: render a synthetic Taskonomy, or pack a Taskonomy tree into HDF5 shards.
 
-    python tools/make_data.py synthetic --out data/synthetic --n 2000 --image-size 64 --seed 0
-    python tools/make_data.py pack --src ROOT --split tiny --out SHARDS --image-size 256
-
-`synthetic` writes Taskonomy's own layout and encodings (all 13 domains + rgb, a split CSV), which the real reader
-loads. `pack` stores every domain of each sample, resized to --image-size, in HDF5 shards that
-`squad.data.build_dataset` reads with the same sample format, several times faster.
+The tool lives in `squad.cli.make_data` (also installed as `squad-make-data`); usage and examples:
+``python tools/make_data.py --help``.
 """
 
 import sys

@@ -12,9 +12,9 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from squad.distributed import is_distributed
 from squad.layers.base import EXPERT_KINDS
 from squad.layers.context import RouterStats
-from squad.train.distributed import is_distributed
 
 
 class ExpertUsage:

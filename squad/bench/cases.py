@@ -36,8 +36,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from squad import runtime
 from squad.bench.harness import BenchResult, ratio_row, time_interleaved
-from squad.train import runtime
 
 log = logging.getLogger(__name__)
 
@@ -219,7 +219,7 @@ def _deepspeed_moe(dim: int, hidden: int, num_experts: int, k: int) -> nn.Module
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import torch.distributed as dist
 
-    from squad.train.distributed import has_process_group
+    from squad.distributed import has_process_group
 
     if not has_process_group():
         with socket.socket() as s:

@@ -17,7 +17,7 @@ Exit codes, the same for every tool (`run`):
 
 `run` also prints, at the end of every tool, one line per dataset the tool read and did not report itself: the
 files it could not use (corrupt, wrong size, missing; `squad.data.accounting`). A multi-rank run's process group is
-torn down before the exit (`squad.train.distributed.shutdown`), so a rank never aborts on its way out and the
+torn down before the exit (`squad.distributed.shutdown`), so a rank never aborts on its way out and the
 launcher passes the tool's own exit code on. Every ``--device`` is checked by `device_arg` (exit 2 naming it).
 """
 
@@ -76,7 +76,7 @@ def run(body: Callable[[list[str] | None], int], argv: list[str] | None = None, 
         return EXIT_INTERRUPTED
     finally:
         if "torch.distributed" in sys.modules:  # a multi-rank run: leave without gloo aborting the process (250)
-            from squad.train.distributed import shutdown
+            from squad.distributed import shutdown
 
             shutdown()
 
@@ -87,7 +87,7 @@ def device_arg(name: str) -> str:
     Returns:
         `name` unchanged (the tools pass the string on).
     """
-    from squad.train.distributed import check_device
+    from squad.distributed import check_device
 
     try:
         check_device(name)
@@ -100,7 +100,7 @@ def rerun_with_passive_omp(module: str) -> None:
     """Puts ``OMP_WAIT_POLICY=PASSIVE`` in effect for a console script (``squad-train``, ``squad-bench``).
 
     OpenMP threads that spin while waiting stall every parallel region when another process holds a core (see
-    `squad.train.runtime`). libgomp reads the variable once, when torch loads it, and a console script has imported
+    `squad.runtime`). libgomp reads the variable once, when torch loads it, and a console script has imported
     torch (through ``import squad``) before any tool code runs; so this sets the variable and runs the same command
     again as ``python -m <module>``. Nothing happens when the variable is already set.
 

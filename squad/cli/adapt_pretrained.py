@@ -28,7 +28,7 @@ def load_dense(path: str, num_heads: int | None):
     import torch
 
     from squad import io
-    from squad.config.model import load_config
+    from squad.config.loading import load_config
     from squad.models.timm import load_timm_file, load_timm_weights
     from squad.models.vit import build_model
 

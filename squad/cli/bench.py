@@ -11,7 +11,7 @@ target is printed as ``NO`` but is not an error.
 Timing hygiene on a shared CPU machine (both recorded in the JSON; ``--no-tuning`` turns them off):
 - OpenMP threads wait passively (``OMP_WAIT_POLICY=PASSIVE`` unless the variable is already set): with libgomp's
   default spinning, a core taken by another process stalls every parallel region and the ratios swing by 2-10x.
-- glibc malloc keeps freed blocks (`squad.train.runtime.tune_cpu_allocator`), so activation-sized tensors are not
+- glibc malloc keeps freed blocks (`squad.runtime.tune_cpu_allocator`), so activation-sized tensors are not
   faulted in afresh on every allocation (what jemalloc/tcmalloc do).
 """
 
@@ -62,8 +62,8 @@ def _bench(argv: list[str] | None) -> int:
     args = parse_args(argv)
     import torch
 
+    from squad import runtime
     from squad.bench import cases as bench_cases
-    from squad.train import runtime
 
     if args.list:
         for c in bench_cases.CASES:

@@ -49,7 +49,7 @@ def train(out: Path, data: Path, steps: int | None, ranks: int) -> None:
     env = dict(os.environ)
     if not torch.cuda.is_available():
         env["DS_ACCELERATOR"] = "cpu"
-    from squad.train.distributed import free_port
+    from squad.distributed import free_port
 
     cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(ranks), "--master_port",
            str(free_port()), "tools/train.py", "--config", "configs/demo.yaml", "--out", str(out),

@@ -44,10 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
 def _train(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
 
-    from squad.train.distributed import prepare_environment
+    from squad.distributed import prepare_environment
 
     prepare_environment()  # before deepspeed is imported anywhere
-    from squad.config.model import load_config
+    from squad.config.loading import load_config
     from squad.config.run import RunConfig
     from squad.train.engine import train
 

@@ -1,9 +1,8 @@
 """The model's configuration: widths, the layer plan, the conditional layers' settings, the heads, the losses.
 
 A model is a function of a `ModelConfig` (named variants are YAML files in configs/model/, not code paths). Load one
-with `load_config(path_or_name, overrides)`; every key is checked and a wrong one is named in the error.
-`load_config` returns a `SquadConfig` for a model config and a `squad.config.run.RunConfig` for a run config
-(one with ``data``/``optim``/``train`` sections); `model_config` returns just the `ModelConfig`.
+with `squad.load_config(path_or_name, overrides)` (`squad.config.loading`); every key is checked and a wrong one is
+named in the error.
 
 Example (configs/model/modsquad_vit_b.yaml)::
 
@@ -22,10 +21,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-from squad.config.base import ConfigError, apply_overrides, find_config, load_dataclass, read_yaml
+from squad.config.base import ConfigError
 
 HeadKind = Literal["dense", "class", "token"]
 
@@ -297,62 +295,3 @@ class SquadConfig:
 
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     loss: LossConfig = dataclasses.field(default_factory=LossConfig)
-
-
-RUN_SECTIONS = ("data", "optim", "train")  # top-level keys that only a run config (RunConfig) has
-
-
-def _read(source: str | Path | dict[str, Any]) -> dict[str, Any]:
-    if isinstance(source, dict):
-        return dict(source)
-    if isinstance(source, str | Path):
-        return read_yaml(find_config(source))
-    raise TypeError(f"a config source is a YAML path, a registered model name or a dict, got {type(source).__name__}")
-
-
-def load_config(source: str | Path | dict[str, Any], overrides: list[str] | None = None, cls: type | None = None):
-    """Loads a config from a YAML path (following ``base:``), a registered model name or a dict, applies
-    ``key=value`` overrides, validates.
-
-    Args:
-        source: YAML file, a name from `squad.list_models` (e.g. ``"modsquad_vit_s"``), or a plain dict.
-        overrides: dotted overrides, e.g. ``["model.depth=6", "model.moe.top_k=2"]``.
-        cls: the root dataclass. Default: `squad.config.run.RunConfig` when the config has a ``data``, ``optim``
-            or ``train`` section (a run config), `SquadConfig` otherwise (a model config).
-
-    Returns:
-        A `SquadConfig` (model and loss) or a `RunConfig` (also data, optimisation, training loop).
-
-    Raises:
-        ConfigError: naming the offending key (or the file, or the unknown model name).
-    """
-    from squad.config.run import RunConfig  # run.py builds on this module
-
-    data = apply_overrides(_read(source), overrides)
-    run_keys = [k for k in RUN_SECTIONS if k in data]
-    if cls is None:
-        cls = RunConfig if run_keys else SquadConfig
-    elif run_keys and not any(f.name == run_keys[0] for f in dataclasses.fields(cls)):
-        raise ConfigError(f"{source if not isinstance(source, dict) else 'config'} is a run config (it has a "
-                          f"{run_keys[0]!r} section): load it with cls=RunConfig (or leave cls out), or take its "
-                          f"model with model_config()")
-    return load_dataclass(cls, data)
-
-
-def model_config(source: str | Path | dict[str, Any], overrides: list[str] | None = None) -> ModelConfig:
-    """Loads just the model section of a config.
-
-    Args:
-        source: a model or run config (file, registered name, or dict with a ``model:`` key), or a bare model
-            mapping.
-        overrides: dotted overrides with or without the ``model.`` prefix (``"depth=4"`` = ``"model.depth=4"``).
-
-    Raises:
-        ConfigError: naming the offending key (as ``model.<key>``).
-    """
-    data = _read(source)
-    if "model" not in data:
-        data = {"model": data}
-    prefixed = [f"model.{o.lstrip()}" if "=" in o and o.split("=", 1)[0].strip().split(".")[0] not in
-                ("model", "loss") else o for o in overrides or []]
-    return load_config({"model": data["model"]}, prefixed, cls=SquadConfig).model

@@ -32,7 +32,7 @@ from squad.data.taskonomy import (
     read_split_csv,
 )
 from squad.data.transforms import SamplePipeline
-from squad.train.distributed import has_process_group
+from squad.distributed import has_process_group
 
 __all__ = [
     "INDEX_NAME", "CorruptFileError", "DataReport", "EmptyDatasetError", "SamplePipeline", "ShardDataset",

@@ -163,7 +163,7 @@ def report(dataset, name: str, images: int | None = None) -> DataReport:
 
     A collective when a process group with several ranks is running: call it on every rank.
     """
-    from squad.train.distributed import is_distributed
+    from squad.distributed import is_distributed
 
     issues: FileIssues = dataset.issues
     counts = {k: issues.count(k) for k in KINDS}
@@ -213,7 +213,7 @@ def register(dataset) -> None:
 
 
 def _safe_collective() -> bool:
-    from squad.train.distributed import is_distributed
+    from squad.distributed import is_distributed
 
     return not is_distributed()  # at a tool's exit, ranks may not all be here: never start a collective then
 

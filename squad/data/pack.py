@@ -1,16 +1,8 @@
-"""HDF5 shards of a Taskonomy tree: packing (`pack_shards`), reading (`ShardDataset`), and the speed bench.
+"""Packing a Taskonomy tree into HDF5 shards (`pack_shards`, behind ``tools/make_data.py pack``).
 
-A shard folder holds ``shards.json`` (the index: format, stored size, domains, shards per split) and files
-``{split}_{k:05d}.h5``. Each shard has, for N samples:
-
-* one dataset per domain, ``[N, H, W]`` / ``[N, H, W, C]`` in the file's own dtype (uint8/uint16), or ``[N, C]``
-  float32 for class vectors; chunked one sample per chunk so a random read touches one chunk per domain;
-* ``present`` ``bool [N, D]`` (a domain the sample lacks or whose file was corrupt is False) and ``id`` (str).
-
-What is stored is the raw file after the reader's own steps 1–2 (`squad.data.transforms`: compact, resize to
-`image_size` in the encoded domain), so `ShardDataset` asking for the packed size yields exactly the samples
-`TaskonomyDataset` yields at that size. Files are opened lazily in each process (DataLoader workers open their
-own handles; a handle never crosses a fork).
+The shard format is described in `squad.data.shards`. What is stored is the raw file after the reader's own steps
+1–2 (compact, resize to `image_size` in the encoded domain), so the shards yield exactly the samples the PNG-tree
+reader yields at that size; unusable files are counted as the reader counts them.
 """
 
 from __future__ import annotations

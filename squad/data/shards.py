@@ -1,4 +1,4 @@
-"""HDF5 shards of a Taskonomy tree: packing (`pack_shards`), reading (`ShardDataset`), and the speed bench.
+"""HDF5 shards of a Taskonomy tree: the format and its reader (`ShardDataset`); `squad.data.pack` writes them.
 
 A shard folder holds ``shards.json`` (the index: format, stored size, domains, shards per split) and files
 ``{split}_{k:05d}.h5``. Each shard has, for N samples:

@@ -20,8 +20,8 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from squad.distributed import is_distributed
 from squad.tasks import get_task
-from squad.train.distributed import is_distributed
 
 
 def add_sums(total: dict[str, torch.Tensor], sums: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

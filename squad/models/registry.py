@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from squad.config.base import deep_merge, model_names
-from squad.config.model import SquadConfig, load_config
+from squad.config.loading import load_config
+from squad.config.model import SquadConfig
 from squad.models.vit import SquadViT
 
 

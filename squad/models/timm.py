@@ -19,7 +19,8 @@ import torch
 import torch.nn as nn
 
 from squad.config.base import deep_merge
-from squad.config.model import BlockSpec, HeadConfig, SquadConfig, load_config
+from squad.config.loading import load_config
+from squad.config.model import BlockSpec, HeadConfig, SquadConfig
 from squad.models.vit import SquadViT
 
 

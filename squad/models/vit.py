@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from squad.config.model import HeadConfig, ModelConfig, SquadConfig, load_config
+from squad.config.loading import load_config
+from squad.config.model import HeadConfig, ModelConfig, SquadConfig
 from squad.layers.base import RoutedLayer
 from squad.layers.block import Block
 from squad.layers.context import ForwardContext, RouterStats

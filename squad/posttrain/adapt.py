@@ -13,7 +13,8 @@ import dataclasses
 import torch
 
 from squad.config.base import to_dict
-from squad.config.model import BlockSpec, load_config
+from squad.config.loading import load_config
+from squad.config.model import BlockSpec
 from squad.models.vit import SquadViT, build_model
 
 

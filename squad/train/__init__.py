@@ -7,6 +7,6 @@
 - checkpoint.py: checkpoint tags, the COMPLETE marker and ``latest``, finding the tag to resume.
 - run_folder.py: the run folder's lock, the config and world-size checks on resume, fresh starts over a run,
   and the /dev/shm segments DeepSpeed's CPU comm op leaves.
-- distributed.py: process-group set-up (CPU/gloo or GPU/nccl), `is_distributed`, barrier, all-reduce, broadcast.
-- runtime.py: CPU threads per rank and malloc tuning for CPU ranks.
+Process-group helpers (`squad.distributed`) and CPU-rank tuning (`squad.runtime`) sit at the package top: data,
+evaluation and analysis use them too.
 """

@@ -223,7 +223,7 @@ def _check_file(tag_dir: Path, file: Path, names: set[str]) -> None:
 
 def gather_objects(obj: Any) -> list:
     """Every rank's ``obj``, in rank order, on every rank (``[obj]`` without a process group of several ranks)."""
-    from squad.train.distributed import is_distributed
+    from squad.distributed import is_distributed
 
     if not is_distributed():
         return [obj]

@@ -22,12 +22,12 @@ from squad.analysis.usage import ExpertUsage
 from squad.config.run import RunConfig, deepspeed_config, precision
 from squad.data import build_dataset, collate, report
 from squad.data.samplers import ResumableSampler
+from squad.distributed import all_reduce_sum, broadcast_object, cuda_available, init_distributed
 from squad.eval.evaluate import eval_loader, evaluate
 from squad.io import export_model
 from squad.models.vit import SquadViT, build_model
 from squad.tasks import get_task
 from squad.train import checkpoint as ckpt
-from squad.train.distributed import all_reduce_sum, broadcast_object, cuda_available, init_distributed
 from squad.train.objective import MultiTaskObjective, TrainingError, nonfinite_stop
 from squad.train.optim import lr_lambda, param_groups
 from squad.train.run_folder import RunFolder, ShmSegments

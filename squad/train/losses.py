@@ -16,9 +16,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from squad.config.model import LossConfig
+from squad.distributed import is_distributed
 from squad.layers.base import EXPERT_KINDS
 from squad.layers.context import RouterStats
-from squad.train.distributed import is_distributed
 
 
 def mutual_information(mass: torch.Tensor) -> torch.Tensor:

@@ -315,7 +315,7 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 def read_run_config(path: Path) -> dict[str, Any]:
     """A run's ``config.yaml`` as a plain dict, resolved with today's defaults where it still loads."""
-    from squad.config.model import load_config
+    from squad.config.loading import load_config
     from squad.config.run import RunConfig
 
     try:
@@ -450,7 +450,7 @@ class RunFolder:
             RunFolderError: the folder is locked, or the resume would change what must not change (the message says
                 what and how to proceed).
         """
-        from squad.train.distributed import barrier, broadcast_object
+        from squad.distributed import barrier, broadcast_object
 
         error = None
         if self.rank == 0:

@@ -13,7 +13,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-from squad.train import runtime
+from squad import runtime
 
 
 def cuda_available() -> bool:

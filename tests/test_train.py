@@ -172,3 +172,19 @@ def test_non_finite_losses_skip_then_stop(tmp_path, run_config):
     assert "3 non-finite losses in a row" in res.stderr
     assert "non-finite loss" in (out / "train.log").read_text()
     assert not (out / "model.pt").exists() and ckpt.find_resume_tag(out / "checkpoints") is None
+
+
+def test_two_runs_in_one_process_log_to_their_own_folders(tmp_path, tiny_data):
+    """`squad.train.engine.train` removes its train.log handler at the end, so a second run in the same process
+    (a notebook, a sweep) does not write into the first run's log."""
+    from squad.train.engine import train
+
+    tiny = ["model.img_size=32", "model.patch_size=8", "model.embed_dim=32", "model.depth=2", "model.num_heads=2",
+            "model.head_dim=null", "model.moa.head_dim=8", "model.moa.num_experts=4", "model.moa.top_k=2",
+            "model.moe.num_experts=4", "model.moe.top_k=2", f"data.root={tiny_data}", "optim.steps=1",
+            "optim.batch_per_rank=4", "data.tasks=[depth_euclidean]"]
+    for name in ("a", "b"):
+        train(squad.load_config(ROOT / "configs" / "demo.yaml", tiny), tmp_path / name, resume="none")
+    first = (tmp_path / "a" / "train.log").read_text()
+    assert "exported" in first and str(tmp_path / "b") not in first
+    assert str(tmp_path / "b") in (tmp_path / "b" / "train.log").read_text()

@@ -62,6 +62,7 @@ class Trainer:
         self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.prec)
         self.tasks = cfg.train_tasks()
         self.writer = None
+        self.log_handler: logging.Handler | None = None
 
     # ------------------------------------------------------------------------------------------------ set-up
     def _prepare_run_dir(self) -> None:
@@ -90,6 +91,7 @@ class Trainer:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
         root = logging.getLogger("squad")
         root.addHandler(handler)
+        self.log_handler = handler  # removed by `close`, so a second run in this process logs to its own folder
         root.setLevel(logging.INFO)
         if not any(isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)
                    for h in root.handlers):
@@ -500,3 +502,6 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: str | None = "auto", *, o
         return trainer.train()
     finally:
         trainer.folder.close()
+        if trainer.log_handler is not None:
+            logging.getLogger("squad").removeHandler(trainer.log_handler)
+            trainer.log_handler.close()

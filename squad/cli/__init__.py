@@ -56,6 +56,18 @@ def run(body: Callable[[list[str] | None], int], argv: list[str] | None = None, 
     Returns:
         The exit status. Other exceptions propagate with their traceback: they are bugs, not bad input.
     """
+    code = _run(body, argv, bad_input)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        _leave_rank(code)
+    if "torch.distributed" in sys.modules:
+        from squad.distributed import shutdown
+
+        shutdown()
+    return code
+
+
+def _run(body: Callable[[list[str] | None], int], argv: list[str] | None,
+         bad_input: tuple[type[BaseException], ...]) -> int:
     from squad.data.accounting import track
     from squad.train.objective import TrainingError  # light: no deepspeed
 
@@ -74,11 +86,23 @@ def run(body: Callable[[list[str] | None], int], argv: list[str] | None = None, 
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
-    finally:
-        if "torch.distributed" in sys.modules:  # a multi-rank run: leave without gloo aborting the process (250)
-            from squad.distributed import shutdown
 
-            shutdown()
+
+def _leave_rank(code: int) -> None:
+    """Ends a launched rank (``WORLD_SIZE`` > 1) with ``code`` and without the interpreter's C++ teardown.
+
+    A rank whose peer has already gone can die while gloo's and DeepSpeed's comm threads are destroyed at exit
+    ("terminate called without an active exception", SIGABRT), and the launcher then reports 250 instead of the
+    tool's exit code; tearing the process group down first does not prevent it. Everything a run writes is closed by
+    then (checkpoints, model.pt, TensorBoard, the run folder's lock and /dev/shm segments), so the rank flushes its
+    logs and output and leaves at once.
+    """
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def device_arg(name: str) -> str:

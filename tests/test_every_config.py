@@ -112,6 +112,18 @@ def trained(request, tmp_path_factory, tiny_data) -> Trained:
     return Trained(name, out, *runs)
 
 
+# The family of every shipped config, as the walk sees it (a config added or removed must be added here too).
+EXPECTED_FAMILIES = {
+    "amod_vit_s": "mod", "m3vit_vit_b": "moe", "mod_vit_s": "mod", "modsquad_vit_b": "moe", "modsquad_vit_s": "moe",
+    "moe_attn_only_vit_b": "moe", "moe_mlp_only_vit_b": "moe", "mone_vit_s": "mone", "mtl_vit_b": "dense",
+    "stl_vit_b": "dense",
+}
+
+
+def test_every_shipped_config_is_walked():
+    assert {n: family(n) for n in CONFIGS} == EXPECTED_FAMILIES
+
+
 def test_families_have_a_deepspeed_run():
     families = {n: family(n) for n in CONFIGS}
     assert set(DEEPSPEED.values()) <= set(CONFIGS), "a DeepSpeed representative is not a shipped config"

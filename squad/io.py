@@ -126,15 +126,11 @@ def load_model(path: str | Path) -> SquadViT:
     Raises:
         FileNotFoundError, ValueError: as `load`, and for an extracted single-task file.
     """
-    path = Path(path)
-    tag = _checkpoint_tag(path)
-    if tag is not None:
-        return _load_checkpoint(tag)
-    payload = read_payload(path)
-    if payload["format"] == EXTRACTED_FORMAT:
-        raise ValueError(f"{payload['path']} is an extracted single-task model ({payload.get('task')}); "
+    model = load(path)
+    if isinstance(model, SingleTaskModel):
+        raise ValueError(f"{model.meta['path']} is an extracted single-task model ({model.task}); "
                          f"this needs the full model (the run's model.pt)")
-    return _full_from_payload(payload)
+    return model
 
 
 def load_extracted(path: str | Path) -> SingleTaskModel:

@@ -74,8 +74,8 @@ def _run(body: Callable[[list[str] | None], int], argv: list[str] | None,
     try:
         with track() as tracked:
             code = body(argv)
-        for data in tracked.pending():  # datasets the tool read without reporting them itself
-            print(f"[squad] {data.line()}", file=sys.stderr)
+        for line in dict.fromkeys(d.line() for d in tracked.pending()):  # datasets the tool read and did not report
+            print(f"[squad] {line}", file=sys.stderr)  # (the same split read twice is one line)
         return code
     except TrainingError as e:
         print(f"error: {_message(e)}", file=sys.stderr)

@@ -1,4 +1,5 @@
-"""Plain test helpers: tiny model configs and models, and the environment of a tool run as a subprocess.
+"""Plain test helpers: tiny model and run configs, tiny models, and how a tool runs as a subprocess (environment,
+launcher).
 
 Fixtures (the session's tiny synthetic dataset, the tool loader) live in tests/conftest.py.
 """
@@ -6,15 +7,20 @@ Fixtures (the session's tiny synthetic dataset, the tool loader) live in tests/c
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import torch
+import yaml
 
 import squad
 from squad.config.model import SquadConfig
+from squad.distributed import free_port
 from squad.layers.routing import TaskLinear
 
 ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+DEEPSPEED = str(Path(sys.executable).parent / "deepspeed")
 MODEL_CONFIGS = sorted(p for p in (ROOT / "configs" / "model").glob("*.yaml") if not p.name.startswith("_"))
 
 # Shrinks any paper config to a size that runs in milliseconds on the CPU, keeping its layer plan and kinds.
@@ -81,3 +87,37 @@ def tool_env(**extra: str) -> dict[str, str]:
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     return env
+
+
+def launcher(ranks: int = 1) -> list[str]:
+    """The command prefix that runs a tool on ``ranks`` ranks: plain python, or deepspeed on a free port."""
+    return [DEEPSPEED, "--num_gpus", str(ranks), "--master_port", str(free_port())] if ranks > 1 else [PY]
+
+
+def write_run_config(path: Path, data_root: Path, heads: list[str], **sections: dict) -> Path:
+    """Writes the tests' tiny run config (MoE attention + MoE MLP, then a learned MoD block; depth 2 at 32 px).
+
+    Args:
+        path: the YAML file to write.
+        data_root: ``data.root``.
+        heads: ``model.heads``.
+        sections: keys per section (``optim={"steps": 4}``) that replace the defaults' keys of that section.
+    """
+    cfg = {
+        "model": {
+            "img_size": 32, "patch_size": 8, "embed_dim": 32, "depth": 2, "num_heads": 2,
+            "plan": [{"attn": "moa", "mlp": "moe"}, {"attn": "dense", "mlp": "dense", "mod": "learned"}],
+            "moa": {"num_experts": 4, "top_k": 2, "head_dim": 16, "router": {"noise": False}},
+            "moe": {"num_experts": 4, "top_k": 2, "router": {"noise": True}},
+            "mod": {"capacity": 0.5},
+            "heads": list(heads),
+        },
+        "loss": {"w_mi": 0.01, "weighting": "equal"},
+        "data": {"root": str(data_root), "workers": 0, "augment": False},
+        "optim": {"lr": 5e-3, "warmup_steps": 2, "steps": 60, "batch_per_rank": 4, "weight_decay": 0.0},
+        "train": {"seed": 0, "log_every": 5, "eval_every": 0, "ckpt_every": 30, "progress": False},
+    }
+    for section, keys in sections.items():
+        cfg[section].update(keys)
+    path.write_text(yaml.safe_dump(cfg))
+    return path

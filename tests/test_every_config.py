@@ -19,9 +19,7 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,9 +27,8 @@ import pytest
 import torch
 
 import squad
-from tests.helpers import MODEL_CONFIGS, ROOT, TINY, tiny_config, tool_env
+from tests.helpers import MODEL_CONFIGS, ROOT, TINY, launcher, tiny_config, tool_env
 
-PY = sys.executable
 CONFIGS = {p.stem: p for p in MODEL_CONFIGS}
 HEADS = ["depth_euclidean", "normal", "class_object"]  # a dense regression, a dense vector field, a class task
 NEW_TASK = "class_scene"  # never trained: finetune_router adds it
@@ -40,7 +37,6 @@ TRAIN_TIMEOUT = 300  # a hang (a collective only some ranks reach) fails the tes
 
 # The config of each layer family that trains under `deepspeed --num_gpus 2` (2 CPU ranks).
 DEEPSPEED = {"dense": "mtl_vit_b", "moe": "modsquad_vit_s", "mod": "mod_vit_s", "mone": "mone_vit_s"}
-DEEPSPEED_BIN = str(Path(sys.executable).parent / "deepspeed")
 
 
 def family(name: str) -> str:
@@ -69,11 +65,6 @@ def _train_args(name: str, out: Path, data: Path, steps: int) -> list[str]:
             "optim.warmup_steps=1", "train.progress=false", "train.log_every=1"]
     return ["--config", str(CONFIGS[name]), "--out", str(out), *[a for s in sets for a in ("--set", s)]]
 
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(cmd: list[str], timeout: int = TRAIN_TIMEOUT) -> dict:
@@ -106,8 +97,8 @@ def trained(request, tmp_path_factory, tiny_data) -> Trained:
     """One config, trained then resumed (under the deepspeed launcher for the configs in `DEEPSPEED`)."""
     name = request.param
     out = tmp_path_factory.mktemp("walk") / name
-    launcher = [DEEPSPEED_BIN, "--num_gpus", "2", "--master_port", str(_port())] if name in DEEPSPEED.values() else [PY]
-    runs = [_run([*launcher, "tools/train.py", *_train_args(name, out, tiny_data, steps)])
+    prefix = launcher(2 if name in DEEPSPEED.values() else 1)
+    runs = [_run([*prefix, "tools/train.py", *_train_args(name, out, tiny_data, steps)])
             for steps in (STEPS, RESUMED_STEPS)]
     return Trained(name, out, *runs)
 

@@ -8,9 +8,7 @@ synthetic dataset.
 
 from __future__ import annotations
 
-import socket
 import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -26,17 +24,10 @@ from squad.layers.mod import MoDBlock
 from squad.layers.mone import MoNEBlock
 from squad.models.timm import load_timm_weights
 from squad.train.objective import MultiTaskObjective
-from tests.helpers import ROOT, TINY, randomize_routers, tool_env
+from tests.helpers import ROOT, TINY, launcher, randomize_routers, tool_env
 
-PY = sys.executable
-DEEPSPEED = str(Path(sys.executable).parent / "deepspeed")
 MONE = "configs/model/mone_vit_s.yaml"
 
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _train(config: str, out: Path, data: Path, *sets: str, ranks: int = 1) -> subprocess.CompletedProcess:
@@ -47,8 +38,8 @@ def _train(config: str, out: Path, data: Path, *sets: str, ranks: int = 1) -> su
     cmd = ["tools/train.py", "--config", config, "--out", str(out)]
     for a in args:
         cmd += ["--set", a]
-    launcher = [DEEPSPEED, "--num_gpus", str(ranks), "--master_port", str(_port())] if ranks > 1 else [PY]
-    return subprocess.run(launcher + cmd, env=tool_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    prefix = launcher(ranks)
+    return subprocess.run(prefix + cmd, env=tool_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 
 def _ok(res: subprocess.CompletedProcess) -> None:

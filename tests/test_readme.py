@@ -40,7 +40,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -49,6 +48,7 @@ from pathlib import Path
 
 import pytest
 
+from squad.distributed import free_port
 from tests.helpers import ROOT, TINY, tool_env
 
 README = ROOT / "README.md"
@@ -167,11 +167,6 @@ def _tool_of(words: list[str]) -> str | None:
     return None
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def to_argv(text: str, ws: Path) -> list[str]:
     """A README shell command as the argv run here (the substitutions of the module docstring)."""
@@ -187,7 +182,7 @@ def to_argv(text: str, ws: Path) -> list[str]:
         if words[n] in SIZES:
             words[n + 1] = SIZES[words[n]]
     if program in ("deepspeed", "torchrun") and "--master_port" not in words:
-        words[1:1] = ["--master_port", str(_port())]
+        words[1:1] = ["--master_port", str(free_port())]
     tool = _tool_of(words)
     if tool is None:
         raise LookupError(f"tests/test_readme.py does not know which squad tool {text!r} runs")

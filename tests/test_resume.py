@@ -9,28 +9,18 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from squad.train import checkpoint as ckpt
-from tests.helpers import ROOT, tool_env
+from tests.helpers import ROOT, launcher, tool_env, write_run_config
 
-PY = sys.executable
-DEEPSPEED = str(Path(sys.executable).parent / "deepspeed")
 TIMEOUT = 240  # a 2-rank tiny run takes well under a minute, even on 2 busy cores
 STEP2, STEP4 = "step00000002", "step00000004"
 
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -39,29 +29,14 @@ def config(tmp_path_factory) -> Path:
 
     root = tmp_path_factory.mktemp("synth")
     render_dataset(root, n=16, image_size=32, seed=0, buildings=4)  # 8 training images
-    cfg = {
-        "model": {
-            "img_size": 32, "patch_size": 8, "embed_dim": 32, "depth": 2, "num_heads": 2,
-            "plan": [{"attn": "moa", "mlp": "moe"}, {"attn": "dense", "mlp": "dense", "mod": "learned"}],
-            "moa": {"num_experts": 4, "top_k": 2, "head_dim": 16, "router": {"noise": False}},
-            "moe": {"num_experts": 4, "top_k": 2, "router": {"noise": True}},
-            "mod": {"capacity": 0.5},
-            "heads": ["depth_euclidean", "class_scene"],
-        },
-        "loss": {"w_mi": 0.01, "weighting": "equal"},
-        "data": {"root": str(root), "workers": 0, "augment": False},
-        "optim": {"lr": 5e-3, "warmup_steps": 1, "steps": 4, "batch_per_rank": 4, "weight_decay": 0.0},
-        "train": {"seed": 0, "log_every": 1, "eval_every": 0, "ckpt_every": 2, "progress": False},
-    }
-    path = tmp_path_factory.mktemp("cfg") / "tiny.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
+    return write_run_config(tmp_path_factory.mktemp("cfg") / "tiny.yaml", root, ["depth_euclidean", "class_scene"],
+                            optim={"warmup_steps": 1, "steps": 4}, train={"log_every": 1, "ckpt_every": 2})
 
 
 def _train(config: Path, out: Path, *extra: str, ranks: int = 1, script: str = "tools/train.py",
            env: dict | None = None) -> subprocess.CompletedProcess:
-    launcher = [DEEPSPEED, "--num_gpus", str(ranks), "--master_port", str(_port())] if ranks > 1 else [PY]
-    cmd = [*launcher, script, "--config", str(config), "--out", str(out), *extra]
+    prefix = launcher(ranks)
+    cmd = [*prefix, script, "--config", str(config), "--out", str(out), *extra]
     return subprocess.run(cmd, env=tool_env(**(env or {})), cwd=ROOT, capture_output=True, text=True,
                           timeout=TIMEOUT)
 

@@ -8,27 +8,20 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
+from squad.distributed import free_port
 from squad.train import checkpoint as ckpt
 from squad.train import run_folder as rf
 from squad.train.objective import nonfinite_stop
-from tests.helpers import ROOT, tool_env
+from tests.helpers import DEEPSPEED, PY, ROOT, tool_env
 
-PY = sys.executable
-DEEPSPEED = str(Path(PY).parent / "deepspeed")
 HOLD = ("import sys, time; from squad.train.run_folder import RunLock; RunLock.acquire(sys.argv[1]); "
         "print('held', flush=True); time.sleep(600)")
 
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _dead_pid() -> int:
@@ -125,7 +118,7 @@ def test_nonfinite_stop_says_what_works(tmp_path):
 
 # ---------------------------------------------------------------------------------------------- /dev/shm
 def test_stale_shm_segments_of_a_crashed_run_are_removed(tmp_path, monkeypatch):
-    port = _port()
+    port = free_port()
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
@@ -169,7 +162,7 @@ def run_config(tmp_path_factory, tiny_data):
 
 
 def _train(config: Path, out: Path, *args: str, ranks: int = 0, port: int | None = None):
-    launch = [DEEPSPEED, "--num_gpus", str(ranks), "--master_port", str(port or _port())] if ranks else [PY]
+    launch = [DEEPSPEED, "--num_gpus", str(ranks), "--master_port", str(port or free_port())] if ranks else [PY]
     cmd = [*launch, "tools/train.py", "--config", str(config), "--out", str(out), *args]
     return subprocess.run(cmd, env=tool_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
 
@@ -226,13 +219,13 @@ def test_resume_none_into_a_run_is_refused_unless_overwrite(stopped_run, run_con
 
 def test_world_size_change_is_refused_then_allowed_and_shm_is_cleaned(stopped_run, run_config, tmp_path):
     out = _copy(stopped_run, tmp_path)
-    port = _port()
+    port = free_port()
     res = _train(run_config, out, ranks=2, port=port)
     assert res.returncode == 2, res.stdout[-3000:] + res.stderr[-3000:]
     assert "written by 1 ranks, this run has 2" in res.stdout + res.stderr
     assert "--allow-world-size-change" in res.stdout + res.stderr
     assert _shm_files(port) == []  # a refused run frees its segments too
-    port = _port()
+    port = free_port()
     res = _train(run_config, out, "--allow-world-size-change", "--set", "train.log_every=1", ranks=2, port=port)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert _shm_files(port) == []  # DeepSpeed's ~66 MB per rank, unlinked

@@ -5,28 +5,19 @@ Taskonomy the tests render themselves.
 """
 
 import json
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 import squad
+from squad.distributed import free_port
 from squad.train import checkpoint as ckpt
-from tests.helpers import ROOT, tool_env
+from tests.helpers import DEEPSPEED, PY, ROOT, tool_env, write_run_config
 
-PY = sys.executable
-DEEPSPEED = str(Path(sys.executable).parent / "deepspeed")
 TASKS = ["depth_euclidean", "normal", "class_scene", "edge_texture"]
 
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -40,23 +31,7 @@ def data_root(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def run_config(tmp_path_factory, data_root):
-    cfg = {
-        "model": {
-            "img_size": 32, "patch_size": 8, "embed_dim": 32, "depth": 2, "num_heads": 2,
-            "plan": [{"attn": "moa", "mlp": "moe"}, {"attn": "dense", "mlp": "dense", "mod": "learned"}],
-            "moa": {"num_experts": 4, "top_k": 2, "head_dim": 16, "router": {"noise": False}},
-            "moe": {"num_experts": 4, "top_k": 2, "router": {"noise": True}},
-            "mod": {"capacity": 0.5},
-            "heads": TASKS,
-        },
-        "loss": {"w_mi": 0.01, "weighting": "equal"},
-        "data": {"root": str(data_root), "workers": 0, "augment": False},
-        "optim": {"lr": 5e-3, "warmup_steps": 2, "steps": 60, "batch_per_rank": 4, "weight_decay": 0.0},
-        "train": {"seed": 0, "log_every": 5, "eval_every": 0, "ckpt_every": 30, "progress": False},
-    }
-    path = tmp_path_factory.mktemp("cfg") / "tiny.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
+    return write_run_config(tmp_path_factory.mktemp("cfg") / "tiny.yaml", data_root, TASKS)
 
 
 def _run(cmd, timeout=600):
@@ -75,7 +50,7 @@ def _losses(run_dir: Path) -> list[float]:
 @pytest.fixture(scope="module")
 def two_rank_run(tmp_path_factory, run_config):
     out = tmp_path_factory.mktemp("runs") / "two_rank"
-    res = _run([DEEPSPEED, "--num_gpus", "2", "--master_port", str(_port()), "tools/train.py",
+    res = _run([DEEPSPEED, "--num_gpus", "2", "--master_port", str(free_port()), "tools/train.py",
                 "--config", str(run_config), "--out", str(out)])
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return out
@@ -104,7 +79,7 @@ def test_multi_node_loopback_matches_one_node(tmp_path, run_config, two_rank_run
     hosts = tmp_path / "hostfile"
     hosts.write_text("node0 slots=1\nnode1 slots=1\n")
     out = tmp_path / "two_nodes"
-    port = str(_port())
+    port = str(free_port())
     cmds = [[DEEPSPEED, "--hostfile", str(hosts), "--num_nodes", "2", "--num_gpus", "1", "--no_ssh",
              "--node_rank", str(r), "--master_addr", "127.0.0.1", "--master_port", port, "tools/train.py",
              "--config", str(run_config), "--out", str(out)] for r in (0, 1)]

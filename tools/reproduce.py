@@ -1,0 +1,18 @@
+#!/usr/bin/env python
+"""Reproduce the papers' claims on the embedded data and write a report.
+
+The tool lives in `squad.cli.reproduce` (also installed as `squad-reproduce`); usage and examples:
+``python tools/reproduce.py --help``.
+"""
+
+import sys
+
+try:
+    from squad.cli.reproduce import main  # the tool (arguments, error handling) lives in the package
+except ModuleNotFoundError as e:
+    print(f"error: cannot import squad with {sys.executable} ({e}); install it first: `make test` builds "
+          ".venv with it, or run `pip install -e .` in the checkout", file=sys.stderr)
+    sys.exit(2)
+
+if __name__ == "__main__":
+    sys.exit(main())

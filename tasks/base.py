@@ -59,6 +59,9 @@ class Task:
         resample: how the reader resizes this domain's raw file: ``"bilinear"`` (mask-aware, antialiased),
             ``"nearest"`` (ids) or ``"none"`` (class vectors).
         raw_fill: the code written into pixels that are invalid after a mask-aware resize.
+        frame_filter: `filter_frame` is not the identity: the data pipeline decodes this task on the whole resized
+            frame and filters it there, before the crop and flip (a filter wider than one pixel, such as
+            edge_occlusion's blur, would otherwise depend on where the crop falls).
     """
 
     name: str
@@ -72,6 +75,7 @@ class Task:
     geometric: bool = False
     resample: Literal["bilinear", "nearest", "none"] = "bilinear"
     raw_fill: int = 0
+    frame_filter: bool = False
 
     # ----------------------------------------------------------------------------------------------- files
     def compact_raw(self, raw: np.ndarray) -> np.ndarray:
@@ -85,6 +89,16 @@ class Task:
     def decode(self, raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """File contents → (value in units, valid mask). See the module docstring for shapes."""
         raise NotImplementedError
+
+    def filter_frame(self, value: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+        """Filters a decoded dense value ``[C, H, W]`` of the whole resized frame (the identity unless `frame_filter`).
+
+        Args:
+            value: the decoded value of the frame.
+            valid: ``bool [1, H, W]`` pixels with data (geometry and the decode mask), or None when unknown; a
+                filter must not carry invalid pixels' values into valid ones.
+        """
+        return value
 
     def hflip(self, value: torch.Tensor) -> torch.Tensor:
         """Mirrors a decoded dense value ``[..., H, W]`` left-right (vector fields override this)."""

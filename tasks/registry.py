@@ -2,17 +2,24 @@
 
 The 13 Taskonomy tasks are built in; `register_task` adds more (a new domain for router fine-tuning, say) in the
 style of LibMTL's plug-ins: a name, a factory returning a `Task`, optional aliases.
+
+Task options: ``get_task(name, **options)`` builds a variant (e.g. ``get_task("edge_occlusion", decode="clip")``);
+`configure_tasks` makes variants the process-wide default, so that every ``get_task(name)`` — the data pipeline,
+the losses, the metrics — returns the same one. `squad.load_config` calls it with the model config's
+``model.task_options`` (stored with the model, so evaluation, extraction and fine-tuning of a saved model decode its
+targets as its training did).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 from .base import Task
 from .classification import ClassTask
 from .depth import DepthTask
 from .normal import NormalTask
-from .scalar import SCALAR_SPECS, ScalarTask
+from .scalar import SCALAR_SPECS, ScalarTask, edge_occlusion_spec
 
 TASK_NAMES: tuple[str, ...] = (
     "class_object", "class_scene", "depth_euclidean", "depth_zbuffer", "normal", "principal_curvature", "reshading",
@@ -39,10 +46,12 @@ _BUILTIN: dict[str, Callable[..., Task]] = {
     "depth_zbuffer": lambda: DepthTask("depth_zbuffer"),
     "normal": NormalTask,
     **{name: (lambda spec=spec: ScalarTask(spec)) for name, spec in _SPEC_BY_NAME.items()},
+    "edge_occlusion": lambda **kw: ScalarTask(edge_occlusion_spec(**kw)),  # decode="blur" | "clip", blur_sigma
 }
 _EXTRA: dict[str, Callable[..., Task]] = {}
 _EXTRA_ALIASES: dict[str, str] = {}
 _CACHE: dict[str, Task] = {}
+_OPTIONS: dict[str, dict[str, Any]] = {}  # options of the shared instances (configure_tasks)
 
 
 def register_task(name: str, factory: Callable[..., Task], aliases: Iterable[str] = ()) -> None:
@@ -76,6 +85,7 @@ def unregister_task(name: str) -> None:
         raise ValueError(f"task {name!r} was not added with register_task")
     del _EXTRA[name]
     _CACHE.pop(name, None)
+    _OPTIONS.pop(name, None)
     for alias in [a for a, c in _EXTRA_ALIASES.items() if c == name]:
         del _EXTRA_ALIASES[alias]
 
@@ -117,11 +127,46 @@ def get_task(name: str, **options) -> Task:
         except TypeError as e:
             raise ValueError(f"task {canonical}: unsupported options {sorted(options)} ({e})") from e
     if canonical not in _CACHE:
-        task = factory()
+        task = factory(**_OPTIONS.get(canonical, {}))
         if task.name != canonical:
             raise ValueError(f"the factory registered for {canonical!r} built a task named {task.name!r}")
         _CACHE[canonical] = task
     return _CACHE[canonical]
+
+
+def configure_tasks(options: Mapping[str, Mapping[str, Any]] | None) -> None:
+    """Sets the options of the shared task instances (what ``get_task(name)`` returns) for this process.
+
+    Tasks not named get their defaults back; instances handed out before keep their old options (a dataset built
+    earlier holds its own). Every variant is built here first, so a bad option changes nothing.
+
+    Args:
+        options: ``{task name or alias: {option: value}}``, e.g. ``{"edge_occlusion": {"decode": "clip"}}``;
+            None or ``{}`` restores every default.
+
+    Raises:
+        ValueError: an unknown task, or options its factory does not take (the message names the task; the
+            factory's own message names the option).
+    """
+    chosen: dict[str, dict[str, Any]] = {}
+    built: dict[str, Task] = {}
+    for name, opts in (options or {}).items():
+        canonical = canonical_name(str(name))
+        chosen[canonical] = dict(opts or {})
+        task = get_task(canonical, **chosen[canonical]) if chosen[canonical] else None
+        if task is not None:
+            if task.name != canonical:
+                raise ValueError(f"the factory registered for {canonical!r} built a task named {task.name!r}")
+            built[canonical] = task
+    _OPTIONS.clear()
+    _OPTIONS.update({c: o for c, o in chosen.items() if o})
+    _CACHE.clear()
+    _CACHE.update(built)
+
+
+def task_options() -> dict[str, dict[str, Any]]:
+    """The options `configure_tasks` set (a copy; empty when every task has its defaults)."""
+    return {c: dict(o) for c, o in _OPTIONS.items()}
 
 
 def resolve_task_names(names: str | Iterable[str]) -> list[str]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Literal
+from typing import Any, Literal
 
 from squad.config.base import ConfigError
 
@@ -188,6 +188,9 @@ class ModelConfig:
     mone: MoNEConfig = dataclasses.field(default_factory=MoNEConfig)
     task_embed: Literal["every_block", "moe_inputs", "none"] = "every_block"
     heads: list[HeadConfig | str] = dataclasses.field(default_factory=list)
+    # options of the tasks' decoding/targets (squad.tasks.get_task), stored with the model, e.g.
+    # {edge_occlusion: {decode: clip}}; load_config makes them the process-wide default (squad.tasks.registry)
+    task_options: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
     def blocks(self) -> list[BlockSpec]:
         """The plan tiled to `depth` blocks."""
@@ -244,6 +247,18 @@ class ModelConfig:
             heads = self.head_configs()
         except (ValueError, KeyError) as e:
             raise ConfigError(f"{p}heads: {e}") from e
+        for name, opts in self.task_options.items():
+            from squad.tasks import canonical_name, get_task
+
+            try:
+                canonical_name(name)
+            except ValueError as e:
+                raise ConfigError(f"{p}task_options: {e}") from e
+            try:
+                get_task(name, **opts)
+            except ValueError as e:  # the factory's message starts with the option's name ("decode: ...")
+                raise ConfigError(f"{p}task_options.{name}.{e}" if ": " in str(e) and str(e).split(": ")[0] in opts
+                                  else f"{p}task_options.{name}: {e}") from e
         names = [h.name for h in heads]
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:

@@ -2,7 +2,12 @@
 
 The shard format is described in `squad.data.shards`. What is stored is the raw file after the reader's own steps
 1–2 (compact, resize to `image_size` in the encoded domain), so the shards yield exactly the samples the PNG-tree
-reader yields at that size; unusable files are counted as the reader counts them.
+reader yields at that size; unusable files are counted as the reader counts them. The resize is the reader's
+mask-aware one (`squad.data.transforms`): when depth_zbuffer is packed, its valid pixels mask the resize of every
+geometric domain, and an output pixel less than half covered holds the task's fill and, in depth_zbuffer, 65535 —
+so the geometry mask read back from the shards masks exactly those pixels. Packing without depth_zbuffer falls
+back to each domain's own mask (depth, normal) or a plain resize. Filters such as edge_occlusion's blur are not
+applied when packing (the reader applies them), so one shard set serves every decoding variant.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from squad.data.taskonomy import (
     make_data_hint,
     read_raw,
 )
-from squad.data.transforms import SamplePipeline, WrongSizeError, check_size
+from squad.data.transforms import GEOMETRY_DOMAIN, SamplePipeline, WrongSizeError, check_size
 from squad.tasks import TASK_NAMES, DecodeError, get_task
 
 
@@ -46,32 +51,48 @@ class _PackSource(Dataset):
 
     def __getitem__(self, index: int) -> tuple[str, dict[str, np.ndarray | None], list[tuple[str, str]]]:
         bits = int(self.tree._present[index])
-        arrays: dict[str, np.ndarray | None] = {}
+        raws: dict[str, np.ndarray] = {}
+        arrays: dict[str, np.ndarray | None] = {d: None for d in self.domains}
         errors: list[tuple[str, str]] = []  # (kind, what): kinds of squad.data.accounting
+
+        def bad(domain: str, e: Exception) -> None:
+            kind = "wrong_size" if isinstance(e, WrongSizeError) else "corrupt"
+            errors.append((kind, f"{self.tree._ids[index]} ({domain}): {e}"))
+
         rgb_hw = None
-        for domain in self.domains:
-            k = self.tree.domains.index(domain)
-            if not bits >> k & 1:
-                arrays[domain] = None
+        for domain in self.domains:  # read and size-check every file first: the geometry resizes the others
+            if not bits >> self.tree.domains.index(domain) & 1:
                 continue
             try:
                 raw = read_raw(self.tree.path(index, domain))
                 check_size(domain, raw, rgb_hw, self.image_size is not None)
+            except (CorruptFileError, DecodeError) as e:
+                bad(domain, e)
                 if domain == "rgb":
-                    rgb_hw = tuple(raw.shape[:2])
-                raw = self.pipeline.prepare_raw(domain, raw, self.image_size)
+                    return str(self.tree._ids[index]), arrays, errors  # not packed; other files are not read
+                continue
+            if domain == "rgb":
+                rgb_hw = tuple(raw.shape[:2])
+            raws[domain] = raw
+        footprint = None
+        if GEOMETRY_DOMAIN in raws:
+            try:
+                footprint = self.pipeline.footprint(raws[GEOMETRY_DOMAIN])
+            except DecodeError:
+                footprint = None  # reported below, when the depth_zbuffer file itself is prepared
+        for domain, raw in raws.items():
+            try:
+                raw = self.pipeline.prepare_raw(domain, raw, self.image_size, footprint)
                 if domain != "rgb":
                     task = get_task(domain)
                     if task.head_kind == "class":
                         raw = np.asarray(raw, dtype=np.float32).reshape(-1)
                     task.decode(raw)  # validates the contents; the stored array is the raw one
                 arrays[domain] = raw
-            except (CorruptFileError, DecodeError) as e:
-                kind = "wrong_size" if isinstance(e, WrongSizeError) else "corrupt"
-                errors.append((kind, f"{self.tree._ids[index]} ({domain}): {e}"))
-                arrays[domain] = None
+            except DecodeError as e:
+                bad(domain, e)
                 if domain == "rgb":
-                    break  # the sample is not packed; its other files are not read
+                    break
         return str(self.tree._ids[index]), arrays, errors
 
 

@@ -9,7 +9,10 @@ A shard folder holds ``shards.json`` (the index: format, stored size, domains, s
 
 What is stored is the raw file after the reader's own steps 1–2 (`squad.data.transforms`: compact, resize to
 `image_size` in the encoded domain), so `ShardDataset` asking for the packed size yields exactly the samples
-`TaskonomyDataset` yields at that size. Files are opened lazily in each process (DataLoader workers open their
+`TaskonomyDataset` yields at that size. The stored arrays come from the mask-aware resize: pixels with too little
+geometry hold their domain's fill and depth_zbuffer's 65535, so the geometry mask read back (with
+``geometry_mask=True``, the default) masks them in every geometric domain; reading at another size resizes again,
+mask-aware with the stored depth_zbuffer. Files are opened lazily in each process (DataLoader workers open their
 own handles; a handle never crosses a fork).
 """
 

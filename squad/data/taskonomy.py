@@ -359,7 +359,9 @@ class TaskonomyDataset(TaskonomyBase):
         augment: random crop + horizontal flip (normals' x negated); else a centred crop.
         missing: ``"skip"`` drops samples lacking a requested domain; ``"mask"`` keeps them with zero values
             and all-False masks.
-        geometry_mask: AND depth_zbuffer's valid mask into geometric tasks' masks when the file exists.
+        geometry_mask: AND depth_zbuffer's valid mask into geometric tasks' masks when the file exists; the file
+            is then read for every sample with a geometric task, and also masks the resize of the geometric
+            domains (`squad.data.transforms`: fill values never blend into valid pixels).
         seed: augmentation seed.
 
     Raises:

@@ -4,22 +4,39 @@ The order is fixed so that any two readers of the same raw arrays give identical
 
 1. `Task.compact_raw` drops channels that decoding never reads;
 2. `resize_raw` resizes in the encoded domain (only when the stored size differs from the wanted one): bilinear
-   with antialiasing, *mask-aware* for domains with invalid codes (depth 65535, normal fill) so invalid pixels never
-   bleed into valid ones, then rounded back to the file's dtype; nearest neighbour for segment ids;
+   with antialiasing, then rounded back to the file's dtype; nearest neighbour for segment ids. The resize is
+   *mask-aware* for every domain with invalid pixels (below), so fill values never blend into valid pixels;
 3. a crop (random when augmenting, else centred) — exact, per pixel, so it commutes with decoding;
-4. `Task.decode` per domain (values in units + valid mask);
+4. `Task.decode` per domain (values in units + valid mask); a task with a `Task.frame_filter` (edge_occlusion's
+   Gaussian blur) is decoded and filtered on the whole resized frame first, then cropped, so its values do not
+   depend on where the crop falls;
 5. a horizontal flip (when augmenting, p = 0.5) through `Task.hflip`, which negates the normal's x.
 
-The HDF5 packer stores the output of steps 1–2, so a shard reader that asks for the packed size skips them and
-yields exactly what the PNG reader yields.
+The HDF5 packer stores the output of steps 1–2 (never a filter), so a shard reader that asks for the packed size
+skips them and yields exactly what the PNG reader yields.
 
 Sizes: a square file of another size than wanted is resized (aspect kept). A file that would be distorted — a
 non-square image when a size is asked for — or a dense target whose size differs from its rgb image's raises
 `WrongSizeError` (a `DecodeError` carrying the domain): the dataset skips or masks it and counts it as a wrong-size
 file (`squad.data.accounting`), never stretches it.
 
-Geometry mask: Taskonomy ships no valid-mask domain; where the scene has no geometry, depth_zbuffer holds 65535.
-When that file is at hand, its valid mask is ANDed into the masks of the geometric tasks (`Task.geometric`).
+Geometry mask: Taskonomy ships no valid-mask domain; where the scene has no geometry, depth_zbuffer holds 65535
+(`DepthTask.raw_valid`, the same rule as its decode mask; the original code's ≥ 64500 differs only for depths over
+125.9 m). When that file is at hand, its valid mask is ANDed into the masks of the geometric tasks
+(`Task.geometric`).
+
+Mask-aware resizing: the geometric domains (depth, normal, curvature, reshading, edge_occlusion, keypoints3d,
+segment_unsup25d) hold fill values where there is no geometry — normal (128,128,128), curvature (0,0,0), reshading
+8–13, depth 65535, and whatever the others' writers left. When a sample's depth_zbuffer is read (a geometric task
+with ``geometry_mask``, or depth_zbuffer a task itself), its valid pixels at the stored size (a `Footprint`) are
+the mask of every geometric domain's resize, ANDed with the domain's own `Task.raw_valid` (depth ≠ 65535, normal
+not the fill): each output pixel is the mean of the valid pixels of its footprint only (a normalised convolution;
+the coverage is computed once per sample and shared). An output pixel whose footprint is less than half valid
+(`MIN_COVERAGE`) holds the task's `Task.raw_fill` and is masked: the resize's validity is ANDed into the task's mask,
+and it is the geometry mask itself (depth_zbuffer's resized file holds 65535 exactly there), so a packed shard read
+back gives the same masks. Segment ids stay nearest-neighbour; a pixel whose nearest input is invalid takes a
+valid id from its footprint. Without a depth_zbuffer file (not read, missing, corrupt) each domain falls back to
+its own `Task.raw_valid` (depth, normal) or a plain resize (the scalar domains, whose fills are then blended).
 """
 
 from __future__ import annotations
@@ -31,6 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from squad.tasks import DecodeError, Task, get_task
+from squad.tasks.base import integer_image
 
 GEOMETRY_DOMAIN = "depth_zbuffer"
 
@@ -87,16 +105,54 @@ def decode_rgb(raw: np.ndarray) -> torch.Tensor:
     return t.permute(2, 0, 1).to(torch.float32).div_(255.0)
 
 
+MIN_COVERAGE = 0.5  # an output pixel is valid when at least this share of its resize footprint was valid
+
+
+def coverage(valid: np.ndarray, size: tuple[int, int]) -> torch.Tensor:
+    """Share of valid input pixels in each output pixel's footprint: the antialiased bilinear resize of a
+    ``bool [H, W]`` mask, as ``float32 [1, 1, h, w]``. An output pixel is valid where it is >= `MIN_COVERAGE`."""
+    m = torch.from_numpy(np.ascontiguousarray(valid)).to(torch.float32)[None, None]
+    return F.interpolate(m, size=size, mode="bilinear", antialias=True, align_corners=False)
+
+
+def _nearest_index(n_in: int, n_out: int, offset: float) -> np.ndarray:
+    """Input index read by each output index at `offset` (0–1) inside its footprint (0.5: torch's nearest-exact)."""
+    return np.minimum(((np.arange(n_out) + offset) * (n_in / n_out)).astype(np.int64), n_in - 1)
+
+
+def _resize_nearest(raw: np.ndarray, size: tuple[int, int], valid: np.ndarray | None) -> np.ndarray:
+    """Nearest-neighbour resize (torch's nearest-exact); with `valid`, an output pixel whose nearest input pixel is
+    invalid takes a valid one from the four quarter points of its footprint when there is one."""
+    rows, cols = _nearest_index(raw.shape[0], size[0], 0.5), _nearest_index(raw.shape[1], size[1], 0.5)
+    out = raw[rows[:, None], cols[None, :]]
+    if valid is None:
+        return np.ascontiguousarray(out)
+    ok = valid[rows[:, None], cols[None, :]]
+    bad_r, bad_c = np.nonzero(~ok)
+    for oy, ox in ((0.25, 0.25), (0.25, 0.75), (0.75, 0.25), (0.75, 0.75)):
+        if not len(bad_r):
+            break
+        r = _nearest_index(raw.shape[0], size[0], oy)[bad_r]
+        c = _nearest_index(raw.shape[1], size[1], ox)[bad_c]
+        take = valid[r, c]
+        out[bad_r[take], bad_c[take]] = raw[r[take], c[take]]
+        bad_r, bad_c = bad_r[~take], bad_c[~take]
+    return out
+
+
 def resize_raw(raw: np.ndarray, size: tuple[int, int], resample: str, valid: np.ndarray | None = None,
-               fill: int = 0) -> np.ndarray:
+               fill: int = 0, weight: torch.Tensor | None = None) -> np.ndarray:
     """Resizes an encoded image ``[H, W]`` or ``[H, W, C]`` to `size` = (h, w), keeping its dtype.
 
     Args:
         raw: integer image as read from the file.
         size: output (height, width).
         resample: ``"bilinear"`` (antialiased) or ``"nearest"``.
-        valid: ``bool [H, W]`` valid pixels for a mask-aware bilinear resize (None: all valid).
-        fill: code written where less than half of an output pixel's footprint was valid.
+        valid: ``bool [H, W]`` valid pixels (None: all valid). Bilinear: a normalised convolution — each output
+            pixel is the weighted mean of the valid pixels of its footprint only, so fill values never blend in;
+            ``"nearest"``: an output pixel prefers a valid input pixel of its footprint.
+        fill: code written where less than `MIN_COVERAGE` of an output pixel's footprint was valid (bilinear).
+        weight: ``coverage(valid, size)`` when the caller already has it (shared by the domains of a sample).
 
     Returns:
         The resized image, rounded and clipped to the input dtype's range. 8-bit images without a mask take
@@ -105,31 +161,63 @@ def resize_raw(raw: np.ndarray, size: tuple[int, int], resample: str, valid: np.
     if raw.shape[:2] == tuple(size):
         return raw
     if valid is not None and valid.all():
-        valid = None
-    squeeze = raw.ndim == 2
-    x = torch.from_numpy(np.ascontiguousarray(raw))
-    x = x[None, None] if squeeze else x.permute(2, 0, 1)[None]  # [1, C, H, W] (channels-last in memory)
-    if resample == "bilinear" and valid is None and raw.dtype == np.uint8:
-        y = F.interpolate(x, size=size, mode="bilinear", antialias=True, align_corners=False)  # fast uint8 kernel
-        out = y[0, 0] if squeeze else y[0].permute(1, 2, 0)
-        return np.ascontiguousarray(out.numpy())
-    x = x.to(torch.float32).contiguous()
+        valid, weight = None, None
     if resample == "nearest":
-        y = F.interpolate(x, size=size, mode="nearest-exact")
-    elif resample == "bilinear":
-        if valid is None:
-            y = F.interpolate(x, size=size, mode="bilinear", antialias=True, align_corners=False)
-        else:
-            m = torch.from_numpy(np.ascontiguousarray(valid)).to(torch.float32)[None, None]  # [1, 1, H, W]
-            num = F.interpolate(x * m, size=size, mode="bilinear", antialias=True, align_corners=False)
-            den = F.interpolate(m, size=size, mode="bilinear", antialias=True, align_corners=False)
-            y = torch.where(den >= 0.5, num / den.clamp_min(1e-6), torch.full((), float(fill)))
-    else:
+        return _resize_nearest(raw, size, valid)
+    if resample != "bilinear":
         raise ValueError(f"resize_raw: resample must be 'bilinear' or 'nearest', got {resample!r}")
+    squeeze = raw.ndim == 2
+    if valid is None:
+        x = torch.from_numpy(np.ascontiguousarray(raw))
+        x = x[None, None] if squeeze else x.permute(2, 0, 1)[None]  # [1, C, H, W] (channels-last in memory)
+        if raw.dtype == np.uint8:
+            y = F.interpolate(x, size=size, mode="bilinear", antialias=True, align_corners=False)  # uint8 kernel
+            out = y[0, 0] if squeeze else y[0].permute(1, 2, 0)
+            return np.ascontiguousarray(out.numpy())
+        y = F.interpolate(x.to(torch.float32).contiguous(), size=size, mode="bilinear", antialias=True,
+                          align_corners=False)
+    else:  # invalid pixels zeroed while casting, one channel at a time into a [1, C, H, W] buffer
+        planes = raw[None] if squeeze else raw.transpose(2, 0, 1)
+        buf = np.empty(planes.shape, dtype=np.float32)
+        for c in range(planes.shape[0]):
+            np.multiply(planes[c], valid, out=buf[c], dtype=np.float32)
+        num = F.interpolate(torch.from_numpy(buf)[None], size=size, mode="bilinear", antialias=True,
+                            align_corners=False)
+        den = coverage(valid, size) if weight is None else weight
+        y = torch.where(den >= MIN_COVERAGE, num / den.clamp_min(1e-6), torch.full((), float(fill)))
     info = np.iinfo(raw.dtype)
     y = y.round_().clamp_(info.min, info.max)[0]
     out = y[0] if squeeze else y.permute(1, 2, 0)
     return out.numpy().astype(raw.dtype)
+
+
+class Footprint:
+    """The geometry of one sample at its stored size — depth_zbuffer's valid pixels — and, cached per output size,
+    their coverage (`coverage`): what the mask-aware resize of every masked domain of the sample uses.
+
+    Args:
+        valid: ``bool [H, W]`` pixels with geometry.
+    """
+
+    def __init__(self, valid: np.ndarray) -> None:
+        self.valid = valid
+        self.all_valid = bool(valid.all())
+        self._weights: dict[tuple[int, int], torch.Tensor] = {}
+        self._resized: dict[tuple[int, int], np.ndarray] = {}
+
+    def weight(self, size: tuple[int, int]) -> torch.Tensor:
+        """``coverage(valid, size)`` (computed once per size)."""
+        if size not in self._weights:
+            self._weights[size] = coverage(self.valid, size)
+        return self._weights[size]
+
+    def resized(self, size: tuple[int, int]) -> np.ndarray:
+        """``bool [h, w]``: output pixels with geometry after a resize to `size` (coverage >= `MIN_COVERAGE`)."""
+        if size == self.valid.shape:
+            return self.valid
+        if size not in self._resized:
+            self._resized[size] = (self.weight(size)[0, 0] >= MIN_COVERAGE).numpy()
+        return self._resized[size]
 
 
 def crop_box(in_hw: tuple[int, int], out_hw: tuple[int, int], rng: np.random.Generator | None) -> tuple[int, int]:
@@ -168,6 +256,7 @@ class SamplePipeline:
             raise ValueError(f"resize ({self.resize}) must be >= image_size ({image_size})")
         self.augment = augment
         self.geometry_mask = geometry_mask and any(t.geometric for t in self.tasks)
+        self._by_domain = {t.domain: t for t in self.tasks}
         self._depth = get_task(GEOMETRY_DOMAIN)
 
     @property
@@ -178,18 +267,62 @@ class SamplePipeline:
             out.append(GEOMETRY_DOMAIN)
         return out
 
-    def prepare_raw(self, domain: str, raw: np.ndarray, size: int | None = None) -> np.ndarray:
-        """Steps 1–2: compact and resize one raw array to `size` (default: this pipeline's resize size)."""
+    def task(self, domain: str) -> Task:
+        """This pipeline's task for a domain (its own instance, with the options it was built with)."""
+        return self._by_domain.get(domain) or get_task(domain)
+
+    def footprint(self, raw: np.ndarray | None) -> Footprint | None:
+        """The `Footprint` of a sample from its raw depth_zbuffer array (None when it has none).
+
+        Raises:
+            DecodeError: the array is not a depth image.
+        """
+        if raw is None:
+            return None
+        return Footprint(self._depth.raw_valid(integer_image(self._depth.compact_raw(raw), 16, GEOMETRY_DOMAIN)))
+
+    def prepare_raw(self, domain: str, raw: np.ndarray, size: int | None = None,
+                    footprint: Footprint | None = None) -> np.ndarray:
+        """Steps 1–2: compact and resize one raw array to `size` (default: this pipeline's resize size).
+
+        Args:
+            domain: ``"rgb"`` or a task domain.
+            raw: the array as read.
+            size: output side; None: this pipeline's resize size (None there: no resize).
+            footprint: the sample's geometry (`footprint`) at the stored size; masked domains are resized with it
+                (module docstring). None: each domain's own `Task.raw_valid` only.
+        """
+        return self._prepare(domain, raw, size, footprint)[0]
+
+    def _prepare(self, domain: str, raw: np.ndarray, size: int | None, footprint: Footprint | None
+                 ) -> tuple[np.ndarray, np.ndarray | None]:
+        """`prepare_raw`, plus the resized validity (``bool [size, size]``) when the resize was mask-aware."""
         size = self.resize if size is None else size
         if domain == "rgb":
             raw = compact_rgb(raw)
-            return raw if size is None else resize_raw(raw, (size, size), "bilinear")
-        task = get_task(domain)
+            return (raw if size is None else resize_raw(raw, (size, size), "bilinear")), None
+        task = self.task(domain)
         raw = task.compact_raw(raw)
-        if size is None or task.resample == "none":
-            return raw
-        valid = task.raw_valid(raw) if task.resample == "bilinear" else None
-        return resize_raw(raw, (size, size), task.resample, valid, task.raw_fill)
+        if size is None or task.resample == "none" or raw.shape[:2] == (size, size):
+            return raw, None
+        out = (size, size)
+        own = task.raw_valid(raw) if task.resample == "bilinear" else None
+        geo = footprint if task.geometric and footprint is not None and footprint.valid.shape == raw.shape[:2] else None
+        if geo is None:
+            if own is None:
+                return resize_raw(raw, out, task.resample), None
+            return resize_raw(raw, out, task.resample, own, task.raw_fill), None  # the decode mask sees the fill
+        if own is None or np.count_nonzero(own & geo.valid) == np.count_nonzero(geo.valid):
+            if geo.all_valid and own is None:
+                return resize_raw(raw, out, task.resample), None
+            valid, weight, valid_out = geo.valid, geo.weight(out), geo.resized(out)
+        else:
+            valid = own & geo.valid
+            weight = coverage(valid, out)
+            valid_out = (weight[0, 0] >= MIN_COVERAGE).numpy()
+        if task.resample == "nearest":  # ids: picked from valid pixels; validity as the geometry's
+            return resize_raw(raw, out, "nearest", valid), geo.resized(out)
+        return resize_raw(raw, out, "bilinear", valid, task.raw_fill, weight), valid_out
 
     def __call__(self, raws: dict[str, np.ndarray | None], rng: np.random.Generator | None
                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -215,14 +348,33 @@ class SamplePipeline:
         top, left = crop_box(hw, out_hw, rng if self.augment else None)
         flip = bool(self.augment and rng is not None and rng.random() < 0.5)
 
-        def window(a: np.ndarray) -> np.ndarray:
-            if a.shape[:2] != hw:
-                raise DecodeError(f"raw size {a.shape[:2]} differs from the rgb size {hw}")
+        def same_size(a_hw: tuple[int, ...]) -> None:
+            if tuple(a_hw) != tuple(hw):
+                raise DecodeError(f"raw size {tuple(a_hw)} differs from the rgb size {tuple(hw)}")
+
+        def window(a):  # numpy [H, W, ...] or torch [..., H, W]
+            if isinstance(a, torch.Tensor):
+                same_size(a.shape[-2:])
+                return a[..., top: top + out_hw[0], left: left + out_hw[1]]
+            same_size(a.shape[:2])
             return a[top: top + out_hw[0], left: left + out_hw[1]]
 
         rgb = decode_rgb(window(rgb_raw))
         if flip:
             rgb = torch.flip(rgb, dims=(-1,))
+        # the geometry: its footprint at the stored size (for resizing) and its mask on the resized frame
+        footprint, geo_frame, prepared = None, None, {}
+        if raws.get(GEOMETRY_DOMAIN) is not None:
+            try:
+                check_size(GEOMETRY_DOMAIN, raws[GEOMETRY_DOMAIN], stored_hw, self.resize is not None)
+                footprint = self.footprint(raws[GEOMETRY_DOMAIN])
+                prepared[GEOMETRY_DOMAIN] = self._prepare(GEOMETRY_DOMAIN, raws[GEOMETRY_DOMAIN], None, footprint)
+                geo_raw = prepared[GEOMETRY_DOMAIN][0]
+                same_size(geo_raw.shape[:2])
+                geo_frame = torch.from_numpy(np.ascontiguousarray(self._depth.raw_valid(geo_raw)))[None]  # [1, h, w]
+            except DecodeError as e:
+                e.domain = GEOMETRY_DOMAIN
+                raise
         targets: dict[str, torch.Tensor] = {}
         masks: dict[str, torch.Tensor] = {}
         for task in self.tasks:
@@ -232,33 +384,34 @@ class SamplePipeline:
                 continue
             try:
                 check_size(task.domain, raw, stored_hw, self.resize is not None)
-                raw = self.prepare_raw(task.domain, raw)
-                value, mask = task.decode(raw if task.head_kind == "class" else window(raw))
+                raw, valid_out = prepared.get(task.domain) or self._prepare(task.domain, raw, None, footprint)
+                if task.head_kind == "class":
+                    value, mask = task.decode(raw)
+                elif task.frame_filter:  # decoded and filtered on the whole frame, then cropped (exact per pixel)
+                    same_size(raw.shape[:2])
+                    value, mask = task.decode(raw)
+                    if valid_out is not None:
+                        mask = mask & torch.from_numpy(valid_out)[None]
+                    valid = mask if geo_frame is None or not task.geometric else mask & geo_frame
+                    value, mask = window(task.filter_frame(value, valid)), window(mask)
+                else:
+                    value, mask = task.decode(window(raw))
+                    if valid_out is not None:
+                        mask = mask & torch.from_numpy(np.ascontiguousarray(window(valid_out)))[None]
             except DecodeError as e:
                 e.domain = task.domain  # lets the dataset mask this domain instead of dropping the sample
                 raise
             if flip and task.head_kind == "dense":
                 value, mask = task.hflip(value), torch.flip(mask, dims=(-1,))
             targets[task.name], masks[task.name] = value, mask
-        if self.geometry_mask and raws.get(GEOMETRY_DOMAIN) is not None:
-            if GEOMETRY_DOMAIN in masks:
-                geo = masks[GEOMETRY_DOMAIN]  # already decoded as a target: its mask is the geometry mask
-            else:
-                geo = self._geometry(raws[GEOMETRY_DOMAIN], window, flip, stored_hw)
+        if self.geometry_mask and geo_frame is not None:
+            geo = window(geo_frame)
+            if flip:
+                geo = torch.flip(geo, dims=(-1,))
             for task in self.tasks:
                 if task.geometric:
                     masks[task.name] = masks[task.name] & geo
         return rgb, targets, masks
-
-    def _geometry(self, raw: np.ndarray, window, flip: bool, stored_hw: tuple[int, int]) -> torch.Tensor:
-        """Valid-geometry mask ``bool [1, H, W]`` from a depth_zbuffer file."""
-        try:
-            check_size(GEOMETRY_DOMAIN, raw, stored_hw, self.resize is not None)
-            _, mask = self._depth.decode(window(self.prepare_raw(GEOMETRY_DOMAIN, raw)))
-        except DecodeError as e:
-            e.domain = GEOMETRY_DOMAIN
-            raise
-        return torch.flip(mask, dims=(-1,)) if flip else mask
 
     @staticmethod
     def _missing(task: Task, hw: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:

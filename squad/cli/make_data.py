@@ -2,10 +2,15 @@
 
     python tools/make_data.py synthetic --out data/synthetic --n 2000 --image-size 64 --seed 0
     python tools/make_data.py pack --src ROOT --split tiny --out SHARDS --image-size 256
+    python tools/make_data.py stats ROOT [--max-images 100] [--split tiny] [--json stats.json] [--strict]
 
 `synthetic` writes Taskonomy's own layout and encodings (all 13 domains + rgb, a split CSV), which the real reader
 loads. `pack` stores every domain of each sample, resized to --image-size, in HDF5 shards that
-`squad.data.build_dataset` reads with the same sample format, several times faster.
+`squad.data.build_dataset` reads with the same sample format, several times faster. `stats` samples views of a
+tree (either layout), the synthetic tree or shards and prints, per domain, code and target-space statistics beside
+the ranges real Taskonomy files show, flagging values outside them (`squad.data.stats`): how to check a download.
+Exit codes: 0 done (flags are reported, not failures), 1 with --strict when a statistic is outside its real range,
+2 bad input (no such root, no domain folder, unknown split or domain).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import json
 import logging
 import sys
 import time
+from pathlib import Path
 
 from squad.cli import run
 
@@ -52,14 +58,32 @@ def _pack(args: argparse.Namespace) -> None:
     ShardDataset(args.out, [d for d in info["domains"] if d != "rgb"], split="all", missing="mask")  # readable
 
 
+def _stats(args: argparse.Namespace) -> int:
+    from squad.data.stats import dataset_stats
+
+    t0 = time.perf_counter()
+    result = dataset_stats(args.root, max_images=args.max_images or None, split=args.split,
+                           partitions=args.partitions, domains=args.domains)
+    print(result.table(full=args.full))
+    print(f"read {result.views} views in {time.perf_counter() - t0:.1f} s")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result.to_dict(), indent=1))
+        print(f"wrote {args.json}")
+    if args.strict and result.outside:
+        print(f"error: {len(result.outside)} statistics outside the real ranges (--strict)", file=sys.stderr)
+        return 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The arguments of ``tools/make_data.py`` / ``squad-make-data`` (subcommands ``synthetic`` and ``pack``)."""
+    """The arguments of ``tools/make_data.py`` / ``squad-make-data`` (``synthetic``, ``pack``, ``stats``)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
     syn = sub.add_parser("synthetic", help="render a synthetic Taskonomy-format dataset")
     syn.add_argument("--out", required=True, help="output folder")
-    syn.add_argument("--n", type=int, default=2000, help="number of images")
+    syn.add_argument("--n", "--images", type=int, default=2000, help="number of images")
     syn.add_argument("--image-size", type=int, default=64, help="image side in pixels")
     syn.add_argument("--seed", type=int, default=0)
     syn.add_argument("--buildings", type=int, default=None, help="number of buildings (default: the renderer's)")
@@ -78,18 +102,35 @@ def build_parser() -> argparse.ArgumentParser:
     pack.add_argument("--compression", choices=["lzf", "gzip"], default=None, help="default: none (fastest reads)")
     pack.add_argument("--workers", type=int, default=2, help="reader processes")
     pack.set_defaults(func=_pack)
+
+    st = sub.add_parser("stats", help="statistics of a dataset beside real Taskonomy's (check a download)",
+                        description="Per domain: code and target-space statistics, masked share, ids per image, "
+                                    "class spread, beside the real files' ranges (flagged when outside).")
+    st.add_argument("root", type=Path, help="a Taskonomy tree (either layout), the synthetic tree or a shard folder")
+    st.add_argument("--max-images", type=int, default=100,
+                    help="views to sample, evenly across buildings (0: every view)")
+    st.add_argument("--split", default=None,
+                    help="train, val, test or all (of the one split CSV / of the shards), or a split CSV name or "
+                         "path (tiny, medium, full, fullplus, synthetic); default: every building on disk")
+    st.add_argument("--partitions", nargs="+", default=["train", "val", "test"],
+                    help="the partitions a named split CSV contributes")
+    st.add_argument("--domains", nargs="+", default=None, help="domains or aliases (default: the 13 tasks)")
+    st.add_argument("--json", type=Path, default=None, help="also write every statistic to this JSON file")
+    st.add_argument("--full", action="store_true", help="show every statistic, not only the main ones")
+    st.add_argument("--strict", action="store_true",
+                    help="exit 1 when a statistic is outside its real range")
+    st.set_defaults(func=_stats)
     return parser
 
 
 def _make_data(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    args.func(args)
-    return 0
+    return args.func(args) or 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Renders or packs a dataset; exit 2 on bad input (`squad.cli.run`)."""
+    """Renders, packs or checks a dataset; exit 1 for --strict stats out of range, 2 on bad input (`squad.cli.run`)."""
     return run(_make_data, argv)
 
 

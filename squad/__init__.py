@@ -8,6 +8,8 @@ The public API (everything below is importable from ``squad``):
 - Configs: `load_config` (a model config → `SquadConfig`, a run config → `RunConfig`), `model_config` (just the
   `ModelConfig`; overrides with or without the ``model.`` prefix), `ModelConfig`, `SquadConfig`, `RunConfig`.
 - timm interop: `from_timm` (a timm VisionTransformer's weights in a SquadViT).
+- Sparse upcycling: `upcycle` (a dense ViT — timm state dict or dense squad model — as the init of a Mod-Squad or
+  any other config: experts and heads from the dense MLP and attention, routers fresh).
 - Parameter and MAC counts: `profile`.
 - Trained models: `load` (whatever squad wrote: a model.pt, an extracted model, a run folder or checkpoint),
   `load_model` (a full model), `load_extracted` (an extracted single-task model, `SingleTaskModel`).
@@ -22,6 +24,7 @@ from squad.models.registry import create_model, list_models
 from squad.models.single_task import SingleTaskModel
 from squad.models.timm import from_timm
 from squad.models.vit import SquadOutput, SquadViT, build_model
+from squad.posttrain.upcycle import upcycle
 
 __all__ = [
     "ModelConfig",
@@ -40,4 +43,5 @@ __all__ = [
     "load_model",
     "model_config",
     "profile",
+    "upcycle",
 ]

@@ -96,8 +96,14 @@ class TrainConfig:
     max_nonfinite: int = 5  # consecutive non-finite losses before the run stops
     stop_at: int = 0  # checkpoint and stop at this step (resume later, e.g. within a cluster's time limit)
     progress: bool = True
+    # start from this model file instead of the fresh init: what tools/upcycle.py writes (or any squad model of the
+    # same architecture and tasks), or a dense ViT (timm state dict, dense squad model) upcycled on the spot
+    # (squad.posttrain.upcycle). A resumed run loads its checkpoint instead; the file is checked when the run starts.
+    init: str | None = None
 
     def check(self, path: str) -> None:
+        if self.init is not None and not self.init.strip():
+            raise ConfigError(f"{path}.init must be a file path or null, got an empty string")
         if self.zero_stage not in (0, 1, 2):
             raise ConfigError(f"{path}.zero_stage must be 0, 1 or 2 (ZeRO-3 is not supported with MoE layers)")
         for key in ("seed", "tasks_per_image", "log_every", "eval_every", "ckpt_every", "stop_at"):

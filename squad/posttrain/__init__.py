@@ -6,4 +6,6 @@
 - finetune.py: learning a new task by training only its routers (or head / everything / a linear probe), and the
   tools/finetune_router.py table (`finetune_table`).
 - adapt.py: a dense ViT turned into MoD / A-MoD with no training (`to_mod`, `fidelity`).
+- upcycle.py: sparse upcycling, a dense ViT (timm or squad) as the init of a Mod-Squad (`upcycle`, `drift`, and
+  `initialize_from` behind training's ``train.init``).
 """

@@ -19,6 +19,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from squad.analysis.usage import ExpertUsage
+from squad.config.base import ConfigError
 from squad.config.run import RunConfig, deepspeed_config, precision
 from squad.data import build_dataset, collate, report
 from squad.data.samplers import ResumableSampler
@@ -102,9 +103,30 @@ class Trainer:
 
         self.writer = SummaryWriter(str(self.run_dir / "tensorboard"))
 
+    def _init_file(self) -> str | None:
+        """``train.init`` when this run starts at step 0, else None: a run that resumes loads its checkpoint, which
+        takes precedence (the file need not exist any more then).
+
+        Raises:
+            ConfigError: the file is missing (naming the key and the path).
+        """
+        init = self.cfg.train.init
+        if not init:
+            return None
+        from squad.train.run_folder import resume_source
+
+        starts_over = self.overwrite and self.resume == "auto"  # --overwrite deletes the folder's checkpoints
+        if not starts_over and resume_source(self.run_dir, self.resume) is not None:
+            return None
+        if not Path(init).exists():
+            raise ConfigError(f"train.init: {init} not found (a model file from tools/upcycle.py, a squad model or "
+                              f"run folder, or a timm ViT state dict)")
+        return init
+
     def setup(self) -> None:
         import deepspeed
 
+        init = self._init_file()  # checked before the run folder is touched
         self._prepare_run_dir()
         self._setup_logging()
         for note in self.folder.notes:
@@ -128,6 +150,14 @@ class Trainer:
         warmup = o.warmup_steps or int(o.warmup_epochs * steps_per_epoch)
 
         model = build_model(self.cfg.model)
+        if init is not None:  # before DeepSpeed wraps (and, under bf16, casts) the model
+            from squad.posttrain.upcycle import initialize_from
+
+            info = initialize_from(model, init)
+            log.info("initialised from train.init=%s (%s; %d tensors left at their fresh init)", init, info["how"],
+                     len(info["fresh"]))
+        elif self.cfg.train.init:
+            log.info("train.init=%s not loaded: the run resumes from its checkpoint", self.cfg.train.init)
         self.objective = MultiTaskObjective(model, self.tasks, self.cfg)
         optimizer = torch.optim.AdamW(param_groups(self.objective, o.weight_decay), lr=o.lr, betas=tuple(o.betas),
                                       eps=o.eps)
@@ -469,6 +499,7 @@ class Trainer:
         if self.rank == 0:
             log_vars = self.objective.weighting.log_vars
             extra = {"step": self.state.step, "metrics": final_metrics, "trained_tasks": self.tasks,
+                     "init": self.cfg.train.init,
                      "task_log_vars": log_vars.detach().float().cpu() if log_vars is not None else None}
             try:
                 export_model(path, self.model, self.usage, extra)

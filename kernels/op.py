@@ -56,7 +56,7 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, token_index
     if bq != bk or n != nk or d != dk:
         raise ValueError(f"routed_attention: q [B, Hq, N, d] = {tuple(q.shape)} and k/v [B, Hkv, N, d] = "
                          f"{tuple(k.shape)} must agree in B, N and d")
-    if min(bq, hq, n, d, hkv) < 1:
+    if any(size < 1 for size in (bq, hq, n, d, hkv)):  # not min(): torch.export keeps a symbolic batch size
         raise ValueError(f"routed_attention: empty input, q {tuple(q.shape)}, k {tuple(k.shape)}")
     if hq % hkv != 0:
         raise ValueError(f"routed_attention: key/value heads ({hkv}) must divide query heads ({hq})")

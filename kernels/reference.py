@@ -75,6 +75,8 @@ def _chunks(batch_heads: int, rows: int, keys: int, chunk_elements: int) -> list
     Small maps (ViT-sized N) are taken whole, several heads at a time; large maps row by row blocks of one head.
     Every block is a contiguous slice of a (batch·head, rows, ...) tensor.
     """
+    if torch.compiler.is_exporting():  # torch.export (squad.deploy.export): one block keeps the batch size symbolic
+        return [(slice(0, batch_heads), slice(0, rows))]
     per_head = rows * keys
     if per_head <= chunk_elements:
         step = chunk_elements // per_head

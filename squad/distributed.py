@@ -1,4 +1,5 @@
-"""Process-group set-up for the deepspeed launcher, torchrun and plain ``python`` (one process).
+"""Process-group set-up for the deepspeed launcher, torchrun (also ``accelerate launch --multi_gpu``) and plain
+``python`` (one process).
 
 With no GPU, DeepSpeed's CPU accelerator and gloo are selected before DeepSpeed is imported (``DS_ACCELERATOR=cpu``).
 A plain ``python`` run gets the rendezvous variables DeepSpeed needs (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
@@ -30,11 +31,36 @@ def prepare_environment() -> None:
     """Sets the accelerator and rendezvous variables a launcher would have set. Call before importing deepspeed."""
     if not cuda_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    check_accelerate_launch()
     if "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ:
         os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
     os.environ.setdefault("LOCAL_RANK", "0")
+
+
+def check_accelerate_launch() -> None:
+    """Refuses the one process ``accelerate launch --num_processes N`` (N > 1) starts when it falls back to its
+    simple launcher.
+
+    accelerate runs ``--multi_gpu`` (and ``--use_deepspeed``) launches through torchrun, which sets RANK and
+    WORLD_SIZE; without those flags on a machine with fewer than 2 GPUs, and always with ``--cpu`` (whose
+    multi-process mode is ``mpirun`` with ``--mpirun_hostfile``), it runs the script ONCE and only sets MASTER_ADDR
+    and MASTER_PORT (which it does only for N > 1) beside its ACCELERATE_* variables. Training on would quietly use
+    one rank instead of N.
+
+    Raises:
+        ValueError: launched that way (the message says which command starts N ranks).
+    """
+    env = os.environ
+    ranked = any(k in env for k in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"))
+    if ranked or "ACCELERATE_MIXED_PRECISION" not in env or "MASTER_PORT" not in env:
+        return
+    raise ValueError("accelerate launch started this script once although --num_processes asked for more: without "
+                     "--multi_gpu on a machine with fewer than 2 GPUs, or with --cpu (its CPU multi-process mode "
+                     "needs mpirun and --mpirun_hostfile), accelerate runs one process. Start N ranks with "
+                     "`accelerate launch --multi_gpu --num_processes N tools/train.py ...` (torchrun underneath: GPUs, "
+                     "or CPUs with gloo), or pass --num_processes 1 for one process")
 
 
 def init_distributed() -> tuple[int, int, torch.device]:

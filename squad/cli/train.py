@@ -3,10 +3,16 @@
     deepspeed --num_gpus 8 tools/train.py --config configs/taskonomy/modsquad_vit_b.yaml --out runs/msq
     deepspeed --hostfile hosts tools/train.py --config ... --out runs/msq        # several nodes
     torchrun --nproc_per_node 2 tools/train.py --config configs/demo.yaml --out runs/demo
+    accelerate launch --multi_gpu --num_processes 2 tools/train.py --config configs/demo.yaml --out runs/demo
     python tools/train.py --config configs/demo.yaml --set optim.steps=50        # one process (CPU or GPU)
 
 With no GPU, DeepSpeed's CPU accelerator, gloo and fp32 are selected automatically. ``--resume auto`` (default)
 continues the run in --out from its last complete checkpoint.
+
+``accelerate launch`` starts N > 1 ranks with --multi_gpu (or --use_deepspeed), on GPUs or CPUs: it runs torchrun.
+Without it, on a machine with fewer than 2 GPUs or with --cpu, accelerate starts ONE process, which stops with an
+error saying so. The engine is DeepSpeed's under every launcher, and the precision is train.precision
+(accelerate's --mixed_precision is not read).
 
 The run folder is locked while a run uses it (run.lock names the holder; a second run into it exits 2). A resume
 may change only the keys that keep it exact: optim.steps/epochs/min_lr/clip, train.log_every/eval_every/

@@ -123,6 +123,8 @@ def _gmm(a: torch.Tensor, b: torch.Tensor, plan: Dispatch) -> torch.Tensor:
     - a [R, K] × b [E, K, N] → [R, N]: rows of group e times b[e]; rows past the last group are zero.
     - a [K, R] × b [R, N] → [E, K, N]: the weight-gradient form, a[:, rows of e] @ b[rows of e] (zero if empty).
     """
+    if torch.compiler.is_exporting():  # torch.export (squad.deploy.export): no data pointers, no host reads
+        return _gmm_exported(a, b, plan)
     if native_grouped_mm(a, b):
         out = F.grouped_mm(a, b, offs=plan.offsets)
         if b.dim() == 3:  # grouped_mm leaves the rows past the last group unwritten
@@ -148,6 +150,22 @@ def _gmm(a: torch.Tensor, b: torch.Tensor, plan: Dispatch) -> torch.Tensor:
             out[e].zero_()
         start += n
     return out
+
+
+def _gmm_exported(a: torch.Tensor, b: torch.Tensor, plan: Dispatch) -> torch.Tensor:
+    """The forward form of `_gmm` as torch.export traces it: one matmul per group, the group sizes read as
+    data-dependent (unbacked) sizes, so the exported program routes each input as eager squad does."""
+    if b.dim() != 3:
+        raise RuntimeError("exported squad models run inference only: no weight-gradient grouped matmul")
+    sizes = plan.counts.tolist()
+    for n in sizes:
+        torch._check(n >= 0)
+        torch._check(n <= a.shape[0])
+    used = sum(sizes)
+    torch._check(used <= a.shape[0])
+    outs = [rows @ b[e] for e, rows in enumerate(torch.split(a[:used], sizes))]
+    outs.append(a.new_zeros(a.shape[0] - used, b.shape[2]))  # no-op rows after the last group
+    return torch.cat(outs)
 
 
 def grouped_mm_flops(a: torch.Tensor, b: torch.Tensor, *args, out_val: torch.Tensor | None = None, **kwargs) -> int:
@@ -313,7 +331,7 @@ def combine(rows: torch.Tensor, gates: torch.Tensor, plan: Dispatch) -> torch.Te
 # ---------------------------------------------------------------------------------------------------- fused ops
 def _add_row_bias_(out: torch.Tensor, bias: torch.Tensor, plan: Dispatch) -> None:
     """out[rows of e] += bias[e], in place (on the CPU a slice per group: no [M·k, N] bias temporary)."""
-    if out.is_cuda:
+    if out.is_cuda or torch.compiler.is_exporting():
         out += _row_bias(bias, plan)
         return
     start = 0

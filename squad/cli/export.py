@@ -1,0 +1,178 @@
+"""Export a squad model (extracted single-task, dense or MoD) as a torch.export program.
+
+The program (.pt2) runs with PyTorch alone, without squad; ``--format model.pt`` instead writes squad's model.pt from
+any checkpoint tag (squad's counterpart of DeepSpeed's zero_to_fp32.py).
+
+    python tools/export.py --checkpoint depth.pt --out depth.pt2                 # an extracted model (tools/extract.py)
+    python tools/export.py --checkpoint runs/demo --out demo.pt2                 # a full model: every task
+    python tools/export.py --checkpoint runs/demo --tasks depth,normal --out dn.pt2
+    python tools/export.py --checkpoint runs/demo/checkpoints/step00000060 --format model.pt --out step60.pt
+
+--format pt2 (default): the program takes a float32 image batch [B, C, S, S] on the CPU (S = the model's img_size,
+fixed; B any size unless --static-batch) and returns a dict task → prediction, what squad's model gives. Load it with
+PyTorch alone:
+
+    net = torch.export.load("depth.pt2").module();  preds = net(images)["depth_euclidean"]
+
+Every layer kind exports (dense, MoE attention, MoE MLP, MoD, A-MoD, MoNE at --mone-capacity); MoD threshold
+inference is refused (exit 2, saying why). After writing, the tool reloads the file and compares it with squad's own
+outputs on random images (max |diff| per task printed; exit 1 if above 1e-4).
+
+--format model.pt: the model of any checkpoint tag (or run folder, or model.pt) as squad's model.pt: squad's
+parameter names, every expert, the expert-usage statistics, the step; loadable with ``squad.load``. ZeRO-1/2 keep
+the full module weights in every tag's model-states file, so nothing is merged; under bf16 training those are the
+bf16 copies (as in the run's own model.pt). For the fp32 master weights of a bf16 ZeRO run, run DeepSpeed's script
+that sits in every run's checkpoints/ folder and pass its output with --weights:
+
+    python runs/x/checkpoints/zero_to_fp32.py runs/x/checkpoints runs/x/fp32      # the latest tag (-t TAG: another)
+    python tools/export.py --checkpoint runs/x/checkpoints --format model.pt --weights runs/x/fp32 --out fp32.pt
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from squad.cli import run
+from squad.cli.evaluate import add_inference_arguments
+
+TOLERANCE = 1e-4  # max |exported − squad| the check accepts (the programs are exact on the CPU: 0 in the tests)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The arguments of ``tools/export.py`` / ``squad-export``."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", required=True, help="extracted model file, run folder, model.pt, or checkpoint "
+                   "tag (RUN/checkpoints/TAG; RUN/checkpoints = its latest complete tag)")
+    p.add_argument("--out", required=True, help="file to write (.pt2 for --format pt2)")
+    p.add_argument("--format", choices=["pt2", "model.pt"], default="pt2",
+                   help="pt2: a torch.export program (default); model.pt: squad's model file (fp32 weights)")
+    p.add_argument("--tasks", default=None, help="comma-separated tasks the program predicts (default: all of the "
+                   "model's; an extracted model has one)")
+    p.add_argument("--static-batch", type=int, default=None, metavar="B",
+                   help="fix the program's batch size to B >= 2 (default: any batch size)")
+    add_inference_arguments(p)
+    p.add_argument("--weights", default=None, help="--format model.pt: take the weights from this state dict instead "
+                   "(DeepSpeed's zero_to_fp32.py output: its file or folder; names with or without the 'model.' "
+                   "prefix), e.g. the fp32 master weights of a bf16 ZeRO run")
+    p.add_argument("--check-images", type=int, default=3, help="random images the written program is checked on "
+                   "against squad (0: no check; default 3)")
+    return p
+
+
+def _export(argv: list[str] | None) -> int:
+    args = build_parser().parse_args(argv)
+
+    import torch
+
+    import squad
+    from squad.deploy.export import check_program, export_program, load_program, program_info, save_program
+    from squad.eval.evaluate import set_inference
+
+    model = squad.load(args.checkpoint)
+    out = Path(args.out)
+    if args.format == "model.pt":
+        return _write_model_pt(model, args, out)
+    if args.static_batch is not None and args.static_batch < 2:
+        raise ValueError(f"--static-batch must be >= 2 (torch.export fixes a traced size of 0 or 1), got "
+                         f"{args.static_batch}")
+    if args.check_images < 0:
+        raise ValueError(f"--check-images must be >= 0, got {args.check_images}")
+    set_inference(model, args.mone_capacity, args.mod_inference)
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else None
+    program = export_program(model, tasks, dynamic_batch=args.static_batch is None,
+                             example_batch=args.static_batch or 2)
+    save_program(program, out)
+    info = program_info(program)
+    print(f"program: {out} ({out.stat().st_size / 2**20:.1f} MiB)")
+    print(f"input: images {info['input']} {info['dtype']} (CPU); output: dict of {', '.join(info['tasks'])}")
+    if args.check_images == 0:
+        return 0
+    cfg = getattr(model, "model", model).cfg  # an extracted model's inner SquadViT
+    b = args.static_batch or args.check_images
+    images = torch.randn(b, cfg.in_chans, cfg.img_size, cfg.img_size, generator=torch.Generator().manual_seed(1))
+    diffs = check_program(load_program(out), model, images, info["tasks"])
+    worst = max(diffs.values())
+    print(f"check on {b} random images, max |program - squad|: "
+          + ", ".join(f"{t} {d:.2e}" for t, d in diffs.items()))
+    if worst > TOLERANCE:
+        print(f"error: the program differs from squad by {worst:.2e} (> {TOLERANCE:g})", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _write_model_pt(model, args: argparse.Namespace, out: Path) -> int:
+    """``--format model.pt``: the loaded full model written as squad's model.pt (fp32)."""
+    from squad.io import export_model
+    from squad.models.single_task import SingleTaskModel
+
+    if isinstance(model, SingleTaskModel):
+        raise ValueError(f"{args.checkpoint} is an extracted model file already (squad.load reads it); "
+                         f"--format model.pt converts a checkpoint tag, run folder or model.pt")
+    for flag in ("tasks", "static_batch", "mone_capacity", "mod_inference"):
+        if getattr(args, flag) is not None:
+            raise ValueError(f"--{flag.replace('_', '-')} applies to --format pt2 only")
+    extra = dict(model.meta.get("extra") or {})
+    extra["exported_from"] = str(model.meta.get("path", args.checkpoint))
+    if args.weights is not None:
+        model = _with_weights(model, Path(args.weights))
+        extra["weights_from"] = str(args.weights)
+    export_model(out, model, model.usage, extra=extra)
+    n = sum(p.numel() for p in model.parameters())
+    print(f"model: {out} ({n:,} parameters, fp32; from {extra['exported_from']}, step {extra.get('step')})")
+    return 0
+
+
+def _with_weights(model, source: Path):
+    """``model`` with the weights of a state dict file or folder (zero_to_fp32.py's output), shape-checked."""
+    import json
+
+    import torch
+
+    from squad.posttrain.surgery import build_on_meta, load_assigned
+
+    if source.is_dir():
+        index = [source / n for n in ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+                 if (source / n).is_file()]
+        singles = [source / n for n in ("model.safetensors", "pytorch_model.bin") if (source / n).is_file()]
+        if index:
+            files = sorted({source / f for f in json.loads(index[0].read_text())["weight_map"].values()})
+        elif singles:
+            files = singles[:1]
+        else:
+            raise FileNotFoundError(f"--weights {source}: no model.safetensors, pytorch_model.bin or shard index "
+                                    f"(the files zero_to_fp32.py writes)")
+    elif source.is_file():
+        files = [source]
+    else:
+        raise FileNotFoundError(f"--weights {source}: no such file or folder")
+    state: dict = {}
+    for file in files:
+        if file.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            state.update(load_file(file))
+            continue
+        try:
+            part = torch.load(file, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - any unpickling problem: not a plain state dict
+            raise ValueError(f"--weights {file}: not a plain state dict ({type(e).__name__})") from e
+        if not isinstance(part, dict):
+            raise ValueError(f"--weights {file}: not a state dict (a {type(part).__name__})")
+        state.update(part)
+    # zero_to_fp32 names the engine's module: squad's training objective, whose model is "model."
+    state = {k.removeprefix("model."): v.detach().to(torch.float32) if v.is_floating_point() else v.detach()
+             for k, v in state.items()}
+    fresh = load_assigned(build_on_meta(model.cfg), state, str(source)).eval()
+    fresh.usage, fresh.meta = model.usage, model.meta
+    return fresh
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Exports a model as a .pt2 program or a model.pt; exit 2 on bad input or a model that cannot be exported."""
+    return run(_export, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -8,9 +8,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 from PIL import Image
+from scipy import ndimage
 
+from squad.data import annotate
 from squad.data import synthetic as syn
-from squad.data.render import NUM_ROOM_FACES, Camera, Cylinder, Material, Room, Scene, Sphere, Window, render_view
+from squad.data.render import (
+    NUM_ROOM_FACES,
+    Box,
+    Camera,
+    Cylinder,
+    Material,
+    Opening,
+    Room,
+    Scene,
+    Sphere,
+    render_view,
+)
 
 SIZE = 40
 
@@ -41,6 +54,12 @@ def _angles_deg(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     a = a / np.linalg.norm(a, axis=-1, keepdims=True)
     b = b / np.linalg.norm(b, axis=-1, keepdims=True)
     return np.degrees(np.arccos(np.clip((a * b).sum(-1), -1, 1)))
+
+
+def _to_renderer(e: np.ndarray) -> np.ndarray:
+    """A decoded normal file (x right, y down, z into the scene) in the frame of `_camera_rays` (x right, y up,
+    z toward the viewer)."""
+    return e * np.array([1.0, -1.0, -1.0])
 
 
 def _camera_rays(size: int, fov_deg: float) -> tuple[np.ndarray, np.ndarray]:
@@ -111,20 +130,34 @@ def test_file_encodings(dataset: Path) -> None:
     for b, p, v in _images(dataset):
         for d in ("segment_unsup2d", "segment_unsup25d"):
             seg = _read(dataset, d, b, p, v)
-            assert seg.shape == (SIZE, SIZE) and seg.max() < 64 and len(np.unique(seg)) > 1
+            ids = np.unique(seg)
+            assert seg.shape == (SIZE, SIZE) and ids[0] == 0 and ids[-1] == 255 and len(ids) >= 3  # rescaled ids
         assert _read(dataset, "rgb", b, p, v).shape == (SIZE, SIZE, 3)
 
 
-def test_class_vectors_are_distributions(dataset: Path) -> None:
+def test_class_vectors_are_soft_distributions(dataset: Path) -> None:
     object_indices = {c.imagenet for c in syn.OBJECTS}
     scene_indices = {r.places for r in syn.ROOM_TYPES}
     for b, p, v in _images(dataset):
         obj, scene = _read(dataset, "class_object", b, p, v), _read(dataset, "class_scene", b, p, v)
         assert obj.shape == (1000,) and scene.shape == (365,)
         assert obj.dtype == scene.dtype == np.float32
-        assert abs(obj.sum() - 1) < 1e-5 and abs(scene.sum() - 1) < 1e-5
-        assert (obj >= 0).all() and set(np.flatnonzero(obj)) <= object_indices
-        assert int(np.argmax(scene)) in scene_indices and scene.max() == pytest.approx(0.9)
+        assert abs(obj.sum() - 1) < 1e-5 and abs(scene.sum() - 1) < 1e-5 and (obj > 0).all() and (scene > 0).all()
+        assert int(np.argmax(obj)) in object_indices and int(np.argmax(scene)) in scene_indices
+        for vec in (obj, scene):  # a classifier's softmax: a clear top class, the rest spread over many classes
+            assert 0.15 < vec.max() < 0.8 and (vec > 1e-3).sum() >= 10
+
+
+def test_class_argmax_follows_the_largest_visible_object() -> None:
+    category = np.full((16, 16), -1)
+    category[:, :10] = 7  # basketball on 10 columns, television (4) on 3
+    category[:, 13:] = 4
+    for seed in range(20):
+        obj = syn.class_object_vector(category, room_type=0, rng=np.random.default_rng(seed))
+        assert int(np.argmax(obj)) == syn.OBJECTS[7].imagenet
+        assert obj[syn.OBJECTS[4].imagenet] > np.median(obj) * 10  # the smaller object keeps visible mass
+        scene = syn.class_scene_vector(3, np.random.default_rng(seed))
+        assert int(np.argmax(scene)) == syn.ROOM_TYPES[3].places
 
 
 def test_depths_agree_and_masks_coincide(dataset: Path) -> None:
@@ -137,11 +170,15 @@ def test_depths_agree_and_masks_coincide(dataset: Path) -> None:
         assert ((z == 65535) == invalid).all()
         assert (z[~invalid] <= e[~invalid]).all()
         assert np.abs(z - np.round(e * cos))[~invalid].max() <= 1  # z = distance * cos(angle to the axis)
-        assert (e[~invalid] / 512).max() < 12  # inside a room of at most 6.5 m x 6.5 m x 3.2 m
+        assert (e[~invalid] / 512).max() < 21  # inside a room of at most 8 m x 18 m x 3.4 m
         normal = _read(dataset, "normal", b, p, v)
         assert ((normal == 128).all(-1) == invalid).all()
-        assert (_read(dataset, "principal_curvature", b, p, v)[invalid][:, :2] == 127).all()
-        assert (_read(dataset, "reshading", b, p, v)[invalid] == 0).all()
+        curvature = _read(dataset, "principal_curvature", b, p, v)
+        assert (curvature[invalid] == 0).all() and (curvature[..., 2] == 0).all()  # fill (0, 0, 0), blue unused
+        shade = _read(dataset, "reshading", b, p, v)[..., 0]
+        assert ((shade[invalid] >= 8) & (shade[invalid] <= 13)).all()
+        assert (_read(dataset, "keypoints3d", b, p, v)[invalid] == 0).all()
+        assert (_read(dataset, "edge_occlusion", b, p, v)[invalid] == 0).all()
 
 
 def test_normals_agree_with_depth_gradients_on_planes(dataset: Path) -> None:
@@ -160,17 +197,18 @@ def test_normals_agree_with_depth_gradients_on_planes(dataset: Path) -> None:
         for dy in (-1, 0, 1):
             for dx in (-1, 0, 1):
                 same &= (n8[1 + dy : SIZE - 1 + dy, 1 + dx : SIZE - 1 + dx] == n8[1:-1, 1:-1]).all(-1)
-        same &= (curv[1:-1, 1:-1, :2] == 127).all(-1) & (z[1:-1, 1:-1] < 100)
-        stored = _decode_normal(n8[1:-1, 1:-1]) * np.array([-1.0, 1.0, 1.0])  # file stores (-x, y, z)
+        same &= (curv[1:-1, 1:-1, :2] > 0).all(-1) & (z[1:-1, 1:-1] < 100)
+        stored = _to_renderer(_decode_normal(n8[1:-1, 1:-1]))
         errors.append(_angles_deg(n[same], stored[same]))
     err = np.concatenate(errors)
     assert len(err) > 1000
     assert np.median(err) < 2.0 and np.percentile(err, 90) < 6.0
 
 
-def _single_object_scene(shape: Sphere | Cylinder, window: Window | None = None) -> Scene:
+def _single_object_scene(shape: Sphere | Cylinder | Box, window: Opening | None = None, bevel: float = 0.0) -> Scene:
     grey = Material((0.6, 0.6, 0.6))
-    return Scene(Room((6.0, 3.0, 6.0), grey, grey, grey, window), (shape,), light=(3.0, 2.8, 4.0))
+    openings = () if window is None else (window,)
+    return Scene(Room((6.0, 3.0, 6.0), grey, grey, grey, openings, bevel), (shape,), light=(3.0, 2.8, 4.0))
 
 
 @pytest.mark.parametrize("radius", [0.25, 0.5])
@@ -183,10 +221,10 @@ def test_sphere_curvature_depth_and_normals_match_its_radius(tmp_path: Path, rad
     on_sphere = view.surface == NUM_ROOM_FACES
     assert on_sphere.sum() > 50
 
-    curv = _read(tmp_path, "principal_curvature", "b", 0, 0).astype(np.float64)
-    k = (curv[..., :2] - 127) / syn.CURVATURE_SCALE
-    assert np.abs(k[on_sphere] - 1 / radius).max() <= 0.5 / syn.CURVATURE_SCALE + 1e-9
-    assert (curv[~on_sphere][:, :2] == 127).all()  # the room is planar
+    curv = _read(tmp_path, "principal_curvature", "b", 0, 0)
+    assert syn.CURVATURE_SCALE == pytest.approx(3.81)  # Taskonomy: 127 * 0.03 codes per 1/m
+    assert (curv[on_sphere][:, :2] == round(127 + 3.81 / radius)).all()  # k1 = k2 = 1 / r, convex > 0
+    assert (curv[~on_sphere][:, :2] == 127).all() and (curv[..., 2] == 0).all()  # the room is planar
 
     # the euclidean depth puts every sphere pixel on the sphere, and the stored normal is the radial direction
     dist = _read(tmp_path, "depth_euclidean", "b", 0, 0).astype(np.float64) / 512
@@ -196,14 +234,16 @@ def test_sphere_curvature_depth_and_normals_match_its_radius(tmp_path: Path, rad
     pts = rays * dist[..., None]  # camera frame
     c_cam = np.array([0.0, 0.0, -2.0])  # the camera looks at the centre from 2 m
     assert np.abs(np.linalg.norm(pts - c_cam, axis=-1)[on_sphere] - radius).max() < 0.01
-    stored = _decode_normal(_read(tmp_path, "normal", "b", 0, 0)) * np.array([-1.0, 1.0, 1.0])
+    stored = _to_renderer(_decode_normal(_read(tmp_path, "normal", "b", 0, 0)))
     assert np.percentile(_angles_deg(stored[on_sphere], (pts - c_cam)[on_sphere]), 95) < 4.0
 
-    edges = _read(tmp_path, "edge_occlusion", "b", 0, 0)
-    silhouette = on_sphere & ~np.pad(on_sphere, 1)[2:, 1:-1] | on_sphere & ~np.pad(on_sphere, 1)[:-2, 1:-1]
-    assert (edges[silhouette] > 0).mean() > 0.8  # the near side of the silhouette
-    assert (edges[~on_sphere] == 0).all()  # the wall behind carries no occlusion edge
-    assert _read(tmp_path, "class_object", "b", 0, 0)[syn.OBJECTS[6].imagenet] == pytest.approx(1.0)
+    edges = _read(tmp_path, "edge_occlusion", "b", 0, 0).astype(np.float64)
+    below, above = np.pad(on_sphere, 1)[2:, 1:-1], np.pad(on_sphere, 1)[:-2, 1:-1]
+    near = on_sphere & (~below | ~above)  # the sphere's pixels at its top and bottom silhouette
+    far = ~on_sphere & (below | above)  # the wall's pixels across it
+    assert (edges[near] > 0).all() and edges[near].mean() > 2 * edges[far].mean()  # the ridge is on the near side
+    obj = _read(tmp_path, "class_object", "b", 0, 0)
+    assert int(np.argmax(obj)) == syn.OBJECTS[6].imagenet and obj.max() < 0.8
 
 
 def test_cylinder_curvature(tmp_path: Path) -> None:
@@ -213,7 +253,7 @@ def test_cylinder_curvature(tmp_path: Path) -> None:
     syn.write_view(tmp_path, "b", 0, 0, syn.encode_view(view, room_type=0))
     k = (_read(tmp_path, "principal_curvature", "b", 0, 0)[..., :2].astype(np.float64) - 127) / syn.CURVATURE_SCALE
     n_cam = view.normal
-    side = (view.surface == NUM_ROOM_FACES) & (np.abs(n_cam[..., 1]) < 0.5)  # not the top cap
+    side = (view.surface == NUM_ROOM_FACES) & (np.abs(n_cam[..., 1]) < 0.5)  # not the top cap (y down or up)
     top = (view.surface == NUM_ROOM_FACES) & (np.abs(n_cam[..., 1]) > 0.5)
     assert side.sum() > 50 and top.sum() > 10
     assert np.abs(k[side][:, 0] - 1 / radius).max() <= 0.5 / syn.CURVATURE_SCALE + 1e-9
@@ -221,7 +261,7 @@ def test_cylinder_curvature(tmp_path: Path) -> None:
 
 
 def test_window_has_no_geometry(tmp_path: Path) -> None:
-    window = Window(face=4, lo=(2.0, 1.0), hi=(4.0, 2.2))  # wall z = 0
+    window = Opening(face=4, lo=(2.0, 1.0), hi=(4.0, 2.2))  # wall z = 0
     scene = _single_object_scene(Sphere((1.0, 0.5, 4.0), 0.3, Material((0.5, 0.5, 0.9))), window)
     view = render_view(scene, Camera((3.0, 1.6, 4.0), (3.0, 1.6, 0.0), syn.FOV_DEG), 32)
     syn.write_view(tmp_path, "b", 0, 0, syn.encode_view(view, room_type=2))
@@ -230,9 +270,12 @@ def test_window_has_no_geometry(tmp_path: Path) -> None:
     assert 50 < hole.sum() < 32 * 32 - 50
     assert (_read(tmp_path, "depth_zbuffer", "b", 0, 0)[hole] == 65535).all()
     assert (_read(tmp_path, "normal", "b", 0, 0)[hole] == 128).all()
-    assert (_read(tmp_path, "edge_occlusion", "b", 0, 0)[~hole] > 0).sum() > 10  # the window's rim occludes
-    obj = _read(tmp_path, "class_object", "b", 0, 0)  # no object in view: the kitchen's categories share
-    assert abs(obj.sum() - 1) < 1e-5 and (obj > 0).sum() == len(syn.ROOM_TYPES[2].objects)
+    edges = _read(tmp_path, "edge_occlusion", "b", 0, 0)
+    rim = ndimage.binary_dilation(hole, np.ones((3, 3), bool)) & ~hole
+    assert (edges[hole] == 0).all() and (edges[rim] == 0).all()  # masked as Taskonomy's Sobel with a mask does
+    obj = _read(tmp_path, "class_object", "b", 0, 0)  # no object in view: the kitchen's likeliest object leads
+    kitchen = [syn.OBJECTS[syn._OBJECT_BY_NAME[n]].imagenet for n in syn.ROOM_TYPES[2].objects]
+    assert abs(obj.sum() - 1) < 1e-5 and int(np.argmax(obj)) == kitchen[0]
 
 
 def test_bad_arguments_and_overwrite(tmp_path: Path) -> None:
@@ -252,3 +295,78 @@ def test_bad_arguments_and_overwrite(tmp_path: Path) -> None:
     (tmp_path / "c" / "keep.txt").write_text("x")
     with pytest.raises(FileExistsError, match="no synthetic.json"):
         syn.render_dataset(tmp_path / "c", 3, 16, 0, overwrite=True)
+
+
+def test_normal_file_frame_on_a_wall_and_a_floor(tmp_path: Path) -> None:
+    """Taskonomy's frame: x right, y down, z into the scene: a wall facing the camera is blue ~0, a floor seen
+    from 30 degrees above has green ~ 127.5 * (1 - cos 30) and blue ~ 127.5 * (1 - sin 30)."""
+    grey = Material((0.6, 0.6, 0.6))
+    scene = Scene(Room((6.0, 3.0, 6.0), grey, grey, grey), (), light=(3.0, 2.8, 3.0))
+    wall = syn.encode_view(render_view(scene, Camera((3.0, 1.5, 4.0), (3.0, 1.5, 0.0)), 16), 0)["normal"]
+    assert (np.abs(wall[8, 8].astype(int) - [128, 128, 0]) <= 1).all()
+    tilt = np.radians(30)
+    floor = syn.encode_view(render_view(scene, Camera((3.0, 1.5, 4.0), (3.0, 0.0, 4.0 - 1.5 / np.tan(tilt))), 16), 0)
+    expected = np.round((np.array([0.0, -np.cos(tilt), -np.sin(tilt)]) + 1) * 127.5)
+    assert (np.abs(floor["normal"][8, 8].astype(int) - expected) <= 1).all()
+    decoded = floor["normal"][12:, :].reshape(-1, 3) / 127.5 - 1  # the lower image: all floor
+    assert decoded[:, 1].mean() < -0.8 and decoded[:, 2].mean() < -0.3
+
+
+def test_rounded_creases_are_convex_on_boxes_and_concave_in_room_corners() -> None:
+    bevel = 0.05
+    box = Box((3.0, 0.5, 3.0), (0.5, 0.5, 0.5), 0.0, Material((0.7, 0.7, 0.7)), category=0, bevel=bevel)
+    scene = _single_object_scene(box, bevel=bevel)
+    view = render_view(scene, Camera((4.6, 1.6, 4.6), (3.0, 0.5, 3.0)), 96)
+    k1 = view.curvature[..., 0]
+    on_box = view.surface == NUM_ROOM_FACES
+    on_room = (view.surface >= 0) & (view.surface < NUM_ROOM_FACES)
+    assert np.isclose(k1[on_box], 1 / bevel).sum() > 20  # rounded box edges bend away from the normal: convex > 0
+    assert np.isclose(k1[on_room], -1 / bevel).sum() > 5  # the room's creases, seen from inside: concave < 0
+    assert set(np.unique(np.round(k1[view.surface >= 0] * bevel, 6))) <= {-1.0, 0.0, 1.0}
+    flat = on_box & (k1 == 0)
+    assert flat.sum() > 50 and (np.abs(view.curvature[..., 1][flat]) == 0).all()
+    # in the band the normal turns toward the neighbouring face: it is no longer one of the box's face normals
+    band = on_box & (k1 > 0)
+    assert (np.abs(view.normal[band]).max(-1) < 0.999).mean() > 0.9
+
+
+def test_fills_vary_where_taskonomy_fills_vary(dataset: Path) -> None:
+    fills = []
+    for b, p, v in _images(dataset):
+        invalid = _read(dataset, "depth_zbuffer", b, p, v) == 65535
+        fills.append(_read(dataset, "reshading", b, p, v)[..., 0][invalid])
+    fills = np.concatenate(fills)
+    assert len(fills) > 20 and len(np.unique(fills)) > 1 and fills.min() >= 8 and fills.max() <= 13
+
+
+def test_annotators_on_known_images() -> None:
+    ramp = np.tile(np.arange(16.0) * 0.01, (16, 1))  # grey level rises 0.01 per pixel to the right
+    assert annotate.sobel_magnitude(ramp)[4:-4, 4:-4] == pytest.approx(np.sqrt(2) * 0.01)
+    assert (annotate.edge_texture(np.full((16, 16), 0.4)) == 0).all()
+    flat = np.full((32, 32), 1536.0)  # a wall facing the camera at 3 m: constant z-buffer
+    assert (annotate.edge_occlusion(flat) == 0).all()
+    step = flat.copy()
+    step[:, 16:] = 2048.0  # 3 m -> 4 m: the near side carries the ridge, scaled to the image size
+    occ = annotate.edge_occlusion(step)
+    ridge = np.sqrt(0.5) * (np.sqrt(2048 / 65536) - np.sqrt(1536 / 65536)) * np.sqrt(32 / 512)
+    assert occ[8, 15] == pytest.approx(max(ridge, occ[8, 16])) and occ[8, 15] > occ[8, 16] > 0
+    holes = flat.copy()
+    holes[10:14, 10:14] = 65535
+    assert (annotate.edge_occlusion(holes)[9:15, 9:15] == 0).all()  # masked like skimage's Sobel with a mask
+    blob = np.zeros((64, 64))
+    blob[28:36, 28:36] = 1.0
+    kp = annotate.keypoints2d(blob)
+    peak = np.unravel_index(np.argmax(kp), kp.shape)
+    assert kp.min() == 0 and all(28 <= c < 36 for c in peak)  # on the blob (skimage's box layout is off-centre)
+    assert kp[:8, :8].max() == 0  # nothing far from it
+    ids = annotate.regions(np.array([[0, 0, 1], [2, 0, 1], [2, 2, 1]]), min_size=1)
+    assert ids.tolist() == [[0, 0, 1], [2, 0, 1], [2, 2, 1]]
+    assert annotate.to_byte_range(ids).tolist() == [[0, 0, 128], [255, 0, 128], [255, 255, 128]]
+    merged = annotate.regions(np.array([[0, 0, 0], [0, 1, 0], [0, 0, 0]]), min_size=2)  # a 1-px region merges
+    assert (merged == 0).all()
+
+
+def test_segments_cover_the_real_range(dataset: Path) -> None:
+    counts = [len(np.unique(_read(dataset, "segment_unsup25d", b, p, v))) for b, p, v in _images(dataset)]
+    counts += [len(np.unique(_read(dataset, "segment_unsup2d", b, p, v))) for b, p, v in _images(dataset)]
+    assert 10 <= np.median(counts) <= 65  # real files: 25-65 values per image (at 512 px; this is 40 px)

@@ -1,31 +1,47 @@
 """The embedded default dataset: procedural indoor scenes written as a Taskonomy tree.
 
-``render_dataset`` samples rooms (walls, floor, ceiling, sometimes a window), furnishes them with boxes, spheres and
-cylinders whose shape, size and colour identify an object category, ray-casts several views of fixated points with
-``squad.data.render`` and writes every image in Taskonomy's own layout and encodings (as the dataset ships)::
+``render_dataset`` samples rooms (walls, floor, ceiling, windows, doorways and holes in the "scan"), furnishes them
+with boxes, spheres and cylinders whose shape, size and colour identify an object category, ray-casts several views
+of fixated points with ``squad.data.render`` and writes every image in Taskonomy's own layout and encodings, with the
+2-D domains computed the way Taskonomy's generator computes them (``squad.data.annotate``)::
 
     {out}/{domain}/taskonomy/{building}/point_{p}_view_{v}_domain_{domain}.png   (.npy for the class domains)
     {out}/train_val_test_synthetic.csv    id,train,val,test with CR-only line endings, one row per building
     {out}/synthetic.json                  manifest: sizes, seed, splits, categories, encodings
 
-Encodings (S x S images; "invalid" = the ray left the scene through a window):
+Encodings (S x S images; "invalid" = no geometry: the ray left the scene through an opening):
     rgb                 uint8 RGB.
     depth_euclidean     uint16, distance from the camera centre in metres x 512; 65535 where invalid.
     depth_zbuffer       uint16, depth along the optical axis in metres x 512; 65535 where invalid.
-    normal              uint8 RGB, round((e + 1) / 2 * 255) of the unit normal e in the camera frame, with
-                        e = (-x, y, z) for x right, y up, z toward the viewer: the Taskonomy generator inverts
-                        the red channel of Blender's camera-space normal pass. (128, 128, 128) where invalid.
-    principal_curvature uint8 RGB: channel 0 = 127 + 12 * k1, channel 1 = 127 + 12 * k2 (k1 >= k2 in 1/m,
-                        positive where convex: a sphere of radius r gives 127 + 12 / r), channel 2 = 127.
-    reshading           uint8 RGB grey, 255 * (0.2 + 0.8 * max(0, n . l)) under the scene light, 0 where invalid.
-    edge_texture        uint16, Sobel gradient magnitude of the RGB's luminance (per pixel, 0..0.71) * 65535.
-    edge_occlusion      uint16, on the near side of a depth discontinuity: 0.01 * depth gap in metres * 65535.
-    keypoints2d         uint16, Harris response of the RGB's luminance * 2000, clipped to 1, * 65535.
-    keypoints3d         uint16, Harris response of the camera-frame normals and inverse depth * 200, clipped.
-    segment_unsup2d     uint8 ids < 16: k-means on colour + position, ids in raster order of first appearance.
-    segment_unsup25d    uint8 ids < 16: k-means on colour + normals + log depth + curvature + position.
-    class_object        float32 (1000,): visible area share of each object category at its ImageNet index.
-    class_scene         float32 (365,): 0.9 on the room type's Places365 index, 0.1 spread over the other types.
+    normal              uint8 RGB, round((e + 1) * 127.5) of the unit normal e in the camera frame x right, y down,
+                        z into the scene (a floor seen from above is about (128, 1, 118), a wall facing the camera
+                        has blue near 0). (128, 128, 128) where invalid.
+    principal_curvature uint8 RGB as Taskonomy's generator: channel 0 = round(127 + 3.81 k1), channel 1 =
+                        round(127 + 3.81 k2), 3.81 = 127 x 0.03 codes per 1/m, k clipped to +-1/0.03 /m (MeshLab APSS
+                        K1, K2: |k1| >= |k2|, convex > 0); channel 2 = 0. (0, 0, 0) where invalid.
+    reshading           uint8 grey RGB, 255 x min(1, RESHADING_EXPOSURE x shading) under a lamp at the camera
+                        (``render.View.shading``); 8..13 (varying per pixel) where invalid.
+    edge_texture        uint16 / 65535, Sobel magnitude of the blurred grey image per 512-px pixel (annotate).
+    edge_occlusion      uint16 / 65535, Sobel magnitude of sqrt(z-buffer code / 2^16) per 512-px pixel; 0 next to
+                        invalid pixels.
+    keypoints2d         uint16 / 65535, determinant-of-Hessian response over scales, clipped at 0.
+    keypoints3d         uint16 / 65535, NARF-like interest of the geometry in [0, 1]; 0 where invalid.
+    segment_unsup2d     uint8, colour segments numbered in raster order and rescaled over 0..255 (0 and 255 present).
+    segment_unsup25d    uint8, the same on depth, normals and occlusion edges.
+    class_object        float32 (1000,), a softmax spread over many ImageNet classes (as ResNet-152's distilled
+                        outputs are); its argmax is the category covering most of the view (the room type's
+                        likeliest object when none is in view).
+    class_scene         float32 (365,), a Places365 softmax whose argmax is the room type.
+
+Calibration. The file statistics are held to real Taskonomy's (``python tools/make_data.py stats ROOT``, references
+in ``squad.data.stats``) at the default 64 px. Geometry-driven domains come out of the scenes as rendered (depth,
+normals, curvature with its crease radii, roughness and clutter, masked share, keypoints3d's support), except for
+these constants, each for something a 64-px procedural room lacks against a 512-px photo of a furnished scan:
+``EDGE_TEXTURE_GAIN`` (fine texture: even a real view emulated at 64 px keeps only 2/3 of its edge_texture mean and
+no pixel at the 0.08 clip), ``KEYPOINTS2D_GAIN`` and ``KEYPOINTS2D_POWER`` (the small SURF scales a 64-px image
+cannot resolve: the 64-px response is flatter, mean up and tail down), ``EDGE_OCCLUSION_GAINS`` (fewer and more
+frontal surfaces than real clutter) and ``RESHADING_EXPOSURE`` (the lamp's brightness). Other sizes use the same
+constants, so their statistics drift somewhat from the real ones.
 """
 
 from __future__ import annotations
@@ -44,19 +60,19 @@ from pathlib import Path
 
 import numpy as np
 from PIL import Image
-from scipy import ndimage
 
+from squad.data import annotate
 from squad.data.render import (
     NUM_ROOM_FACES,
     Box,
     Camera,
     Cylinder,
     Material,
+    Opening,
     Room,
     Scene,
     Sphere,
     View,
-    Window,
     cast,
     render_view,
 )
@@ -71,15 +87,18 @@ DOMAINS = (
 NPY_DOMAINS = ("class_object", "class_scene")
 DEPTH_SCALE = 512.0  # uint16 units per metre
 DEPTH_INVALID = 65535
-CURVATURE_SCALE = 12.0  # uint8 steps per 1/m
-EDGE_OCCLUSION_SCALE = 0.01  # per metre of depth gap
-KEYPOINTS2D_SCALE = 2000.0
-KEYPOINTS3D_SCALE = 25.0
-NUM_SEGMENTS = 16
+CURVATURE_MIN_RADIUS = 0.03  # metres: Taskonomy clips curvature at 1 / this
+CURVATURE_SCALE = 127.0 * CURVATURE_MIN_RADIUS  # uint8 steps per 1/m (3.81)
+RESHADING_EXPOSURE = 1.15
+RESHADING_FILL = (8, 13)  # inclusive range of the values invalid reshading pixels hold
+EDGE_TEXTURE_GAIN = 2.3
+EDGE_OCCLUSION_GAINS = (1.5, 1.6)  # (smooth surfaces, depth discontinuities), see the module docstring
+KEYPOINTS2D_GAIN = 17.0
+KEYPOINTS2D_POWER = 1.5
 FOV_DEG = 60.0
 VIEWS_PER_POINT = 3
-POINTS_PER_ROOM = 4
-FORMAT_VERSION = 1
+POINTS_PER_ROOM = 2
+FORMAT_VERSION = 2  # 1: normals in (-x, y up, z toward the viewer), curvature 127 + 12 k, 16 segment ids, ...
 RGB = tuple[float, float, float]
 
 
@@ -126,6 +145,16 @@ OBJECTS = (
     ObjectCategory("vase", 883, "cylinder", ((0.12, 0.16), (0.4, 0.6)), (0.15, 0.3, 0.8), (0.9, 0.9, 0.95),
                    "bands", 0.15),
     ObjectCategory("lampshade", 619, "cylinder", ((0.2, 0.28), (0.25, 0.35)), (0.98, 0.9, 0.6), lift=(1.3, 1.7)),
+    ObjectCategory("bookcase", 453, "box", ((0.8, 1.0), (1.8, 2.1), (0.3, 0.4)), (0.5, 0.33, 0.2), (0.85, 0.8, 0.7),
+                   "bands", 0.35),
+    ObjectCategory("desk", 526, "box", ((1.1, 1.5), (0.72, 0.78), (0.6, 0.75)), (0.6, 0.45, 0.3), (0.4, 0.3, 0.2),
+                   "stripes", 0.08),
+    ObjectCategory("studio couch", 831, "box", ((1.8, 2.3), (0.75, 0.9), (0.85, 1.0)), (0.2, 0.25, 0.45),
+                   (0.15, 0.18, 0.35), "checker", 0.2),
+    ObjectCategory("dining table", 532, "box", ((1.2, 1.8), (0.05, 0.07), (0.8, 1.0)), (0.55, 0.35, 0.2),
+                   lift=(0.68, 0.74)),
+    ObjectCategory("pot", 738, "cylinder", ((0.15, 0.25), (0.25, 0.4)), (0.7, 0.35, 0.2), (0.2, 0.5, 0.15), "bands",
+                   0.12),
 )  # fmt: skip
 
 
@@ -142,15 +171,15 @@ class RoomType:
 
 ROOM_TYPES = (
     RoomType("bathroom", 45, Material((0.92, 0.95, 0.97), (0.7, 0.85, 0.92), "checker", 0.3),
-             Material((0.6, 0.62, 0.65), (0.45, 0.47, 0.5), "checker", 0.15), ("vase", "ashcan", "basketball")),
+             Material((0.6, 0.62, 0.65), (0.45, 0.47, 0.5), "checker", 0.15), ("vase", "ashcan", "pot", "basketball")),
     RoomType("bedroom", 52, Material((0.85, 0.7, 0.78)), Material((0.6, 0.42, 0.25), (0.5, 0.34, 0.2), "stripes", 0.2),
-             ("wardrobe", "chest", "balloon", "lampshade", "soccer ball")),
+             ("wardrobe", "chest", "balloon", "lampshade", "soccer ball", "desk")),
     RoomType("kitchen", 203, Material((0.95, 0.9, 0.6)), Material((0.92, 0.92, 0.92), (0.1, 0.1, 0.1), "checker", 0.4),
-             ("refrigerator", "ashcan", "crate", "vase", "barrel")),
+             ("refrigerator", "ashcan", "crate", "vase", "barrel", "dining table")),
     RoomType("living_room", 215, Material((0.62, 0.72, 0.55)), Material((0.55, 0.38, 0.22), (0.45, 0.3, 0.17),
-             "stripes", 0.3), ("television", "lampshade", "vase", "chest", "basketball")),
+             "stripes", 0.3), ("television", "lampshade", "vase", "chest", "studio couch", "bookcase", "pot")),
     RoomType("office", 244, Material((0.8, 0.8, 0.8)), Material((0.35, 0.42, 0.55)),
-             ("file cabinet", "ashcan", "television", "crate")),
+             ("file cabinet", "ashcan", "television", "desk", "bookcase", "pot")),
     RoomType("storage_room", 318, Material((0.5, 0.5, 0.48), (0.42, 0.42, 0.4), "bands", 0.5),
              Material((0.3, 0.3, 0.3)), ("crate", "barrel", "ashcan", "file cabinet")),
     RoomType("playroom", 269, Material((0.45, 0.7, 0.95)), Material((0.9, 0.25, 0.2), (0.95, 0.85, 0.2), "checker",
@@ -171,21 +200,25 @@ def _jitter(rng: np.random.Generator, c: RGB, amount: float) -> RGB:
     return tuple(float(x) for x in np.clip(np.asarray(c) + rng.uniform(-amount, amount, 3), 0, 1))
 
 
-def _jitter_material(rng: np.random.Generator, m: Material, amount: float) -> Material:
-    return Material(_jitter(rng, m.color, amount), _jitter(rng, m.color2, amount), m.pattern, m.scale)
+def _jitter_material(rng: np.random.Generator, m: Material, amount: float, grain: tuple[float, float]) -> Material:
+    return Material(_jitter(rng, m.color, amount), _jitter(rng, m.color2, amount), m.pattern, m.scale,
+                    float(rng.uniform(*grain)))  # fmt: skip
 
 
 def _make_object(rng: np.random.Generator, cat: int, x: float, z: float) -> Box | Sphere | Cylinder:
     c = OBJECTS[cat]
     dims = [rng.uniform(lo, hi) for lo, hi in c.size]
     lift = rng.uniform(*c.lift)
-    mat = Material(_jitter(rng, c.color, 0.05), _jitter(rng, c.color2, 0.05), c.pattern, c.scale)
+    mat = Material(_jitter(rng, c.color, 0.05), _jitter(rng, c.color2, 0.05), c.pattern, c.scale,
+                   float(rng.uniform(0.1, 0.4)))  # fmt: skip
     if c.shape == "box":
         w, h, d = dims
-        return Box((x, lift + h / 2, z), (w / 2, h / 2, d / 2), float(rng.uniform(0, np.pi)), mat, cat)
+        bevel = min(float(rng.uniform(0.02, 0.045)), 0.45 * min(dims) / 2)
+        return Box((x, lift + h / 2, z), (w / 2, h / 2, d / 2), float(rng.uniform(0, np.pi)), mat, cat, bevel)
     if c.shape == "sphere":
         return Sphere((x, lift + dims[0], z), dims[0], mat, cat)
-    return Cylinder((x, lift, z), dims[0], dims[1], mat, cat)
+    bevel = min(float(rng.uniform(0.015, 0.035)), 0.45 * min(dims[0], dims[1] / 2))
+    return Cylinder((x, lift, z), dims[0], dims[1], mat, cat, bevel)
 
 
 def _footprint(c: ObjectCategory) -> float:
@@ -195,22 +228,55 @@ def _footprint(c: ObjectCategory) -> float:
     return c.size[0][1]
 
 
+def _face_extent(size: tuple[float, float, float], face: int) -> tuple[float, float]:
+    """Extent of a room face along its (u, v) coordinates (``render.Opening``)."""
+    w, h, d = size
+    return ((w, d), (w, d), (d, h), (d, h), (w, h), (w, h))[face]
+
+
+def _openings(rng: np.random.Generator, size: tuple[float, float, float]) -> tuple[Opening, ...]:
+    """Windows (rectangles in the walls split by mullions), a doorway, and holes in the scan (frayed ellipses on any
+    face): no geometry behind them, as on Taskonomy's meshes (glass, open doors and unscanned surfaces)."""
+    h = size[1]
+    out = []
+    for _ in range(int(rng.integers(1, 5))):  # windows
+        face = int(rng.integers(2, 6))
+        span = _face_extent(size, face)[0]
+        ww, wh = min(rng.uniform(0.8, 2.4), span - 0.6), rng.uniform(0.9, min(1.7, h - 1.2))
+        u0, v0 = rng.uniform(0.3, span - ww - 0.3), rng.uniform(0.6, h - wh - 0.3)
+        panes = int(rng.integers(1, 4))  # split by mullions 8 cm wide
+        pw = (ww - 0.08 * (panes - 1)) / panes
+        for i in range(panes):
+            a = u0 + i * (pw + 0.08)
+            out.append(Opening(face, (a, v0), (a + pw, v0 + wh)))
+    if rng.random() < 0.8:  # a doorway
+        face = int(rng.integers(2, 6))
+        span = _face_extent(size, face)[0]
+        dw = min(rng.uniform(0.8, 1.6), span - 0.6)
+        u0 = rng.uniform(0.3, span - dw - 0.3)
+        out.append(Opening(face, (u0, 0.0), (u0 + dw, min(rng.uniform(2.0, 2.4), h - 0.1))))
+    for _ in range(int(rng.integers(2, 8))):  # holes in the scan
+        face = int(rng.integers(0, 6))
+        eu, ev = _face_extent(size, face)
+        hu, hv = rng.uniform(0.6, 2.6), rng.uniform(0.5, 1.8)
+        u0, v0 = rng.uniform(0.0, max(eu - hu, 0.01)), rng.uniform(0.0, max(ev - hv, 0.01))
+        out.append(Opening(face, (u0, v0), (u0 + hu, v0 + hv), ellipse=True, ragged=int(rng.integers(1, 1 << 30))))
+    return tuple(out)
+
+
 def sample_room(rng: np.random.Generator, room_type: int | None = None) -> SyntheticRoom:
-    """Sample a furnished room (walls, floor, ceiling, maybe a window, 4-7 objects, one light)."""
+    """Sample a furnished room: 3-8 m wide, 3.5-8 m deep (45 % are 10-18 m halls), 2.5-3.4 m high, with
+    openings, 10-20 objects, rounded creases, scan roughness and clutter, and one light."""
     rt = int(rng.integers(len(ROOM_TYPES))) if room_type is None else room_type
     kind = ROOM_TYPES[rt]
-    w, h, d = rng.uniform(3.5, 6.5), rng.uniform(2.6, 3.2), rng.uniform(3.5, 6.5)
-    window = None
-    if rng.random() < 0.7:
-        face = int(rng.integers(2, 6))
-        span = d if face < 4 else w
-        ww, wh = rng.uniform(0.8, 1.6), rng.uniform(0.8, 1.3)
-        u0 = rng.uniform(0.3, span - ww - 0.3)
-        window = Window(face, (u0, 0.9), (u0 + ww, 0.9 + wh))
-    room = Room((w, h, d), _jitter_material(rng, kind.floor, 0.06), _jitter_material(rng, kind.walls, 0.06),
-                Material(_jitter(rng, (0.93, 0.93, 0.9), 0.03)), window)  # fmt: skip
+    w, h = rng.uniform(3.0, 8.0), rng.uniform(2.5, 3.4)
+    d = rng.uniform(10.0, 18.0) if rng.random() < 0.45 else rng.uniform(3.5, 8.0)
+    room = Room((w, h, d), _jitter_material(rng, kind.floor, 0.06, (0.15, 0.45)),
+                _jitter_material(rng, kind.walls, 0.06, (0.05, 0.25)),
+                Material(_jitter(rng, (0.93, 0.93, 0.9), 0.03), grain=float(rng.uniform(0.0, 0.08))),
+                _openings(rng, (w, h, d)), float(rng.uniform(0.02, 0.045)))  # fmt: skip
     shapes, placed = [], []  # placed: (x, z, footprint radius)
-    for _ in range(int(rng.integers(4, 8))):
+    for _ in range(int(rng.integers(10, 21))):
         cat = _OBJECT_BY_NAME[kind.objects[int(rng.integers(len(kind.objects)))]]
         rad = _footprint(OBJECTS[cat])
         for _try in range(50):
@@ -220,130 +286,117 @@ def sample_room(rng: np.random.Generator, room_type: int | None = None) -> Synth
                 shapes.append(_make_object(rng, cat, x, z))
                 break
     light = (rng.uniform(0.3, 0.7) * w, h - 0.25, rng.uniform(0.3, 0.7) * d)
-    return SyntheticRoom(Scene(room, tuple(shapes), light), rt)
+    scene = Scene(room, tuple(shapes), light, roughness=float(rng.uniform(0.3, 1.0)),
+                  clutter=float(rng.uniform(18, 42)), noise_seed=int(rng.integers(1 << 30)))  # fmt: skip
+    return SyntheticRoom(scene, rt)
 
 
-def sample_camera(rng: np.random.Generator, scene: Scene, target: int, tries: int = 40) -> Camera:
-    """A camera inside the room, clear of every shape, fixating a point of shape ``target`` that it can see."""
+def sample_fixation(rng: np.random.Generator, scene: Scene) -> tuple[np.ndarray, int]:
+    """A point to fixate and the surface it lies on (``render.View.surface`` ids): an object's centre (85 % of the
+    time) or a point on a wall, the floor or the ceiling."""
     w, h, d = scene.room.size
-    shape = scene.shapes[target]
-    aim = np.asarray(shape.center) + rng.uniform(-0.05, 0.05, 3)
-    cam = None
-    for _ in range(tries):
-        pos = np.array([rng.uniform(0.4, w - 0.4), rng.uniform(1.0, min(1.8, h - 0.3)), rng.uniform(0.4, d - 0.4)])
-        dist = np.linalg.norm(aim - pos)
-        if not 1.2 <= dist <= 4.5 or abs(aim[1] - pos[1]) > 0.95 * dist:
-            continue
-        if any(np.linalg.norm(pos - np.asarray(s.center)) < s.bounding_radius() + 0.3 for s in scene.shapes):
-            continue
-        cam = Camera(tuple(float(v) for v in pos), tuple(float(v) for v in aim), FOV_DEG)
-        _, sid = cast(scene, pos[None], ((aim - pos) / dist)[None])
-        if sid[0] == NUM_ROOM_FACES + target:
-            return cam
-    if cam is None:  # cramped room: the corner farthest from the target
-        pos = [0.4 if aim[0] > w / 2 else w - 0.4, min(1.5, h - 0.3), 0.4 if aim[2] > d / 2 else d - 0.4]
-        cam = Camera(tuple(float(v) for v in pos), tuple(float(v) for v in aim), FOV_DEG)
-    return cam
+    if scene.shapes and rng.random() < 0.85:
+        target = int(rng.integers(len(scene.shapes)))
+        shape = scene.shapes[target]
+        lift = rng.uniform(-0.1, 1.0)  # a point on or above it: views look up as often as down
+        aim = np.asarray(shape.center) + np.array([0.0, lift, 0.0]) + rng.uniform(-0.03, 0.03, 3)
+        return aim, NUM_ROOM_FACES + target
+    face = int(rng.choice([0, 1, 2, 3, 4, 5]))
+    u, v = rng.uniform(0.2, 0.8, 2) * np.array([[w, d], [w, d], [d, h], [d, h], [w, h], [w, h]][face])
+    point = {0: (u, 0.0, v), 1: (u, h, v), 2: (0.0, v, u), 3: (w, v, u), 4: (u, v, 0.0), 5: (u, v, d)}[face]
+    return np.asarray(point, np.float64), face
+
+
+def sample_camera(rng: np.random.Generator, scene: Scene, aim: np.ndarray, surface: int, tries: int = 40) -> Camera:
+    """A camera inside the room, clear of every shape, 0.8-3.5 m from ``aim`` (0.8-14 m in half the views),
+    seeing it on ``surface``: the first of ``tries`` random positions that qualifies."""
+    w, h, d = scene.room.size
+    far = 3.5 if rng.random() < 0.5 else 14.0
+    lo, hi = np.array([0.3, 0.9, 0.3]), np.array([w - 0.3, min(1.9, h - 0.3), d - 0.3])
+    pos = lo + rng.random((tries, 3)) * (hi - lo)  # (T, 3) candidates, tried in order
+    dist = np.linalg.norm(aim - pos, axis=1)
+    ok = (dist >= 0.8) & (dist <= far) & (np.abs(aim[1] - pos[:, 1]) <= 0.95 * dist)
+    for shape in scene.shapes:
+        ok &= np.linalg.norm(pos - np.asarray(shape.center), axis=1) >= shape.bounding_radius() + 0.3
+    if ok.any():
+        _, sid = cast(scene, pos[ok], (aim - pos[ok]) / dist[ok, None])
+        sees = np.flatnonzero(sid == surface)
+        best = pos[ok][sees[0]] if len(sees) else pos[ok][-1]
+    else:  # cramped room: the corner farthest from the target
+        best = np.array([0.4 if aim[0] > w / 2 else w - 0.4, min(1.5, h - 0.3), 0.4 if aim[2] > d / 2 else d - 0.4])
+    return Camera(tuple(float(v) for v in best), tuple(float(v) for v in aim), FOV_DEG)
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Derived domains
+# Class labels
 
 
-def _luminance(rgb8: np.ndarray) -> np.ndarray:
-    return (rgb8.astype(np.float64) / 255.0) @ np.array([0.299, 0.587, 0.114])
+def _softmax(logits: np.ndarray) -> np.ndarray:
+    e = np.exp(logits - logits.max())
+    return e / e.sum()
 
 
-def _gradients(img: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Derivatives per pixel along x and y (Sobel / 8: a unit step gives 0.5 on both sides of it)."""
-    return ndimage.sobel(img, axis=1, mode="nearest") / 8, ndimage.sobel(img, axis=0, mode="nearest") / 8
+def _related(index: int, classes: int, count: int) -> np.ndarray:
+    """A fixed set of other classes a classifier confuses with ``index`` (deterministic per index)."""
+    others = np.random.default_rng([index, classes]).choice(classes - 1, count, replace=False)
+    return others + (others >= index)
 
 
-def _harris(channels: list[np.ndarray], sigma: float) -> np.ndarray:
-    """Positive Harris corner response of a multi-channel image (structure tensors summed over channels)."""
-    sxx = syy = sxy = 0.0
-    for ch in channels:
-        gx, gy = _gradients(ch)
-        sxx, syy, sxy = sxx + gx * gx, syy + gy * gy, sxy + gx * gy
-    sxx, syy, sxy = (ndimage.gaussian_filter(a, sigma, mode="nearest") for a in (sxx, syy, sxy))
-    return np.maximum(sxx * syy - sxy * sxy - 0.04 * (sxx + syy) ** 2, 0.0)
+def _soft_label(
+    rng: np.random.Generator, classes: int, weights: dict[int, float], peak: float, related: int
+) -> np.ndarray:
+    """A classifier-like softmax over ``classes``: every class gets a random logit around 0, each index in
+    ``weights`` (share in (0, 1]) a logit ``peak + log(share)`` and its related classes a few less; the index of the
+    largest share is made the argmax. float32 (classes,)."""
+    logits = rng.normal(0.0, 1.0, classes)
+    for index, share in weights.items():
+        top = peak + math.log(share) + rng.normal(0.0, 0.4)
+        rel = _related(index, classes, related)
+        logits[rel] = np.maximum(logits[rel], top - rng.uniform(2.5, 5.0, related))
+        logits[index] = max(logits[index], top)
+    best = max(weights, key=lambda i: (weights[i], -i))
+    others = np.delete(logits, best)
+    logits[best] = max(logits[best], others.max() + 0.5)
+    return _softmax(logits).astype(np.float32)
 
 
-def _occlusion_edges(z: np.ndarray) -> np.ndarray:
-    """Depth gap (metres) on the near side of each depth discontinuity of a z-buffer (no geometry = far)."""
-    zp = np.pad(z, 2, mode="edge")
-    s = z.shape[0]
-    out = np.zeros_like(z)
-    for dy, dx in ((0, 1), (0, -1), (1, 0), (-1, 0)):
-        q = zp[2 + dy : 2 + dy + s, 2 + dx : 2 + dx + s]  # neighbour
-        back = zp[2 - dy : 2 - dy + s, 2 - dx : 2 - dx + s]  # the neighbour on the other side
-        gap = q - z
-        is_edge = gap > np.maximum(0.05 + 0.03 * z, 2.0 * np.abs(z - back))
-        out = np.maximum(out, np.where(is_edge, gap, 0.0))
-    return out
+def class_object_vector(category: np.ndarray, room_type: int, rng: np.random.Generator) -> np.ndarray:
+    """ImageNet distribution (1000,) float32 for a view whose pixels show object ``category`` (-1: none).
 
-
-def _nearest(features: np.ndarray, centers: np.ndarray) -> np.ndarray:
-    """Index of the nearest centre per row: (N, F), (K, F) -> (N,)."""
-    return np.argmin((centers * centers).sum(1)[None, :] - 2.0 * (features @ centers.T), axis=1)  # (N, K)
-
-
-def _kmeans_segments(features: np.ndarray, k: int, iters: int = 8, stride: int = 4) -> np.ndarray:
-    """Deterministic k-means: farthest-point start at row 0, fitted on every ``stride``-th row, then every row
-    labelled with its nearest centre; labels renumbered by first appearance. (N, F) -> (N,)"""
-    fit = features[::stride]
-    centers = [fit[0]]
-    d2 = ((fit - fit[0]) ** 2).sum(1)
-    for _ in range(1, k):
-        centers.append(fit[int(np.argmax(d2))])
-        d2 = np.minimum(d2, ((fit - centers[-1]) ** 2).sum(1))
-    c = np.stack(centers)  # (K, F)
-    labels = _nearest(fit, c)
-    for _ in range(iters):
-        counts = np.bincount(labels, minlength=k)
-        sums = np.stack([np.bincount(labels, fit[:, j], minlength=k) for j in range(fit.shape[1])], 1)
-        c = np.where(counts[:, None] > 0, sums / np.maximum(counts, 1)[:, None], c)
-        new = _nearest(fit, c)
-        if np.array_equal(new, labels):
-            break
-        labels = new
-    labels = _nearest(features, c)
-    ids, first = np.unique(labels, return_index=True)
-    remap = np.zeros(k, np.int64)
-    remap[ids[np.argsort(first)]] = np.arange(len(ids))
-    return remap[labels]
-
-
-def _pixel_coords(s: int) -> np.ndarray:
-    yy, xx = np.meshgrid(np.arange(s) / s, np.arange(s) / s, indexing="ij")
-    return np.stack([yy.ravel(), xx.ravel()], 1)
-
-
-def class_object_vector(category: np.ndarray, room_type: int) -> np.ndarray:
-    """Visible-area distribution over object categories in the 1000-way ImageNet vector, float32 (1000,).
-
-    With no object in view, the mass is spread evenly over the room type's object categories.
+    Mass follows the visible area of each category (the largest is the argmax, holding 0.2-0.75 of the mass), the
+    rest spread over many classes like a ResNet-152's softmax. With no object in view, the room type's categories
+    share the peak (its first listed category on top).
     """
-    vec = np.zeros(1000, np.float64)
-    counts = np.bincount(category[category >= 0].ravel(), minlength=len(OBJECTS))
+    counts = np.bincount(category[category >= 0].ravel(), minlength=len(OBJECTS)).astype(np.float64)
     if counts.sum() == 0:
         cats = [_OBJECT_BY_NAME[n] for n in ROOM_TYPES[room_type].objects]
-        counts = np.bincount(cats, minlength=len(OBJECTS)).astype(np.float64)
-    for i, c in enumerate(OBJECTS):
-        vec[c.imagenet] = counts[i] / counts.sum()
-    return vec.astype(np.float32)
+        counts = np.zeros(len(OBJECTS))
+        counts[cats] = np.linspace(1.0, 0.5, len(cats))
+    shares = counts / counts.max()
+    weights = {OBJECTS[i].imagenet: float(s) for i, s in enumerate(shares) if s > 0}
+    return _soft_label(rng, 1000, weights, peak=7.6, related=6)
 
 
-def class_scene_vector(room_type: int) -> np.ndarray:
-    """0.9 on the room type's Places365 index, 0.1 shared by the other room types; float32 (365,)."""
-    vec = np.zeros(365, np.float64)
-    for i, rt in enumerate(ROOM_TYPES):
-        vec[rt.places] = 0.9 if i == room_type else 0.1 / (len(ROOM_TYPES) - 1)
-    return vec.astype(np.float32)
+def class_scene_vector(room_type: int, rng: np.random.Generator) -> np.ndarray:
+    """Places365 distribution (365,) float32: the room type is the argmax (0.25-0.75 of the mass), the other room
+    types and a few related scenes next, the rest spread thin."""
+    weights = {rt.places: (1.0 if i == room_type else 0.03) for i, rt in enumerate(ROOM_TYPES)}
+    return _soft_label(rng, 365, weights, peak=6.6, related=4)
 
 
-def encode_view(view: View, room_type: int) -> dict[str, np.ndarray]:
-    """Every domain of one rendered view in its Taskonomy file encoding (see the module docstring)."""
+# ----------------------------------------------------------------------------------------------------------------
+# Encoding
+
+
+def encode_view(
+    view: View, room_type: int, rng: np.random.Generator | None = None, fov_deg: float = FOV_DEG
+) -> dict[str, np.ndarray]:
+    """Every domain of one rendered view in its Taskonomy file encoding (see the module docstring).
+
+    ``rng`` draws the class distributions' spread and the reshading fill (default: a fixed seed); ``fov_deg`` is the
+    camera's field of view (keypoints3d measures its support in metres).
+    """
+    rng = np.random.default_rng(0) if rng is None else rng
     s = view.rgb.shape[0]
     valid = view.valid
     rgb8 = np.round(view.rgb * 255).astype(np.uint8)
@@ -355,40 +408,32 @@ def encode_view(view: View, room_type: int) -> dict[str, np.ndarray]:
     def unit16(x: np.ndarray) -> np.ndarray:
         return np.round(np.clip(x, 0, 1) * 65535).astype(np.uint16)
 
-    e = view.normal * np.array([-1.0, 1.0, 1.0])
-    normal8 = np.where(valid[..., None], np.round((e + 1) / 2 * 255), 128).astype(np.uint8)
-    curv = np.full((s, s, 3), 127.0)
-    curv[..., :2] = np.where(valid[..., None], 127 + CURVATURE_SCALE * view.curvature, 127)
-    shade = np.round(view.shading * 255).astype(np.uint8)
+    normal8 = np.where(valid[..., None], np.clip(np.round((view.normal + 1) * 127.5), 0, 255), 128).astype(np.uint8)
+    curv = np.zeros((s, s, 3))
+    k = np.clip(view.curvature, -1 / CURVATURE_MIN_RADIUS, 1 / CURVATURE_MIN_RADIUS)
+    curv[..., :2] = np.where(valid[..., None], np.round(127 + CURVATURE_SCALE * k), 0)
+    fill = rng.integers(RESHADING_FILL[0], RESHADING_FILL[1] + 1, (s, s))
+    shade = np.where(valid, np.round(255 * np.clip(RESHADING_EXPOSURE * view.shading, 0, 1)), fill).astype(np.uint8)
 
-    lum = _luminance(rgb8)
-    gx, gy = _gradients(lum)
-    sigma = max(1.0, 1.5 * s / 64)  # structure-tensor window, pixels
-    z = np.where(valid, view.zdepth, DEPTH_INVALID / DEPTH_SCALE)
-    inv_depth = 1.0 / z
-    kp3 = _harris([view.normal[..., i] for i in range(3)] + [inv_depth], sigma)
-
-    coords = _pixel_coords(s)
-    colour = rgb8.reshape(-1, 3) / 255.0
-    seg2d = _kmeans_segments(np.concatenate([colour, 0.5 * coords], 1), NUM_SEGMENTS)
-    geo = np.concatenate([0.5 * view.normal.reshape(-1, 3), 0.5 * np.log(z).reshape(-1, 1) / np.log(8.0),
-                          0.05 * view.curvature.reshape(-1, 2)], 1)  # fmt: skip
-    seg25d = _kmeans_segments(np.concatenate([colour, geo, 0.5 * coords], 1), NUM_SEGMENTS)
+    zbuffer = depth16(view.zdepth)
+    lum = annotate.luminance(rgb8)
+    occlusion = unit16(annotate.edge_occlusion(zbuffer.astype(np.float64), *EDGE_OCCLUSION_GAINS))
+    focal = s / 2 / math.tan(math.radians(fov_deg) / 2)
     return {
         "rgb": rgb8,
         "depth_euclidean": depth16(view.distance),
-        "depth_zbuffer": depth16(view.zdepth),
+        "depth_zbuffer": zbuffer,
         "normal": normal8,
-        "principal_curvature": np.round(np.clip(curv, 0, 255)).astype(np.uint8),
+        "principal_curvature": curv.astype(np.uint8),
         "reshading": np.repeat(shade[..., None], 3, axis=2),
-        "edge_texture": unit16(np.hypot(gx, gy)),
-        "edge_occlusion": unit16(EDGE_OCCLUSION_SCALE * _occlusion_edges(z)),
-        "keypoints2d": unit16(KEYPOINTS2D_SCALE * _harris([lum], sigma)),
-        "keypoints3d": unit16(KEYPOINTS3D_SCALE * kp3),
-        "segment_unsup2d": seg2d.reshape(s, s).astype(np.uint8),
-        "segment_unsup25d": seg25d.reshape(s, s).astype(np.uint8),
-        "class_object": class_object_vector(view.category, room_type),
-        "class_scene": class_scene_vector(room_type),
+        "edge_texture": unit16(EDGE_TEXTURE_GAIN * annotate.edge_texture(lum)),
+        "edge_occlusion": occlusion,
+        "keypoints2d": unit16(KEYPOINTS2D_GAIN * annotate.keypoints2d(lum) ** KEYPOINTS2D_POWER),
+        "keypoints3d": unit16(annotate.keypoints3d(view.normal, view.zdepth, valid, focal)),
+        "segment_unsup2d": annotate.segment_unsup2d(rgb8),
+        "segment_unsup25d": annotate.segment_unsup25d(zbuffer.astype(np.float64), normal8, occlusion),
+        "class_object": class_object_vector(view.category, room_type, rng),
+        "class_scene": class_scene_vector(room_type, rng),
     }
 
 
@@ -461,15 +506,12 @@ def _render_room(job: _RoomJob) -> tuple[int, int]:
         image_path(job.out, domain, job.building, 0, 0).parent.mkdir(parents=True, exist_ok=True)
     images = invalid = 0
     for point, views in job.points:
-        target = int(rng.integers(len(scene.shapes))) if scene.shapes else -1
+        aim, surface = sample_fixation(rng, scene)
         for v in range(views):
-            if target >= 0:
-                camera = sample_camera(rng, scene, target)
-            else:  # an empty room: look at a random wall point
-                w, h, d = scene.room.size
-                camera = Camera((w / 2, 1.5, d / 2), (float(rng.uniform(0, w)), 1.2, 0.0), FOV_DEG)
+            camera = sample_camera(rng, scene, aim, surface)
             view = render_view(scene, camera, job.image_size)
-            write_view(job.out, job.building, point, v, encode_view(view, room.room_type), mkdirs=False)
+            labels = np.random.default_rng([job.seed, job.building_index, job.room, point, v])
+            write_view(job.out, job.building, point, v, encode_view(view, room.room_type, labels), mkdirs=False)
             images += 1
             invalid += int((~view.valid).sum())
     return images, invalid
@@ -504,19 +546,22 @@ def _manifest(n: int, image_size: int, seed: int, splits: dict[str, list[str]], 
         ],
         "encodings": {
             "depth": f"uint16 metres*{DEPTH_SCALE:g}, {DEPTH_INVALID} = no geometry",
-            "normal": "uint8 round((e+1)/2*255), e = (-x, y, z) in the camera frame (x right, y up, z toward the"
-            " viewer); (128,128,128) = no geometry",
-            "principal_curvature": f"uint8 ch0 = 127+{CURVATURE_SCALE:g}*k1, ch1 = 127+{CURVATURE_SCALE:g}*k2 "
-            "(1/m, k1 >= k2, convex > 0), ch2 = 127",
-            "reshading": "uint8 grey RGB, 255*(0.2+0.8*max(0, n.l)), 0 = no geometry",
-            "edge_texture": "uint16/65535 = Sobel gradient magnitude of the RGB luminance (per pixel)",
-            "edge_occlusion": f"uint16/65535 = {EDGE_OCCLUSION_SCALE:g} * depth gap in metres (near side)",
-            "keypoints2d": f"uint16/65535 = min(1, {KEYPOINTS2D_SCALE:g} * Harris(luminance))",
-            "keypoints3d": f"uint16/65535 = min(1, {KEYPOINTS3D_SCALE:g} * Harris(normals, 1/depth))",
-            "segment_unsup2d": f"uint8 ids < {NUM_SEGMENTS}",
-            "segment_unsup25d": f"uint8 ids < {NUM_SEGMENTS}",
-            "class_object": "float32 (1000,) visible-area share per ImageNet index, sums to 1",
-            "class_scene": "float32 (365,) Places365, 0.9 room type + 0.1 over the other room types, sums to 1",
+            "normal": "uint8 round((e+1)*127.5), e = unit normal in the camera frame x right, y down, z into the "
+            "scene (Taskonomy's); (128,128,128) = no geometry",
+            "principal_curvature": f"uint8 ch0 = round(127+{CURVATURE_SCALE:g}*k1), ch1 = round(127+"
+            f"{CURVATURE_SCALE:g}*k2) (1/m clipped to +-{1 / CURVATURE_MIN_RADIUS:.1f}, |k1| >= |k2|, convex > 0), "
+            "ch2 = 0; (0,0,0) = no geometry",
+            "reshading": f"uint8 grey RGB, 255*min(1, {RESHADING_EXPOSURE:g}*cos*8/(8+r^2)) under a lamp at the "
+            f"camera; {RESHADING_FILL[0]}..{RESHADING_FILL[1]} = no geometry",
+            "edge_texture": "uint16/65535 = Sobel magnitude of the blurred grey image per 512-px pixel",
+            "edge_occlusion": "uint16/65535 = Sobel magnitude of sqrt(z-buffer code/65536) per 512-px pixel; 0 next "
+            "to no geometry",
+            "keypoints2d": "uint16/65535 = max over scales of the determinant of Hessian, clipped at 0",
+            "keypoints3d": "uint16/65535 = NARF-like interest in [0, 1]; 0 = no geometry",
+            "segment_unsup2d": "uint8 colour segments in raster order, ids rescaled over 0..255",
+            "segment_unsup25d": "uint8 depth/normal/edge segments in raster order, ids rescaled over 0..255",
+            "class_object": "float32 (1000,) softmax over ImageNet, argmax = the largest visible category, sums to 1",
+            "class_scene": "float32 (365,) softmax over Places365, argmax = the room type, sums to 1",
         },
     }
 

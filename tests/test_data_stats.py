@@ -157,7 +157,7 @@ def _real_like_view(rng: np.random.Generator) -> dict[str, np.ndarray]:
     views["reshading"] = np.repeat(_spread(shade, valid, 10, rng)[..., None], 3, axis=2)
     views["edge_texture"] = _spread(_population(n, [(0.02, np.array([6000]))], np.arange(0, 1797)).astype(np.uint16),
                                     every, 0, rng)
-    occ = _population(nv, [(0.10, np.array([0])), (0.015, np.array([1100])), (0.008, np.array([2200]))],
+    occ = _population(nv, [(0.03, np.array([0])), (0.015, np.array([1100])), (0.008, np.array([2200]))],
                       np.arange(1, 61))
     views["edge_occlusion"] = _spread(occ.astype(np.uint16), valid, 0, rng)
     kp2 = _population(n, [(0.045, np.array([0])), (0.04, np.linspace(330, 1300, 40).round())], np.arange(1, 104))

@@ -1,17 +1,34 @@
-"""The 13 Taskonomy tasks (installed as `squad.tasks`): decoding, targets, heads, masked losses and metrics.
+"""The tasks (installed as `squad.tasks`): decoding, targets, heads, masked losses and metrics.
 
-Use `get_task(name)` (aliases accepted) and `TASK_NAMES`; `squad.tasks.base` documents the interface and the calling
-convention shared by the model, the data pipeline and the training engine.
+The 13 Taskonomy tasks (`TASK_NAMES`) and PASCAL-Context's and NYUD-v2's (`PASCAL_TASKS`, `NYUD_TASKS`; modules
+`segmentation` and `dense`). Use `get_task(name)` (aliases accepted); `squad.tasks.base` documents the interface and
+the calling convention shared by the model, the data pipeline and the training engine.
 """
 
 from .base import DecodeError, Task
 from .classification import ClassTask
+from .dense import EdgeTask, NyudDepthTask, SaliencyTask, SurfaceNormalsTask
 from .depth import DepthTask
 from .normal import NormalTask
-from .registry import ALIASES, TASK_NAMES, canonical_name, get_task, register_task, resolve_task_names, unregister_task
+from .registry import (
+    ALIASES,
+    BENCHMARK_ALIASES,
+    DENSE_LABEL_TASKS,
+    NYUD_TASKS,
+    PASCAL_TASKS,
+    TASK_NAMES,
+    canonical_name,
+    get_task,
+    register_task,
+    resolve_task_names,
+    unregister_task,
+)
 from .scalar import SCALAR_SPECS, ScalarSpec, ScalarTask
+from .segmentation import SegmentationTask
 
 __all__ = [
-    "ALIASES", "SCALAR_SPECS", "TASK_NAMES", "ClassTask", "DecodeError", "DepthTask", "NormalTask", "ScalarSpec",
-    "ScalarTask", "Task", "canonical_name", "get_task", "register_task", "resolve_task_names", "unregister_task",
+    "ALIASES", "BENCHMARK_ALIASES", "DENSE_LABEL_TASKS", "NYUD_TASKS", "PASCAL_TASKS", "SCALAR_SPECS", "TASK_NAMES",
+    "ClassTask", "DecodeError", "DepthTask", "EdgeTask", "NormalTask", "NyudDepthTask", "SaliencyTask", "ScalarSpec",
+    "ScalarTask", "SegmentationTask", "SurfaceNormalsTask", "Task", "canonical_name", "get_task", "register_task",
+    "resolve_task_names", "unregister_task",
 ]

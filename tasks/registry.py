@@ -1,7 +1,9 @@
 """The task registry: canonical names, command-line aliases, and plug-in registration.
 
-The 13 Taskonomy tasks are built in; `register_task` adds more (a new domain for router fine-tuning, say) in the
-style of LibMTL's plug-ins: a name, a factory returning a `Task`, optional aliases.
+The 13 Taskonomy tasks (`TASK_NAMES`) and the tasks of PASCAL-Context and NYUD-v2 (`PASCAL_TASKS`, `NYUD_TASKS`,
+together `DENSE_LABEL_TASKS`; their short names in `BENCHMARK_ALIASES`) are built in; `register_task` adds more (a
+new domain for router fine-tuning, say) in the style of LibMTL's plug-ins: a name, a factory returning a `Task`,
+optional aliases.
 
 Task options: ``get_task(name, **options)`` builds a variant (e.g. ``get_task("edge_occlusion", decode="clip")``);
 `configure_tasks` makes variants the process-wide default, so that every ``get_task(name)`` — the data pipeline,
@@ -17,9 +19,11 @@ from typing import Any
 
 from .base import Task
 from .classification import ClassTask
+from .dense import EdgeTask, NyudDepthTask, SaliencyTask, SurfaceNormalsTask
 from .depth import DepthTask
 from .normal import NormalTask
 from .scalar import SCALAR_SPECS, ScalarTask, edge_occlusion_spec
+from .segmentation import human_parts_task, nyud_semseg_task, semseg_task
 
 TASK_NAMES: tuple[str, ...] = (
     "class_object", "class_scene", "depth_euclidean", "depth_zbuffer", "normal", "principal_curvature", "reshading",
@@ -38,6 +42,22 @@ ALIASES: dict[str, str] = {
     "segment25d": "segment_unsup25d",
 }
 
+# PASCAL-Context (the PASCAL_MT layout's five tasks) and NYUD-v2 (MTI-Net's four); normals and edge are shared
+PASCAL_TASKS: tuple[str, ...] = ("semseg", "human_parts", "saliency", "normals", "edge")
+NYUD_TASKS: tuple[str, ...] = ("nyud_semseg", "nyud_depth", "normals", "edge")
+DENSE_LABEL_TASKS: tuple[str, ...] = ("semseg", "human_parts", "saliency", "normals", "edge", "nyud_semseg",
+                                      "nyud_depth")
+TASK_GROUPS: dict[str, tuple[str, ...]] = {"all": TASK_NAMES, "pascal_context": PASCAL_TASKS, "nyud": NYUD_TASKS}
+
+# the public multi-task code's names (Multi-Task-Learning-PyTorch / M3ViT: "sal", "normals", "edge"), where they do
+# not clash with Taskonomy's ("depth" and "normal" stay Taskonomy's)
+BENCHMARK_ALIASES: dict[str, str] = {
+    "sal": "saliency",
+    "parts": "human_parts",
+    "edges": "edge",
+    "nyud_seg": "nyud_semseg",
+}
+
 _SPEC_BY_NAME = {spec.name: spec for spec in SCALAR_SPECS}
 _BUILTIN: dict[str, Callable[..., Task]] = {
     "class_object": lambda **kw: ClassTask("class_object", **kw),
@@ -47,6 +67,13 @@ _BUILTIN: dict[str, Callable[..., Task]] = {
     "normal": NormalTask,
     **{name: (lambda spec=spec: ScalarTask(spec)) for name, spec in _SPEC_BY_NAME.items()},
     "edge_occlusion": lambda **kw: ScalarTask(edge_occlusion_spec(**kw)),  # decode="blur" | "clip", blur_sigma
+    "semseg": semseg_task,
+    "human_parts": human_parts_task,
+    "saliency": SaliencyTask,  # beta2, loss="bce" | "balanced"
+    "normals": SurfaceNormalsTask,
+    "edge": EdgeTask,  # max_dist (0.0075 PASCAL-Context, 0.011 NYUD-v2), thresholds, pos_weight
+    "nyud_semseg": nyud_semseg_task,
+    "nyud_depth": NyudDepthTask,
 }
 _EXTRA: dict[str, Callable[..., Task]] = {}
 _EXTRA_ALIASES: dict[str, str] = {}
@@ -66,7 +93,7 @@ def register_task(name: str, factory: Callable[..., Task], aliases: Iterable[str
     Raises:
         ValueError: if the name or an alias is already taken.
     """
-    taken = set(_BUILTIN) | set(_EXTRA) | set(ALIASES) | set(_EXTRA_ALIASES)
+    taken = set(_BUILTIN) | set(_EXTRA) | set(ALIASES) | set(BENCHMARK_ALIASES) | set(_EXTRA_ALIASES)
     for n in (name, *aliases):
         if n in taken:
             raise ValueError(f"task name {n!r} is already registered")
@@ -101,10 +128,12 @@ def canonical_name(name: str) -> str:
         return key
     if key in ALIASES:
         return ALIASES[key]
+    if key in BENCHMARK_ALIASES:
+        return BENCHMARK_ALIASES[key]
     if key in _EXTRA_ALIASES:
         return _EXTRA_ALIASES[key]
-    names = ", ".join([*TASK_NAMES, *_EXTRA])
-    aliases = ", ".join(f"{a}→{c}" for a, c in {**ALIASES, **_EXTRA_ALIASES}.items())
+    names = ", ".join([*TASK_NAMES, *DENSE_LABEL_TASKS, *_EXTRA])
+    aliases = ", ".join(f"{a}→{c}" for a, c in {**ALIASES, **BENCHMARK_ALIASES, **_EXTRA_ALIASES}.items())
     raise ValueError(f"unknown task {name!r}; valid names: {names}; aliases: {aliases}")
 
 
@@ -174,7 +203,8 @@ def resolve_task_names(names: str | Iterable[str]) -> list[str]:
 
     Args:
         names: an iterable of names/aliases, or one string (comma-separated allowed); ``"all"`` stands for the 13
-            Taskonomy tasks in `TASK_NAMES` order.
+            Taskonomy tasks in `TASK_NAMES` order, ``"pascal_context"`` for `PASCAL_TASKS`, ``"nyud"`` for
+            `NYUD_TASKS`.
 
     Raises:
         ValueError: for an unknown name or an empty list.
@@ -183,7 +213,7 @@ def resolve_task_names(names: str | Iterable[str]) -> list[str]:
         names = [n for n in names.split(",") if n.strip()]
     out: list[str] = []
     for n in names:
-        expanded = TASK_NAMES if n.strip() == "all" else (canonical_name(n),)
+        expanded = TASK_GROUPS.get(n.strip()) or (canonical_name(n),)
         for c in expanded:
             if c not in out:
                 out.append(c)

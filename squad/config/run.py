@@ -13,13 +13,15 @@ from typing import Literal
 from squad.config.model import ConfigError, LossConfig, ModelConfig
 
 SPLIT_NAMES = ("train", "val", "test", "all")  # what data.split / data.val_split may name (`squad.data`)
+DATASET_NAMES = ("taskonomy", "pascal_context", "nyud")  # data.dataset (`squad.data.benchmark.DATASETS`)
 
 
 @dataclasses.dataclass
 class DataConfig:
     """Where the images come from and how they are read."""
 
-    root: str = "data/synthetic"  # a Taskonomy tree (either layout) or packed HDF5 shards
+    root: str = "data/synthetic"  # a Taskonomy tree (either layout), a PASCAL_MT / NYUD folder, or packed shards
+    dataset: str = "taskonomy"  # taskonomy | pascal_context | nyud (squad.data.build_dataset)
     split: str = "train"
     val_split: str = "val"
     split_csv: str | None = None  # default: the split CSV found in root
@@ -32,6 +34,8 @@ class DataConfig:
     val_batches: int = 0  # validation batches per evaluation (0 = the whole split)
 
     def check(self, path: str) -> None:
+        if self.dataset not in DATASET_NAMES:
+            raise ConfigError(f"{path}.dataset must be one of {', '.join(DATASET_NAMES)}, got {self.dataset!r}")
         for key in ("split", "val_split"):
             value = getattr(self, key)
             if value not in SPLIT_NAMES:

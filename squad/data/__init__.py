@@ -1,7 +1,9 @@
-"""Taskonomy data: the PNG-tree reader, HDF5 shards, the sample pipeline, and the factory training code uses.
+"""Data: the Taskonomy, PASCAL-Context and NYUD-v2 readers, HDF5 shards, the sample pipelines, and the factory.
 
-`build_dataset(root, tasks, split, ...)` returns a `ShardDataset` when `root` holds a shard index (``shards.json``)
-and a `TaskonomyDataset` otherwise; both yield the same sample dicts, batched by `collate`. `build_loader` wraps a
+`build_dataset(root, tasks, split, dataset=..., ...)` returns a `ShardDataset` (or `BenchmarkShardDataset`) when
+`root` holds a shard index (``shards.json``), a `PascalContextDataset` (`squad.data.pascal`) or `NYUDDataset`
+(`squad.data.nyud`) for those layouts, and a `TaskonomyDataset` otherwise; all yield the same sample dicts,
+batched by `collate`. `build_loader` wraps a
 dataset in a DataLoader with a `DistributedSampler` when a process group is running. `report(dataset, name)`
 gives what a dataset could not use (corrupt, wrong-size and missing files, each counted once over workers and
 ranks; `squad.data.accounting`) as a `DataReport` whose ``line()`` every run and tool prints at its end.
@@ -17,9 +19,12 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from squad.data.accounting import DataReport, report
+from squad.data.benchmark import DATASETS, BenchmarkBase, DatasetTaskError, check_dataset_tasks, detect_dataset
+from squad.data.nyud import NYUD_TASKS, NYUDDataset
 from squad.data.pack import pack_shards
+from squad.data.pascal import PASCAL_TASKS, PascalContextDataset
 from squad.data.random_tree import write_random_tree
-from squad.data.shards import INDEX_NAME, ShardDataset, is_shard_root
+from squad.data.shards import INDEX_NAME, BenchmarkShardDataset, ShardDataset, is_shard_root
 from squad.data.taskonomy import (
     CorruptFileError,
     EmptyDatasetError,
@@ -35,34 +40,61 @@ from squad.data.transforms import SamplePipeline
 from squad.distributed import has_process_group
 
 __all__ = [
-    "INDEX_NAME", "CorruptFileError", "DataReport", "EmptyDatasetError", "SamplePipeline", "ShardDataset",
-    "TaskonomyBase", "TaskonomyDataset", "build_dataset", "build_loader", "collate", "find_split_csv",
-    "is_shard_root", "make_data_hint", "pack_shards", "read_raw", "read_split_csv", "report", "set_epoch",
-    "write_random_tree",
+    "DATASETS", "INDEX_NAME", "NYUD_TASKS", "PASCAL_TASKS", "BenchmarkBase", "BenchmarkShardDataset",
+    "CorruptFileError", "DataReport", "DatasetTaskError", "EmptyDatasetError", "NYUDDataset", "PascalContextDataset",
+    "SamplePipeline", "ShardDataset", "TaskonomyBase", "TaskonomyDataset", "build_dataset", "build_loader",
+    "collate", "detect_dataset", "find_split_csv", "is_shard_root", "make_data_hint", "pack_shards", "read_raw",
+    "read_split_csv", "report", "set_epoch", "write_random_tree",
 ]
+
+# names only PASCAL-Context / NYUD provide: asking a Taskonomy tree for them is an error naming its tasks
+BENCHMARK_ONLY_TASKS = frozenset(PASCAL_TASKS) | frozenset(NYUD_TASKS)
 
 
 def build_dataset(root: str | Path, tasks: str | Sequence[str], split: str | Sequence[str] = "train",
-                  **kwargs: Any) -> TaskonomyBase:
-    """The dataset for `root`, whichever format it is in.
+                  dataset: str | None = None, **kwargs: Any) -> TaskonomyBase:
+    """The dataset for `root`, whichever dataset and format it is in.
 
     Args:
-        root: a Taskonomy tree (either layout) or a shard folder written by ``tools/make_data.py pack``.
-        tasks: task names or aliases, or ``"all"``.
-        split: ``"train"``, ``"val"``, ``"test"``, ``"all"`` or a list of them.
+        root: a Taskonomy tree (either layout), a PASCAL-Context (PASCAL_MT) or NYUD-v2 (MTI-Net) folder, or a
+            shard folder written by ``tools/make_data.py pack``.
+        tasks: task names or aliases, or ``"all"`` (the dataset's tasks).
+        split: ``"train"``, ``"val"``, ``"test"`` (Taskonomy), ``"all"`` or a list of them.
+        dataset: ``"taskonomy"``, ``"pascal_context"`` or ``"nyud"`` (``data.dataset``); None: detected from
+            `root` (`squad.data.benchmark.detect_dataset`: the shard index's record, else the folder layout).
         **kwargs: the readers' common options — ``image_size``, ``resize``, ``augment``, ``missing``,
             ``geometry_mask``, ``seed``, ``buildings`` — plus ``split_csv`` for trees (ignored for shards, which
-            were split when packed).
+            were split when packed). The PASCAL / NYUD readers ignore the Taskonomy-only ones.
 
     Raises:
         FileNotFoundError: `root` does not exist; the message says how to make data.
+        DatasetTaskError: a task the dataset does not provide (the message lists its tasks; a ValueError).
+        ValueError: an unknown dataset, or `root` holds another dataset than `dataset`.
     """
     root = Path(root)
     if not root.exists():
-        raise FileNotFoundError(f"data root {root} does not exist. {make_data_hint(root)}")
+        hint = make_data_hint(root) if dataset in (None, "taskonomy") else (
+            f"Make a small synthetic one with: python tools/make_data.py synthetic --dataset {dataset} --out {root}")
+        raise FileNotFoundError(f"data root {root} does not exist. {hint}")
+    if dataset is not None and dataset not in DATASETS:
+        raise ValueError(f"unknown dataset {dataset!r}; use one of {', '.join(DATASETS)}")
+    found = detect_dataset(root)
+    if dataset is None:
+        dataset = found
+    elif found != dataset and (found != "taskonomy" or is_shard_root(root)):
+        raise ValueError(f"{root} holds {found} data, but the dataset asked for is {dataset}")
+    foreign = [t for t in ([tasks] if isinstance(tasks, str) else tasks) if t in BENCHMARK_ONLY_TASKS]
+    if dataset == "taskonomy" and foreign:
+        check_dataset_tasks("taskonomy", foreign)
     if is_shard_root(root):
         kwargs.pop("split_csv", None)
+        if dataset != "taskonomy":
+            return BenchmarkShardDataset(root, tasks, split=split, **kwargs)
         return ShardDataset(root, tasks, split=split, **kwargs)
+    if dataset == "pascal_context":
+        return PascalContextDataset(root, tasks, split=split, **kwargs)
+    if dataset == "nyud":
+        return NYUDDataset(root, tasks, split=split, **kwargs)
     return TaskonomyDataset(root, tasks, split=split, **kwargs)
 
 

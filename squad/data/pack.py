@@ -22,7 +22,8 @@ import h5py
 import numpy as np
 from torch.utils.data import DataLoader, Dataset
 
-from squad.data.shards import FORMAT, INDEX_NAME, VERSION, logger
+from squad.data.benchmark import DATASETS, BenchmarkBase, check_dataset_tasks, detect_dataset
+from squad.data.shards import FORMAT, HW_KEY, INDEX_NAME, VERSION, logger
 from squad.data.taskonomy import (
     SPLITS,
     CorruptFileError,
@@ -102,8 +103,12 @@ def _first(batch: list) -> Any:
 
 def pack_shards(src: str | Path, out: str | Path, split_csv: str | Path | None = None,
                 splits: Sequence[str] = SPLITS, image_size: int | None = 256, shard_size: int = 1024,
-                domains: Sequence[str] | None = None, compression: str | None = None, workers: int = 0) -> Path:
-    """Packs a Taskonomy tree into HDF5 shards.
+                domains: Sequence[str] | None = None, compression: str | None = None, workers: int = 0,
+                dataset: str | None = None) -> Path:
+    """Packs a Taskonomy, PASCAL-Context or NYUD-v2 tree into HDF5 shards.
+
+    PASCAL-Context and NYUD-v2 (`pack_benchmark`): `split_csv` is not used, `splits` are taken among the
+    dataset's own (train, val), `domains` are its task names, and `image_size` is required.
 
     Args:
         src: Taskonomy root (either layout).
@@ -116,6 +121,8 @@ def pack_shards(src: str | Path, out: str | Path, split_csv: str | Path | None =
         domains: domains to pack (default: rgb and every task domain present in `src`).
         compression: h5py compression (None, ``"lzf"``, ``"gzip"``); None reads fastest.
         workers: DataLoader workers reading and resizing files in parallel.
+        dataset: ``"taskonomy"``, ``"pascal_context"`` or ``"nyud"``; None: detected from `src`'s layout
+            (`squad.data.benchmark.detect_dataset`).
 
     Returns:
         Path of the written ``shards.json``; its ``corrupt``, ``wrong_size`` and ``missing`` hold the number of
@@ -127,6 +134,16 @@ def pack_shards(src: str | Path, out: str | Path, split_csv: str | Path | None =
     src, out = Path(src), Path(out)
     if not src.is_dir():
         raise FileNotFoundError(f"source {src} does not exist. {make_data_hint(src)}")
+    found = detect_dataset(src)
+    dataset = dataset or found
+    if dataset not in DATASETS:
+        raise ValueError(f"unknown dataset {dataset!r}; use one of {', '.join(DATASETS)}")
+    if dataset != "taskonomy" or found != "taskonomy":
+        if found != dataset:
+            raise ValueError(f"{src} holds a {found} layout, not {dataset}")
+        return pack_benchmark(src, out, dataset, splits=splits, image_size=image_size, shard_size=shard_size,
+                              tasks=[d for d in domains or () if d != "rgb"] or None, compression=compression,
+                              workers=workers)
     if domains is None:
         domains = ["rgb", *(t for t in TASK_NAMES if domain_dir(src, t) is not None)]
     domains = list(dict.fromkeys(["rgb", *domains]))
@@ -134,7 +151,8 @@ def pack_shards(src: str | Path, out: str | Path, split_csv: str | Path | None =
     csv = find_split_csv(src, split_csv)
     parts = list(splits) if csv is not None else ["all"]
     out.mkdir(parents=True, exist_ok=True)
-    index: dict[str, Any] = {"format": FORMAT, "version": VERSION, "image_size": image_size, "domains": domains,
+    index: dict[str, Any] = {"format": FORMAT, "version": VERSION, "dataset": "taskonomy", "tasks": tasks,
+                             "image_size": image_size, "domains": domains,
                              "source": str(src), "split_csv": str(csv) if csv else None, "shards": [],
                              "shapes": {}, "corrupt": 0, "wrong_size": 0, "missing": 0}
     for part in parts:
@@ -178,7 +196,7 @@ class _ShardWriter:
     def add(self, sample_id: str, arrays: dict[str, np.ndarray | None]) -> None:
         shapes = self.index["shapes"]
         for d, a in arrays.items():
-            if a is None:
+            if a is None or d == HW_KEY:
                 continue
             spec = {"shape": list(a.shape), "dtype": a.dtype.str}
             if d not in shapes:
@@ -212,6 +230,8 @@ class _ShardWriter:
                 for i, (_, arrays) in enumerate(self.buffer):
                     if present[i, k]:
                         ds[i] = arrays[d]
+            if any(HW_KEY in a for _, a in self.buffer):  # benchmark shards: the stored (unpadded) size
+                f.create_dataset(HW_KEY, data=np.array([a[HW_KEY] for _, a in self.buffer], dtype=np.int32))
         self.index["shards"].append({"file": name, "split": self.split, "n": n})
         self.count += 1
         self.total += n
@@ -219,3 +239,120 @@ class _ShardWriter:
 
     def close(self) -> None:
         self.flush()
+
+
+# ------------------------------------------------------------------------------------------- benchmarks
+class _BenchmarkPackSource(Dataset):
+    """Reads and prepares the files of one PASCAL-Context / NYUD sample (runs inside DataLoader workers)."""
+
+    def __init__(self, tree: BenchmarkBase, image_size: int) -> None:
+        self.tree, self.image_size = tree, image_size
+
+    def __len__(self) -> int:
+        return len(self.tree)
+
+    def __getitem__(self, index: int) -> tuple[str, dict[str, np.ndarray | None], list[tuple[str, str]]]:
+        tree, size = self.tree, self.image_size
+        sid = str(tree._ids[index])
+        bits = int(tree._present[index])
+        arrays: dict[str, Any] = {d: None for d in tree.domains}
+        errors: list[tuple[str, str]] = []
+        rgb_hw = None
+        for k, domain in enumerate(tree.domains):
+            if not bits >> k & 1:
+                continue
+            try:
+                raw = tree._read(index, domain)
+                if rgb_hw is not None and tuple(raw.shape[:2]) != rgb_hw:
+                    raise WrongSizeError(f"size {raw.shape[0]}×{raw.shape[1]} differs from the rgb image's "
+                                         f"{rgb_hw[0]}×{rgb_hw[1]}", domain)
+                prepared = tree.pipeline.prepare_raw(domain, raw, size)
+                if domain != "rgb":
+                    tree.pipeline.task(domain).decode(prepared)  # validates the contents
+            except (CorruptFileError, DecodeError) as e:
+                kind = "wrong_size" if isinstance(e, WrongSizeError) else "corrupt"
+                errors.append((kind, f"{sid} ({domain}): {e}"))
+                if domain == "rgb":
+                    return sid, arrays, errors
+                continue
+            if domain == "rgb":
+                rgb_hw = tuple(raw.shape[:2])
+                arrays[HW_KEY] = prepared.shape[:2]
+            padded = np.zeros((size, size, *prepared.shape[2:]), dtype=prepared.dtype)
+            padded[: prepared.shape[0], : prepared.shape[1]] = prepared
+            arrays[domain] = padded
+        return sid, arrays, errors
+
+
+def pack_benchmark(src: str | Path, out: str | Path, dataset: str, splits: Sequence[str] = ("train", "val"),
+                   image_size: int | None = 512, shard_size: int = 1024, tasks: Sequence[str] | None = None,
+                   compression: str | None = None, workers: int = 0) -> Path:
+    """Packs a PASCAL-Context or NYUD-v2 tree into HDF5 shards (format: `squad.data.shards`).
+
+    Each array is stored as the reader prepares it for `image_size` — resized so its longer side is
+    `image_size`, aspect kept (`squad.data.benchmark.BenchmarkPipeline.prepare_raw`) — zero-padded at the bottom
+    and right to a square, with its unpadded size in the shard's ``hw`` dataset. PASCAL's derived targets (edges,
+    masked normals, the parts map) are stored derived. The index records ``dataset`` and ``tasks``.
+
+    Args:
+        src: the dataset folder (PASCAL_MT or NYUD MTI-Net layout).
+        out: output folder (created; an existing index is overwritten).
+        dataset: ``"pascal_context"`` or ``"nyud"``.
+        splits: which split lists to pack (others, such as Taskonomy's ``test``, are skipped with a note).
+        image_size: stored longer side (required).
+        shard_size: samples per shard file.
+        tasks: tasks to pack (default: all of the dataset's).
+        compression: h5py compression.
+        workers: DataLoader workers.
+
+    Returns:
+        Path of the written ``shards.json`` (with ``corrupt``, ``wrong_size`` and ``missing`` counts).
+
+    Raises:
+        ValueError: no `image_size`, or an unknown dataset or task.
+    """
+    from squad.data.nyud import NYUDDataset
+    from squad.data.pascal import PascalContextDataset
+
+    readers = {"pascal_context": PascalContextDataset, "nyud": NYUDDataset}
+    if dataset not in readers:
+        raise ValueError(f"pack_benchmark: dataset must be one of {', '.join(readers)}, got {dataset!r}")
+    if not image_size:
+        raise ValueError(f"packing {dataset} needs an image size (its images are not square and differ in size)")
+    src, out = Path(src), Path(out)
+    names = check_dataset_tasks(dataset, tasks or "all")
+    parts = [s for s in splits if s in readers[dataset].splits]
+    skipped = [s for s in splits if s not in readers[dataset].splits]
+    if skipped:
+        logger.info("pack: %s has no split %s; packing %s", dataset, ", ".join(skipped), ", ".join(parts))
+    out.mkdir(parents=True, exist_ok=True)
+    domains: list[str] = []
+    index: dict[str, Any] = {"format": FORMAT, "version": VERSION, "dataset": dataset, "tasks": names,
+                             "image_size": image_size, "domains": domains, "source": str(src), "split_csv": None,
+                             "shards": [], "shapes": {}, "corrupt": 0, "wrong_size": 0, "missing": 0}
+    for part in parts:
+        try:
+            tree = readers[dataset](src, names, split=part, missing="mask")
+        except (EmptyDatasetError, FileNotFoundError) as e:
+            logger.warning("pack: split %s is empty or absent, nothing packed (%s)", part, e)
+            continue
+        domains[:] = tree.domains
+        loader = DataLoader(_BenchmarkPackSource(tree, int(image_size)), batch_size=1, num_workers=workers,
+                            collate_fn=_first)
+        writer = _ShardWriter(out, part, tree.domains, shard_size, compression, index)
+        index["missing"] += tree.missing_files
+        for sample_id, arrays, errors in loader:
+            for kind, e in errors:
+                index[kind] += 1
+                (logger.warning if index[kind] == 1 else logger.debug)("pack: skipping %s %s",
+                                                                       kind.replace("_", "-"), e)
+            if arrays["rgb"] is None:
+                continue
+            writer.add(sample_id, arrays)
+        writer.close()
+        logger.info("packed %s %s: %d samples in %d shards", dataset, part, writer.total, writer.count)
+    path = out / INDEX_NAME
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(index, indent=1))
+    os.replace(tmp, path)
+    return path

@@ -38,6 +38,7 @@ from squad.data.taskonomy import (
 logger = logging.getLogger(__name__)
 
 INDEX_NAME = "shards.json"
+HW_KEY = "hw"  # benchmark shards: int32 [N, 2], the unpadded size of each sample's arrays
 FORMAT = "squad-taskonomy-shards"
 VERSION = 1
 
@@ -63,6 +64,8 @@ class ShardDataset(TaskonomyBase):
         ValueError: wrong index format, or no samples in the split.
     """
 
+    dataset = "taskonomy"
+
     def __init__(self, root: str | Path, tasks: str | Sequence[str], split: str | Sequence[str] = "train",
                  buildings: Sequence[str] | None = None, image_size: int | None = None, resize: int | None = None,
                  augment: bool = False, missing: Literal["skip", "mask"] = "skip", geometry_mask: bool = True,
@@ -76,6 +79,10 @@ class ShardDataset(TaskonomyBase):
         self.index = json.loads(path.read_text())
         if self.index.get("format") != FORMAT:
             raise ValueError(f"{path}: not a squad shard index (format {self.index.get('format')!r})")
+        stored = self.index.get("dataset", "taskonomy")
+        if stored != self.dataset:
+            raise ValueError(f"{path}: these shards hold {stored}, not {self.dataset} (read them with "
+                             f"build_dataset(..., dataset={stored!r}))")
         packed = self.index["domains"]
         lacking = [d for d in self.required if d not in packed]
         if lacking:
@@ -151,6 +158,56 @@ class ShardDataset(TaskonomyBase):
             return self._dataset(int(fi), domain)[int(row)]
         except (OSError, KeyError) as e:
             raise CorruptFileError(f"unreadable {self._describe(index, domain)}: {e}") from e
+
+
+class BenchmarkShardDataset(ShardDataset):
+    """PASCAL-Context / NYUD-v2 samples from shards written by `squad.data.pack.pack_benchmark`.
+
+    The stored arrays are the readers' fit to the packed size, zero-padded to a square; ``hw`` gives each sample's
+    unpadded size, which `_read` cuts back out before `squad.data.benchmark.BenchmarkPipeline` runs — so reading at
+    the packed size without augmentation yields exactly `PascalContextDataset` / `NYUDDataset`'s samples.
+
+    Args:
+        root: shard folder.
+        tasks: task names of the packed dataset (``"all"``: every task it has).
+        split, image_size, augment, missing, seed, scale_range: as in `squad.data.benchmark.BenchmarkBase`.
+        **ignored: Taskonomy-only options, accepted and ignored.
+
+    Raises:
+        FileNotFoundError: no index, or a required task was not packed.
+        squad.data.benchmark.DatasetTaskError: a task the dataset does not provide.
+        ValueError: not a benchmark shard index.
+    """
+
+    def __init__(self, root: str | Path, tasks: str | Sequence[str], split: str | Sequence[str] = "train",
+                 image_size: int | None = None, augment: bool = False, missing: Literal["skip", "mask"] = "skip",
+                 seed: int = 0, scale_range: tuple[float, float] | None = None, **ignored: Any) -> None:
+        from squad.data.benchmark import DEFAULT_SCALE_RANGE, BenchmarkPipeline, check_dataset_tasks
+
+        unknown = set(ignored) - {"resize", "geometry_mask", "split_csv", "buildings"}
+        if unknown:
+            raise TypeError(f"BenchmarkShardDataset: unexpected options {sorted(unknown)}")
+        path = Path(root) / INDEX_NAME
+        if not path.is_file():
+            raise FileNotFoundError(f"no shard index {path}. Pack a tree with: python tools/make_data.py pack "
+                                    f"--dataset pascal_context --src ROOT --out {root} --image-size 512")
+        self.dataset = str(json.loads(path.read_text()).get("dataset", "taskonomy"))
+        if self.dataset == "taskonomy":
+            raise ValueError(f"{path}: these shards hold taskonomy; read them with ShardDataset")
+        names = check_dataset_tasks(self.dataset, tasks)
+        super().__init__(root, names, split=split, image_size=image_size, augment=augment, missing=missing,
+                         geometry_mask=False, seed=seed)
+        self.pipeline = BenchmarkPipeline(self.tasks, image_size, augment, scale_range or DEFAULT_SCALE_RANGE)
+        self.domains = self.pipeline.domains
+
+    def _read(self, index: int, domain: str) -> np.ndarray:
+        arr = super()._read(index, domain)
+        fi, row = self._loc[index]
+        try:
+            h, w = (int(v) for v in self._dataset(int(fi), HW_KEY)[int(row)])
+        except (OSError, KeyError) as e:
+            raise CorruptFileError(f"unreadable size of {self._describe(index, domain)}: {e}") from e
+        return arr[:h, :w]
 
 
 # ------------------------------------------------------------------------------------------------ bench

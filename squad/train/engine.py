@@ -75,7 +75,7 @@ class Trainer:
     def _datasets(self):
         d = self.cfg.data
         common = dict(image_size=self.cfg.model.img_size, resize=d.resize, missing=d.missing, seed=self.cfg.train.seed,
-                      split_csv=d.split_csv)
+                      split_csv=d.split_csv, dataset=d.dataset)
         train = build_dataset(d.root, self.tasks, d.split, augment=d.augment, **common)
         try:
             val = build_dataset(d.root, self.tasks, d.val_split, augment=False, **common)

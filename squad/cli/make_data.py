@@ -24,26 +24,41 @@ from pathlib import Path
 
 from squad.cli import run
 
+SYNTHETIC_SIZES = {"taskonomy": 64, "pascal_context": 128, "nyud": 128}  # default --image-size per dataset
+
 
 def _synthetic(args: argparse.Namespace) -> None:
-    try:
-        from squad.data.synthetic import render_dataset  # lazy: only this subcommand needs the renderer
+    size = SYNTHETIC_SIZES[args.dataset] if args.image_size is None else args.image_size
+    if args.buildings is not None and args.dataset != "taskonomy":
+        raise ValueError(f"--buildings applies to --dataset taskonomy only, not {args.dataset}")
+    try:  # lazy: only this subcommand needs the renderer
+        if args.dataset == "pascal_context":
+            from squad.data.synthetic_pascal import render_pascal as render
+        elif args.dataset == "nyud":
+            from squad.data.synthetic_nyud import render_nyud as render
+        else:
+            from squad.data.synthetic import render_dataset
     except ModuleNotFoundError as e:
         raise ValueError(f"the synthetic renderer is not available ({e})") from e
 
     t0 = time.perf_counter()
-    root = render_dataset(args.out, n=args.n, image_size=args.image_size, seed=args.seed, buildings=args.buildings)
-    print(f"rendered {args.n} samples at {args.image_size} px into {args.out} ({root}) in "
-          f"{time.perf_counter() - t0:.1f} s")
+    if args.dataset == "taskonomy":
+        root = render_dataset(args.out, n=args.n, image_size=size, seed=args.seed, buildings=args.buildings)
+    else:
+        root = render(args.out, n=args.n, image_size=size, seed=args.seed)
+    elapsed = time.perf_counter() - t0
+    print(f"rendered {args.n} {args.dataset} samples at {size} px into {args.out} ({root}) in {elapsed:.1f} s "
+          f"({args.n / max(elapsed, 1e-9):.1f} images/s)")
 
 
 def _pack(args: argparse.Namespace) -> None:
-    from squad.data import ShardDataset, pack_shards
+    from squad.data import build_dataset, pack_shards
 
     t0 = time.perf_counter()
     index = pack_shards(args.src, args.out, split_csv=args.split, splits=args.partitions,
                         image_size=args.image_size or None, shard_size=args.shard_size,
-                        domains=args.domains, compression=args.compression, workers=args.workers)
+                        domains=args.domains, compression=args.compression, workers=args.workers,
+                        dataset=args.dataset)
     elapsed = time.perf_counter() - t0
     info = json.loads(index.read_text())
     print(f"packed {args.src} into {args.out} in {elapsed:.1f} s")
@@ -55,7 +70,7 @@ def _pack(args: argparse.Namespace) -> None:
     for part in dict.fromkeys(s["split"] for s in info["shards"]):
         shards = [s for s in info["shards"] if s["split"] == part]
         print(f"{part:<8}{len(shards):>8}{sum(s['n'] for s in shards):>10}")
-    ShardDataset(args.out, [d for d in info["domains"] if d != "rgb"], split="all", missing="mask")  # readable
+    build_dataset(args.out, [d for d in info["domains"] if d != "rgb"], split="all", missing="mask")  # readable
 
 
 def _stats(args: argparse.Namespace) -> int:
@@ -81,16 +96,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    syn = sub.add_parser("synthetic", help="render a synthetic Taskonomy-format dataset")
+    syn = sub.add_parser("synthetic", help="render a synthetic dataset in Taskonomy's, PASCAL_MT's or NYUD_MT's layout")
+    syn.add_argument("--dataset", choices=sorted(SYNTHETIC_SIZES), default="taskonomy",
+                     help="layout to write: taskonomy (default), pascal_context (PASCAL_MT) or nyud (NYUD_MT)")
     syn.add_argument("--out", required=True, help="output folder")
     syn.add_argument("--n", "--images", type=int, default=2000, help="number of images")
-    syn.add_argument("--image-size", type=int, default=64, help="image side in pixels")
+    syn.add_argument("--image-size", type=int, default=None,
+                     help="taskonomy: image side (default 64); pascal_context: long side (default 128, aspect "
+                          "varies per image); nyud: width (default 128, height 3/4 of it)")
     syn.add_argument("--seed", type=int, default=0)
     syn.add_argument("--buildings", type=int, default=None, help="number of buildings (default: the renderer's)")
     syn.set_defaults(func=_synthetic)
 
     pack = sub.add_parser("pack", help="pack a Taskonomy tree into HDF5 shards")
-    pack.add_argument("--src", required=True, help="Taskonomy root (either layout)")
+    pack.add_argument("--dataset", choices=["taskonomy", "pascal_context", "nyud"], default=None,
+                      help="what --src holds (default: detected from its layout)")
+    pack.add_argument("--src", required=True, help="Taskonomy root (either layout), PASCAL_MT or NYUD folder")
     pack.add_argument("--out", required=True, help="output shard folder")
     pack.add_argument("--split", default=None,
                       help="split CSV: a path or a name (tiny, medium, full, fullplus, synthetic); "

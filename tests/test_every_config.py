@@ -12,6 +12,11 @@ For each ``configs/model/*.yaml`` (not the ``_`` parts), at the widths of `tests
 
 A new config is walked without any change here; a config of a new layer family fails
 `test_families_have_a_deepspeed_run` until it gets a representative in `DEEPSPEED`.
+
+Configs of the other benchmarks (heads of PASCAL-Context or NYUD-v2 tasks, `dataset_of`) are not walked: their layer
+families are the Taskonomy configs', and tests/test_pascal_nyud_training.py runs every tool on their Mod-Squad models.
+Each still trains here, shrunk the same way, for 2 steps on its own dataset's synthetic data
+(`test_other_benchmark_config_trains`, one plain process each).
 """
 
 from __future__ import annotations
@@ -27,7 +32,9 @@ import pytest
 import torch
 
 import squad
-from tests.helpers import MODEL_CONFIGS, ROOT, TINY, launcher, tiny_config, tool_env
+from squad.config.base import read_yaml
+from tests.helpers import MODEL_CONFIGS, PY, ROOT, TINY, launcher, tiny_config, tool_env
+from tests.test_pascal_nyud_training import BENCHMARK_TASKS, benchmark_data
 
 CONFIGS = {p.stem: p for p in MODEL_CONFIGS}
 HEADS = ["depth_euclidean", "normal", "class_object"]  # a dense regression, a dense vector field, a class task
@@ -37,6 +44,20 @@ TRAIN_TIMEOUT = 300  # a hang (a collective only some ranks reach) fails the tes
 
 # The config of each layer family that trains under `deepspeed --num_gpus 2` (2 CPU ranks).
 DEEPSPEED = {"dense": "mtl_vit_b", "moe": "modsquad_vit_s", "mod": "mod_vit_s", "mone": "mone_vit_s"}
+
+
+def dataset_of(name: str) -> str:
+    """The dataset a shipped config trains on: ``pascal_context`` or ``nyud`` when every head is one of that
+    benchmark's tasks (PASCAL-Context first: both have normals and edge), else ``taskonomy``."""
+    heads = {h if isinstance(h, str) else h["name"] for h in read_yaml(CONFIGS[name])["model"]["heads"]}
+    for dataset, tasks in BENCHMARK_TASKS.items():
+        if heads <= set(tasks):
+            return dataset
+    return "taskonomy"
+
+
+WALKED = sorted(n for n in CONFIGS if dataset_of(n) == "taskonomy")
+OTHER_BENCHMARKS = sorted(n for n in CONFIGS if dataset_of(n) != "taskonomy")
 
 
 def family(name: str) -> str:
@@ -53,8 +74,10 @@ def family(name: str) -> str:
 
 
 def _heads(name: str) -> list[str]:
-    heads = tiny_config(CONFIGS[name]).model.heads
-    return HEADS if len(heads) > 1 else [h if isinstance(h, str) else h.name for h in heads]
+    """The heads a config trains here: three Taskonomy tasks, or a single-task config's one, or every head of a
+    config of another benchmark."""
+    heads = [h if isinstance(h, str) else h.name for h in tiny_config(CONFIGS[name]).model.heads]
+    return HEADS if len(heads) > 1 and dataset_of(name) == "taskonomy" else heads
 
 
 def _train_args(name: str, out: Path, data: Path, steps: int) -> list[str]:
@@ -92,7 +115,7 @@ class Trained:
             pytest.skip(f"{self.name} did not train (see test_trains_and_resumes[{self.name}])")
 
 
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
+@pytest.fixture(scope="module", params=WALKED)
 def trained(request, tmp_path_factory, tiny_data) -> Trained:
     """One config, trained then resumed (under the deepspeed launcher for the configs in `DEEPSPEED`)."""
     name = request.param
@@ -108,11 +131,34 @@ EXPECTED_FAMILIES = {
     "amod_vit_s": "mod", "m3vit_vit_b": "moe", "mod_vit_s": "mod", "modsquad_vit_b": "moe", "modsquad_vit_s": "moe",
     "moe_attn_only_vit_b": "moe", "moe_mlp_only_vit_b": "moe", "mone_vit_s": "mone", "mtl_vit_b": "dense",
     "stl_vit_b": "dense",
+    # the other benchmarks' configs (trained by test_other_benchmark_config_trains, tools in test_pascal_nyud_training)
+    "modsquad_vit_s_nyud": "moe", "modsquad_vit_s_pascal": "moe", "mtl_vit_s_pascal": "dense",
+    "stl_vit_s_pascal": "dense",
 }
+EXPECTED_DATASETS = {"modsquad_vit_s_nyud": "nyud", "modsquad_vit_s_pascal": "pascal_context",
+                     "mtl_vit_s_pascal": "pascal_context", "stl_vit_s_pascal": "pascal_context"}
 
 
 def test_every_shipped_config_is_walked():
     assert {n: family(n) for n in CONFIGS} == EXPECTED_FAMILIES
+    assert {n: dataset_of(n) for n in OTHER_BENCHMARKS} == EXPECTED_DATASETS
+    assert set(WALKED) | set(OTHER_BENCHMARKS) == set(CONFIGS)
+
+
+@pytest.mark.parametrize("name", OTHER_BENCHMARKS)
+def test_other_benchmark_config_trains(name, tmp_path_factory):
+    """A PASCAL-Context / NYUD-v2 config, shrunk by `TINY`, trains 2 steps on its dataset's synthetic data, every
+    head at once, and the run loads with a prediction per head at the data's resolution."""
+    dataset = dataset_of(name)
+    data = benchmark_data(tmp_path_factory, dataset)
+    out = tmp_path_factory.mktemp("other") / name
+    r = _run([PY, "tools/train.py", *_train_args(name, out, data, STEPS), "--set", f"data.dataset={dataset}"])
+    assert r["rc"] == 0, f"{name}: exit {r['rc']}\n{r['stderr']}"
+    model = squad.load(out)
+    assert list(model.task_names) == _heads(name)
+    with torch.no_grad():
+        preds = model(torch.randn(2, 3, 32, 32)).preds
+    assert all(p.shape[-2:] == (32, 32) and torch.isfinite(p).all() for p in preds.values())
 
 
 def test_families_have_a_deepspeed_run():

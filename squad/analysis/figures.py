@@ -117,9 +117,10 @@ def calibration_pass(model: SquadViT, data: str | Path, split: str = "val", batc
     tasks could share)."""
     from squad.data import build_dataset
     from squad.eval.evaluate import eval_loader
-    from squad.tasks import TASK_NAMES
+    from squad.tasks import DENSE_LABEL_TASKS, TASK_NAMES
 
-    probe = next((t for t in model.task_names if t in TASK_NAMES), TASK_NAMES[0])  # images only: targets unused
+    # a task the data provides (images only: targets unused): the model's own Taskonomy / PASCAL / NYUD task
+    probe = next((t for t in model.task_names if t in (*TASK_NAMES, *DENSE_LABEL_TASKS)), TASK_NAMES[0])
     ds = build_dataset(data, [probe], split, image_size=model.cfg.img_size, augment=False, missing="mask")
     usage = ExpertUsage(model.task_names)
     loader = eval_loader(ds, batch_size, workers)

@@ -26,6 +26,7 @@ from typing import Any, Literal
 from squad.config.base import ConfigError
 
 HeadKind = Literal["dense", "class", "token"]
+DECODERS = ("linear", "light")  # a dense head's decoder (squad.layers.heads)
 
 
 @dataclasses.dataclass
@@ -35,15 +36,28 @@ class HeadConfig:
     ``dense``: linear per patch token to patch·patch·channels pixels; ``class``: mean-pooled patch tokens →
     LayerNorm → Linear(channels) (the paper's heads, and timm's average-pooled ViT head: pool → fc_norm → head);
     ``token``: the class token → Linear (timm's class-token ViT head).
+
+    A dense head's ``decoder`` is ``linear`` (the per-patch linear map above) or ``light`` (`squad.layers.heads.
+    LightDecoder`: 3×3 convs on the token grid with progressive ×2 upsampling, ``decoder_width`` channels after the
+    first conv, halving each step), e.g. ``{name: semseg, kind: dense, channels: 21, decoder: light}``.
     """
 
     name: str
     kind: HeadKind = "dense"
     channels: int = 1
+    decoder: str = "linear"  # one of DECODERS (checked here, so a wrong value is named with its key)
+    decoder_width: int = 64
 
     def check(self, path: str) -> None:
         if self.channels < 1:
             raise ConfigError(f"{path}.channels must be >= 1, got {self.channels}")
+        if self.decoder not in DECODERS:
+            raise ConfigError(f"{path}.decoder must be one of {', '.join(DECODERS)}, got {self.decoder!r}")
+        if self.decoder != "linear" and self.kind != "dense":
+            raise ConfigError(f"{path}.decoder={self.decoder} needs kind=dense (a {self.kind} head predicts one "
+                              f"vector per image: it has no decoder)")
+        if self.decoder_width < 1:
+            raise ConfigError(f"{path}.decoder_width must be >= 1, got {self.decoder_width}")
 
 
 @dataclasses.dataclass

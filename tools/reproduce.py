@@ -5,8 +5,11 @@ The tool lives in `squad.cli.reproduce` (also installed as `squad-reproduce`); u
 ``python tools/reproduce.py --help``.
 """
 
+import os
 import sys
 
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgomp (squad/runtime.py)
 try:
     from squad.cli.reproduce import main  # the tool (arguments, error handling) lives in the package
 except ModuleNotFoundError as e:

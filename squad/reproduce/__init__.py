@@ -1,4 +1,13 @@
 """Reproducing the papers' claims on the embedded data (tools/reproduce.py).
 
 One experiment per claim; each run is an ordinary run folder; a report (markdown, figures, results.json).
+
+* `scales`: tiny / small / paper — widths, images, step budgets, seeds, the time plan;
+* `runs`: a run's config from a method family's paper config, training it in-process with squad's engine (skipped
+  when done), the cost measurement (step time, peak memory);
+* `verdicts`: paired per-seed comparisons, the verdict rule, Δt;
+* `claims`: one function per claim (modsquad-table2, pruning, router-finetune, mi-vs-balance, amod-table3,
+  mone-budget);
+* `report`: report.md, figures/*.png, results.json;
+* `paper`: ``--scale paper``'s run configs and ``deepspeed --hostfile`` commands (written, not run).
 """

@@ -1,0 +1,363 @@
+"""The runs of tools/reproduce.py: each an ordinary run folder trained by squad's own engine, skipped when done.
+
+A run is a `RunSpec` (a method family from configs/model/, a seed, the tasks it trains, the step budget, a few
+keys of its own); `run_config` turns it into the `RunConfig` that `squad.train.engine` trains, at a scale's widths
+(`squad.reproduce.scales.width_overrides`). `Runner.ensure` trains it into ``OUT/runs/<name>`` in this process and
+prints one progress line; a folder that already holds ``model.pt`` and ``metrics.jsonl`` is done and skipped, and a
+folder with a checkpoint but no ``model.pt`` resumes from it (the engine's ``--resume auto``). Every run folder opens
+with ``squad.load`` and the other tools.
+
+A run may start from given weights (``RunSpec.init``: the A-MoD fine-tune of an adapted dense model); those are
+loaded into the model before the engine looks for a checkpoint to resume, so a resumed run continues its own.
+
+`measure_cost` gives the cost side of Mod-Squad's Table 2: seconds per training step and peak training memory of a
+run's model (forward, backward and AdamW step on one batch; peak memory above the memory in use before the model was
+built: on a GPU from ``torch.cuda.max_memory_allocated``, on Linux from the process's peak resident set, which it
+resets first through ``/proc/self/clear_refs``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import gc
+import json
+import logging
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from squad.config.base import to_dict
+from squad.config.loading import load_config
+from squad.config.run import RunConfig
+from squad.reproduce.scales import Scale, format_duration, width_overrides
+
+log = logging.getLogger("squad.reproduce")
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """A method: the paper config it comes from, its label in the report, loss keys of its own."""
+
+    config: str  # a registered model config (configs/model/<config>.yaml)
+    label: str
+    loss: tuple[tuple[str, object], ...] = ()
+
+
+FAMILIES: dict[str, Family] = {
+    "stl": Family("stl_vit_b", "STL"),
+    "mtl": Family("mtl_vit_b", "MTL"),
+    "m3vit": Family("m3vit_vit_b", "M3ViT-like"),
+    "moe_mlp": Family("moe_mlp_only_vit_b", "MoE MLP only"),
+    "moe_attn": Family("moe_attn_only_vit_b", "MoE attention only"),
+    "modsquad": Family("modsquad_vit_b", "Mod-Squad"),
+    # the same model with a per-task switch balance loss instead of the MI loss (mi-vs-balance)
+    "modsquad_balance": Family("modsquad_vit_b", "Mod-Squad, balance loss",
+                               (("w_mi", 0.0), ("balance", "switch"), ("balance_scope", "per_task"),
+                                ("w_balance", 0.01))),
+    "mone": Family("mone_vit_s", "MoNE"),
+    "mod": Family("mtl_vit_b", "MoD (adapted)"),  # the adapted dense model's fine-tune (its plan comes from init)
+}
+
+
+@dataclasses.dataclass
+class RunSpec:
+    """One training run.
+
+    Attributes:
+        name: the run folder's name (unique in an output folder; carries the seed).
+        family: a key of `FAMILIES`.
+        seed: ``train.seed`` (initialisation, data order, augmentation, router noise).
+        tasks: the model's heads.
+        steps: optimiser steps.
+        train_tasks: the tasks trained (``data.tasks``; default: every head).
+        model: more model keys (nested dict), e.g. MoNE's capacity.
+        evals: validations during training besides the first and the last (a curve in ``metrics.jsonl``).
+        init: returns the model config (as a dict) and weights the run starts from (A-MoD: the adapted model).
+        lr: the peak learning rate (default: the scale's).
+        warmup: warm-up steps (default: the scale's).
+    """
+
+    name: str
+    family: str
+    seed: int
+    tasks: Sequence[str]
+    steps: int
+    train_tasks: Sequence[str] | None = None
+    model: dict = dataclasses.field(default_factory=dict)
+    evals: int = 0
+    init: Callable[[], tuple[dict, dict[str, torch.Tensor]]] | None = None
+    lr: float | None = None
+    warmup: int | None = None
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def model_section(family: str, scale: Scale, tasks: Sequence[str], extra: dict | None = None) -> tuple[dict, dict]:
+    """The ``model`` and ``loss`` sections of a family at a scale (paper scale: the paper config's widths).
+
+    Raises:
+        ValueError: an unknown family.
+    """
+    if family not in FAMILIES:
+        raise ValueError(f"unknown method family {family!r}; families: {', '.join(FAMILIES)}")
+    fam = FAMILIES[family]
+    paper = load_config(fam.config)
+    model = to_dict(paper.model)
+    if not scale.paper:
+        model = _merge(model, width_overrides(scale, paper.model.head_dim,
+                                              (paper.model.embed_dim, paper.model.num_heads)))
+    model["heads"] = list(tasks)
+    model = _merge(model, extra or {})
+    loss = to_dict(paper.loss)
+    loss.update(dict(fam.loss))
+    return model, loss
+
+
+def run_config_dict(spec: RunSpec, scale: Scale, data_root: str | Path) -> dict:
+    """The run config of ``spec`` as a plain dict (what `run_config` loads and the paper scale writes)."""
+    if spec.init is not None:
+        model, _ = spec.init()
+        loss = to_dict(load_config(FAMILIES[spec.family].config).loss)
+    else:
+        model, loss = model_section(spec.family, scale, spec.tasks, spec.model)
+    every = spec.steps // (spec.evals + 1) if spec.evals and spec.steps > spec.evals else 0
+    data = {"root": str(data_root), "workers": scale.workers, "val_batches": 0}
+    if spec.train_tasks is not None:
+        data["tasks"] = list(spec.train_tasks)
+    optim = {"lr": spec.lr or scale.lr, "weight_decay": 0.05, "steps": spec.steps, "batch_per_rank": scale.batch,
+             "clip": 1.0, "min_lr": min(1e-6, spec.lr or scale.lr),
+             "warmup_steps": min(spec.warmup if spec.warmup is not None else scale.warmup, max(0, spec.steps - 1))}
+    train = {"seed": spec.seed, "log_every": max(1, min(25, spec.steps)), "eval_every": every, "ckpt_every": 0,
+             "keep_checkpoints": 1, "progress": False}
+    if spec.init is not None:
+        train["precision"] = "fp32"  # the initial weights go into the fp32 module DeepSpeed trains (see RunSpec)
+    return {"model": model, "loss": loss, "data": data, "optim": optim, "train": train}
+
+
+def run_config(spec: RunSpec, scale: Scale, data_root: str | Path) -> RunConfig:
+    """The `RunConfig` that trains ``spec`` at ``scale`` on ``data_root``."""
+    return load_config(run_config_dict(spec, scale, data_root), cls=RunConfig)
+
+
+def paper_config_dict(spec: RunSpec, scale: Scale, data_root: str) -> dict:
+    """The real-Taskonomy run config of ``spec``: the paper widths and the schedule of
+    configs/taskonomy/modsquad_vit_b.yaml (100 epochs, 10 of warm-up, AdamW 2e-4, 12 images × 8 GPUs × 15 nodes)."""
+    from squad.config.base import config_root
+
+    base = load_config(Path(config_root()) / "taskonomy" / "modsquad_vit_b.yaml", cls=RunConfig)
+    out = run_config_dict(spec, scale, data_root)
+    out["data"] = {**to_dict(base.data), "root": data_root, **({"tasks": list(spec.train_tasks)}
+                                                               if spec.train_tasks is not None else {})}
+    out["optim"] = to_dict(base.optim)
+    out["train"] = {**to_dict(base.train), "seed": spec.seed}
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ run folders
+def is_done(run_dir: Path) -> bool:
+    """A finished run: its exported model and its validation metrics are there."""
+    return (run_dir / "model.pt").is_file() and (run_dir / "metrics.jsonl").is_file()
+
+
+def metrics_history(run_dir: Path) -> list[tuple[int, dict]]:
+    """(step, task → metric → value) of every validation ``metrics.jsonl`` holds, by step."""
+    rows = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and "step" in row and isinstance(row.get("metrics"), dict):
+            rows[int(row["step"])] = row["metrics"]
+    return sorted(rows.items())
+
+
+def final_metrics(run_dir: Path) -> dict[str, dict[str, float]]:
+    """The validation metrics of a finished run at its last step."""
+    history = metrics_history(run_dir)
+    if not history:
+        raise ValueError(f"{run_dir / 'metrics.jsonl'} holds no validation")
+    return history[-1][1]
+
+
+def _trainer_class():
+    from squad.train.engine import Trainer
+
+    class InitTrainer(Trainer):
+        """The engine's trainer, starting from given weights unless it resumes a checkpoint of its own."""
+
+        init_state: dict[str, torch.Tensor] | None = None
+
+        def _maybe_resume(self) -> None:
+            if self.init_state is not None:
+                with torch.no_grad():
+                    self.model.load_state_dict(self.init_state)
+            super()._maybe_resume()
+
+    return InitTrainer
+
+
+def train_run(cfg: RunConfig, run_dir: Path, init_state: dict[str, torch.Tensor] | None = None) -> Path:
+    """Trains ``cfg`` into ``run_dir`` with squad's engine (resuming its checkpoint, if any); returns model.pt."""
+    trainer = _trainer_class()(cfg, run_dir, "auto")
+    trainer.init_state = init_state
+    try:
+        return trainer.train()
+    finally:
+        trainer.folder.close()
+        if trainer.log_handler is not None:
+            logging.getLogger("squad").removeHandler(trainer.log_handler)
+            trainer.log_handler.close()
+
+
+class Runner:
+    """Trains the runs of an invocation into ``out/runs``, skipping finished ones, with a progress line per run."""
+
+    def __init__(self, out: Path, scale: Scale, data_root: Path, total: int = 0, stream=None):
+        self.out = Path(out)
+        self.scale = scale
+        self.data_root = Path(data_root)
+        self.total = total
+        self.count = 0
+        self.trained = 0
+        self.skipped = 0
+        self.stream = stream or sys.stdout
+        self.seen: dict[str, Path] = {}  # runs ensured in this invocation (claims share runs)
+
+    def path(self, spec: RunSpec) -> Path:
+        return self.out / "runs" / spec.name
+
+    def say(self, text: str) -> None:
+        print(f"[reproduce] {text}", file=self.stream, flush=True)
+
+    def ensure(self, spec: RunSpec) -> Path:
+        """The finished run folder of ``spec``, trained now unless it is done already."""
+        run_dir = self.path(spec)
+        if spec.name in self.seen:
+            return run_dir
+        self.seen[spec.name] = run_dir
+        self.count += 1
+        where = f"run {self.count}/{self.total}" if self.total else f"run {self.count}"
+        if is_done(run_dir):
+            record = run_dir / "reproduce.json"
+            steps = json.loads(record.read_text()).get("steps") if record.is_file() else None
+            if steps is not None and steps != spec.steps:
+                raise ValueError(f"{run_dir} was trained for {steps} steps, this invocation plans {spec.steps}: "
+                                 f"use another --out (or the same --steps) so that every run of a report has the "
+                                 f"same budget")
+            self.skipped += 1
+            self.say(f"{where} {spec.name}: done already, skipped")
+            return run_dir
+        cfg = run_config(spec, self.scale, self.data_root)
+        init = spec.init()[1] if spec.init is not None else None
+        t0 = time.perf_counter()
+        train_run(cfg, run_dir, init)
+        seconds = time.perf_counter() - t0
+        self.trained += 1
+        (run_dir / "reproduce.json").write_text(json.dumps(
+            {"family": spec.family, "seed": spec.seed, "steps": spec.steps, "train_seconds": seconds}, indent=2)
+            + "\n")
+        self.say(f"{where} {spec.name}: trained {spec.steps} steps in {format_duration(seconds)} "
+                 f"({seconds / max(1, spec.steps):.2f} s/step with set-up and validation)")
+        return run_dir
+
+
+# ------------------------------------------------------------------------------------------------ cost
+def _rss_kib(field: str) -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def _reset_peak_rss() -> bool:
+    """Frees what the C allocator holds and resets the peak resident set (Linux ≥ 4.0); False where it cannot."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return _rss_kib("VmHWM") is not None
+
+
+def measure_cost(cfg: RunConfig, steps: int, device: str | torch.device = "cpu") -> dict:
+    """Seconds per training step and peak training memory of ``cfg``'s model on one batch of its data.
+
+    Args:
+        cfg: a run config (its model, tasks, batch, optimiser and data root are used).
+        steps: timed steps (after one untimed warm-up step).
+        device: where to run.
+
+    Returns:
+        ``{"step_s": seconds per step (the fastest of ``steps``: the least disturbed by other processes), "cpu_s":
+        CPU seconds per step of this process (median), "peak_mib": peak memory in MiB or None where it cannot be
+        measured, "memory": how it was measured}``.
+    """
+    from squad.data import build_dataset, collate
+    from squad.models.vit import build_model
+    from squad.train.objective import MultiTaskObjective
+    from squad.train.optim import param_groups
+
+    device = torch.device(device)
+    tasks = cfg.train_tasks()
+    ds = build_dataset(cfg.data.root, tasks, cfg.data.split, image_size=cfg.model.img_size, augment=False,
+                       split_csv=cfg.data.split_csv)
+    batch = collate([ds[i % len(ds)] for i in range(cfg.optim.batch_per_rank)])
+    images = batch["rgb"].to(device)
+    targets = {t: v.to(device) for t, v in batch["targets"].items()}
+    masks = {t: v.to(device) for t, v in batch["masks"].items()}
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        how = "torch.cuda.max_memory_allocated above the memory in use before the model was built"
+    else:
+        rss = _reset_peak_rss()
+        before = _rss_kib("VmRSS") if rss else None
+        how = ("peak resident set (VmHWM, reset through /proc/self/clear_refs) above the resident set before the "
+               "model was built" if rss else "not measurable here (no /proc/self/clear_refs)")
+    torch.manual_seed(cfg.train.seed)
+    model = build_model(cfg.model)
+    objective = MultiTaskObjective(model, tasks, cfg).to(device).train()
+    opt = torch.optim.AdamW(param_groups(objective, cfg.optim.weight_decay), lr=cfg.optim.lr)
+    times, cpu = [], []
+    for i in range(steps + 1):
+        if cuda:
+            torch.cuda.synchronize(device)
+        t0, c0 = time.perf_counter(), time.process_time()
+        total, *_ = objective(images, targets, masks)
+        opt.zero_grad(set_to_none=True)
+        total.backward()
+        opt.step()
+        if cuda:
+            torch.cuda.synchronize(device)
+        if i:
+            times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
+    if cuda:
+        peak = (torch.cuda.max_memory_allocated(device) - before) / 2**20
+    else:
+        hwm = _rss_kib("VmHWM") if before is not None else None
+        peak = (hwm - before) / 1024 if hwm is not None else None
+    del objective, opt, model
+    gc.collect()
+    return {"step_s": min(times) if times else float("nan"), "cpu_s": statistics.median(cpu) if cpu else float("nan"),
+            "peak_mib": peak, "memory": how}

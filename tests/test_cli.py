@@ -19,7 +19,8 @@ from tests.helpers import ROOT, tool_env
 SCRIPTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
 SCRIPTS_IN_TOOLS = ["tools/train.py", "tools/extract.py", "tools/finetune_router.py", "tools/evaluate.py",
                     "tools/visualize.py", "tools/adapt_pretrained.py", "tools/make_data.py", "tools/bench.py",
-                    "tools/demo.py"]
+                    "tools/demo.py", "tools/upcycle.py", "tools/predict.py", "tools/export.py",
+                    "tools/reproduce.py"]
 TOOLS = [Path(p).stem for p in SCRIPTS_IN_TOOLS]
 
 
@@ -35,6 +36,10 @@ def _bad_input(tool: str, missing: Path, blocker: Path) -> list[str]:
         "make_data": ["pack", "--src", str(missing), "--out", str(blocker.parent / "shards")],
         "bench": ["--profile", "--json", str(blocker / "bench.json")],
         "demo": ["--data", str(blocker), "--out", str(blocker.parent / "demo")],
+        "upcycle": ["--from", str(missing), "--config", "modsquad_vit_s", "--out", str(blocker.parent / "init.pt")],
+        "predict": ["--checkpoint", str(missing), "--images", str(missing), "--out", str(blocker.parent / "pred")],
+        "export": ["--checkpoint", str(missing), "--out", str(blocker.parent / "x.pt2")],
+        "reproduce": ["pruning", "--scale", "tiny", "--data", str(missing), "--out", str(blocker / "repro")],
     }[tool]
 
 

@@ -17,14 +17,17 @@ How a command is run (the only changes, all here):
 
 - in one scratch folder, in README order (later commands use what earlier ones wrote: ``data/synthetic``,
   ``runs/demo``, ``depth.pt``), with ``tools/`` and ``configs/`` linked from the checkout; ``python`` is this
-  interpreter, ``deepspeed``/``torchrun``/``squad-*`` the virtualenv's, on CPU DeepSpeed (`tests.helpers.tool_env`);
+  interpreter, ``deepspeed``/``torchrun``/``accelerate``/``squad-*`` the virtualenv's, on CPU DeepSpeed
+  (`tests.helpers.tool_env`);
 - sizes (`SIZES`): ``make_data`` renders/packs 32 images of 32 px; ``torchrun --nproc_per_node`` runs 2 processes;
-  launchers get a free ``--master_port``; a training gets `TRAIN_SETS` appended as ``--set`` overrides (the
-  `tests.helpers.TINY` widths, 2 steps of 4 images, no workers, 1 validation batch); finetune_router gets
-  ``--steps 2`` (`TOOL_ARGS`);
+  launchers get a free ``--master_port`` (accelerate: ``--main_process_port``); a training gets `TRAIN_SETS`
+  appended as ``--set`` overrides (the `tests.helpers.TINY` widths, 2 steps of 4 images, no workers, 1 validation
+  batch); finetune_router gets ``--steps 2`` and upcycle the TINY widths (`TOOL_ARGS`);
 - paths (`PATHS`): ``/data/taskonomy`` is a random Taskonomy tree (`squad.data.write_random_tree`, its split CSV also
-  under the names ``tiny`` and ``full``), ``/data/taskonomy_shards`` a scratch folder; a training config whose
-  ``data.root`` is one of them gets it substituted; ``vit_small.pth`` is a small timm ViT-S state dict (32 px);
+  under the names ``tiny`` and ``full``), ``/data/taskonomy_shards`` a scratch folder, ``/data/PASCAL_MT`` and
+  ``/data/NYUD_MT`` small synthetic trees in those layouts; ``deepspeed --num_gpus N`` runs at most 2 ranks; a
+  training config whose ``data.root`` is one of them gets it substituted; ``vit_small.pth`` is a small timm ViT
+  state dict (32 px, the TINY widths);
 - optional arguments written in ``[ ]`` are left out; ``...`` and ``<name>`` are placeholders, not commands;
 - the python block gets ``images`` (a batch at the model's 64 px, `GIVEN_NAMES`); a line ``expr  # literal`` asserts
   that ``expr`` equals the literal.
@@ -56,9 +59,9 @@ BIN = Path(sys.executable).parent
 TIMEOUT = 300
 
 # The first word of a shell line in a fenced block (a block with none of these is a listing, not commands).
-PROGRAMS = ("python", "python3", "deepspeed", "torchrun", "make", "pip", "bash", "sh", "export", "cd", "git", "curl",
-            "wget", "conda", "docker", "TRITON_INTERPRET=", "squad-")
-INLINE = re.compile(r"^(python3? tools/\S+\.py|(deepspeed|torchrun|make|squad-[a-z-]+) \S)")
+PROGRAMS = ("python", "python3", "deepspeed", "torchrun", "accelerate", "make", "pip", "bash", "sh", "export", "cd",
+            "git", "curl", "wget", "conda", "docker", "TRITON_INTERPRET=", "squad-")
+INLINE = re.compile(r"^(python3? tools/\S+\.py|(deepspeed|torchrun|accelerate|make|squad-[a-z-]+) \S)")
 
 # Commands that cannot run here (matched at the start of the command), each with its reason.
 SKIPPED = {
@@ -67,13 +70,18 @@ SKIPPED = {
     "deepspeed --hostfile hosts --num_nodes 4 --num_gpus 8": "needs 4 nodes with 8 GPUs each; multi-node launching "
     "runs on loopback in test_train.py::test_multi_node_loopback_matches_one_node",
     "python tools/bench.py@": "the full benchmark runs for many minutes; test_bench.py runs it at --quick sizes",
+    "python tools/reproduce.py all --scale small": "the small-scale reproduction trains 50+ models (about an hour); "
+    "test_reproduce.py runs every claim at --scale tiny, and the tiny command below runs here",
 }
 
 SIZES = {"--n": "32", "--image-size": "32", "--nproc_per_node": "2"}
 TRAIN_SETS = [*TINY, "model.head_dim=null", "optim.steps=2", "optim.batch_per_rank=4", "data.workers=0",
               "data.val_batches=1", "train.progress=false"]
-TOOL_ARGS = {"finetune_router": ["--steps", "2"]}
-PATHS = {"/data/taskonomy_shards": "taskonomy_shards", "/data/taskonomy": "taskonomy"}
+TOOL_ARGS = {"finetune_router": ["--steps", "2"],
+             "upcycle": [a for s in [*TINY, "model.head_dim=null"] for a in ("--set", s)]}  # the TINY model's widths
+PATHS = {"/data/taskonomy_shards": "taskonomy_shards", "/data/taskonomy": "taskonomy", "/data/PASCAL_MT": "PASCAL_MT",
+         "/data/NYUD_MT": "NYUD_MT"}
+MAX_RANKS = 2  # ``deepspeed --num_gpus 8`` runs 2 CPU ranks here
 GIVEN_NAMES = "import torch\nimages = torch.randn(2, 3, 64, 64)\n"
 
 
@@ -175,14 +183,19 @@ def to_argv(text: str, ws: Path) -> list[str]:
         text = text.replace(src, str(ws / dst))
     words = shlex.split(text)
     program = words[0]
-    if program not in ("python", "python3", "deepspeed", "torchrun") and not program.startswith("squad-"):
+    launchers = ("deepspeed", "torchrun", "accelerate")
+    if program not in ("python", "python3", *launchers) and not program.startswith("squad-"):
         raise LookupError(f"tests/test_readme.py does not know how to run {program!r}")
     words[0] = sys.executable if program.startswith("python") else str(BIN / program)
     for n in range(1, len(words) - 1):
         if words[n] in SIZES:
             words[n + 1] = SIZES[words[n]]
+        if words[n] == "--num_gpus" and int(words[n + 1]) > MAX_RANKS:
+            words[n + 1] = str(MAX_RANKS)
     if program in ("deepspeed", "torchrun") and "--master_port" not in words:
         words[1:1] = ["--master_port", str(free_port())]
+    if program == "accelerate" and "--main_process_port" not in words:
+        words[2:2] = ["--main_process_port", str(free_port())]
     tool = _tool_of(words)
     if tool is None:
         raise LookupError(f"tests/test_readme.py does not know which squad tool {text!r} runs")
@@ -236,6 +249,8 @@ def workspace(tmp_path_factory) -> Path:
     import torch
 
     from squad.data.random_tree import write_random_tree
+    from squad.data.synthetic_nyud import render_nyud
+    from squad.data.synthetic_pascal import render_pascal
 
     ws = tmp_path_factory.mktemp("readme")
     for name in ("tools", "configs"):
@@ -244,8 +259,12 @@ def workspace(tmp_path_factory) -> Path:
     csv = next(tree.glob("train_val_test_*.csv"))
     for split in ("tiny", "full"):
         shutil.copy(csv, tree / f"train_val_test_{split}.csv")
+    render_pascal(ws / PATHS["/data/PASCAL_MT"], n=32, image_size=32, workers=1)
+    render_nyud(ws / PATHS["/data/NYUD_MT"], n=32, image_size=32, workers=1)
     torch.manual_seed(0)
-    vit = timm.create_model("vit_small_patch16_224", pretrained=False, img_size=32, patch_size=8, num_classes=0)
+    # a ViT at the TINY widths (timm's ViT-S layout), so tools/upcycle.py can turn it into the TINY Mod-Squad
+    vit = timm.create_model("vit_small_patch16_224", pretrained=False, img_size=32, patch_size=8, embed_dim=64,
+                            depth=4, num_heads=4, num_classes=0)
     torch.save(vit.state_dict(), ws / "vit_small.pth")
     return ws
 

@@ -75,16 +75,55 @@ def test_tiny_results_json_and_figures(tiny_report):
         assert m["params"] > 0 and m["macs"] > 0 and m["step_s"] > 0
 
 
+def test_tiny_pascal_table3_section(tiny_report):
+    """pascal-table3: its own PASCAL-Context data, STL / MTL / Mod-Squad / pruned with Δm per seed, parameters full
+    vs pruned, MACs, step times, the comparisons behind the verdict, a figure (the verdict itself is not checked)."""
+    out, _, _ = tiny_report
+    results = json.loads((out / "results.json").read_text())
+    assert (out / "data" / "pascal_shards" / "shards.json").is_file()
+    assert json.loads((out / "data" / "pascal" / "synthetic.json").read_text())["dataset"] == "pascal_context"
+    assert results["data"]["pascal"]["root"] == str(out / "data" / "pascal_shards")
+    claim = results["claims"]["pascal-table3"]
+    tasks = ["semseg", "human_parts", "saliency", "normals", "edge"]
+    assert claim["tasks"] == tasks
+    methods = claim["methods"]
+    assert set(methods) == {"stl", "pascal_mtl", "pascal_modsquad", "pruned", "pruned_top"}
+    for key, m in methods.items():
+        assert len(m["dm"]) == 1 and len(m["per_task"]) == 1 and set(m["metrics"][0]) == set(tasks), key
+        assert m["params"] > 0 and m["macs"] > 0, key
+    assert methods["stl"]["dm"] == [0.0]
+    for key in ("stl", "pascal_mtl", "pascal_modsquad"):  # the cost side is measured for every trained method
+        assert methods[key]["step_s"] > 0, key
+    full = methods["pascal_modsquad"]["params"]
+    assert methods["pruned"]["params"] < full  # one task's subnetwork against the 5-task model
+    assert methods["pruned"]["ratio"][0] == pytest.approx(methods["pruned"]["params"] / full, rel=1e-6)
+    assert methods["stl"]["params"] == pytest.approx(5 * methods["stl"]["params_each"])
+    labels = [c["label"] for c in claim["comparisons"]]
+    assert labels[0] == "Δm(Mod-Squad) > Δm(MTL)" and "θ=0.01" in labels[1] and "≤ 0.60" in labels[2]
+    sections = _sections((out / "report.md").read_text())
+    body = sections["pascal-table3"]
+    for label in ("STL (one model per task)", "| MTL |", "| Mod-Squad |", "Mod-Squad pruned (θ=0.01)", "odsf ↑",
+                  "angle_mean ↓", "![pascal-table3](figures/pascal-table3_dm.png)"):
+        assert label in body, label
+    for task in tasks:  # the pruned model: every task extracted at θ = 0.01, an ordinary extracted file
+        model = squad.load(out / "runs" / "pascal-modsquad-s0" / "extracted" / f"{task}_theta0.01.pt")
+        assert model.meta["format"] == "squad.extracted/1"
+    cfg = squad.load(out / "runs" / "pascal-modsquad-s0").cfg
+    assert cfg.task_names == tasks and cfg.img_size == 32
+
+
 def test_every_run_is_an_ordinary_run_folder(tiny_report):
     out, stdout, _ = tiny_report
     runs = sorted(p for p in (out / "runs").iterdir() if p.is_dir())
-    assert len(runs) == 16  # 4 STL + 5 methods + balance + pretrain without the class tasks + 2 A-MoD + 3 MoNE
+    # 4 STL + 5 methods + balance + pretrain without the class tasks + 2 A-MoD + 3 MoNE; pascal-table3: 5 STL, MTL,
+    # Mod-Squad
+    assert len(runs) == 16 + 7
     for run in runs:
         model = squad.load(run)
         assert model.meta["format"] == "squad.model/1", run
         assert (run / "config.yaml").is_file() and (run / "metrics.jsonl").is_file()
-    progress = re.findall(r"^\[reproduce\] run (\d+)/16 (\S+): trained", stdout, flags=re.M)
-    assert sorted(int(i) for i, _ in progress) == list(range(1, 17))  # one progress line per run
+    progress = re.findall(r"^\[reproduce\] run (\d+)/23 (\S+): trained", stdout, flags=re.M)
+    assert sorted(int(i) for i, _ in progress) == list(range(1, 24))  # one progress line per run
     assert {name for _, name in progress} == {r.name for r in runs}
     extracted = list((out / "runs" / "modsquad-s0" / "extracted").glob("*.pt"))
     assert len(extracted) == 4 * 5  # 4 tasks × (4 θ + keep-top)
@@ -100,8 +139,8 @@ def test_a_second_invocation_skips_finished_runs(tiny_report):
     stamps = {p: p.stat().st_mtime_ns for p in (out / "runs").glob("*/model.pt")}
     res, seconds = _run("all", "--scale", "tiny", "--out", str(out))
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "16 runs (16 done already)" in res.stdout
-    assert len(re.findall(r"^\[reproduce\] run \d+/16 \S+: done already, skipped$", res.stdout, flags=re.M)) == 16
+    assert "23 runs (23 done already)" in res.stdout
+    assert len(re.findall(r"^\[reproduce\] run \d+/23 \S+: done already, skipped$", res.stdout, flags=re.M)) == 23
     assert ": trained" not in res.stdout
     assert stamps == {p: p.stat().st_mtime_ns for p in (out / "runs").glob("*/model.pt")}
     assert seconds < first, (seconds, first)
@@ -114,9 +153,26 @@ def test_a_second_invocation_skips_finished_runs(tiny_report):
 def test_paper_scale_writes_configs_and_deepspeed_commands(tmp_path, load_tool, capsys):
     out = tmp_path / "paper"
     assert load_tool("tools/reproduce.py").main(["all", "--scale", "paper", "--out", str(out)]) == 0
-    configs = sorted((out / "configs").glob("*.yaml"))
+    every = sorted((out / "configs").glob("*.yaml"))
+    configs = [f for f in every if not f.name.startswith("pascal-")]
     assert len(configs) == 13 + 5 + 1 + 1 + 6  # STL, Table 2's methods, balance, pretrain, MoNE sampled + 5 fixed
     commands = (out / "commands.sh").read_text()
+    pascal = [f for f in every if f.name.startswith("pascal-")]
+    assert sorted(f.stem for f in pascal) == sorted([*(f"pascal-stl-{t}-s0" for t in ("semseg", "human_parts",
+                                                                                        "saliency", "normals",
+                                                                                        "edge")),
+                                                     "pascal-mtl-s0", "pascal-modsquad-s0"])
+    for file in pascal:  # Table 3's ViT-S on the real PASCAL-Context (configs/pascal_context/*.yaml)
+        cfg = squad.load_config(file, cls=RunConfig)
+        assert cfg.data.dataset == "pascal_context" and cfg.model.img_size == 512 and cfg.model.embed_dim == 384
+        assert cfg.optim.epochs == 100 and cfg.optim.batch_per_rank == 8, file.name
+        assert f"deepspeed --hostfile hostfile tools/train.py --config {file} --out {out / 'runs' / file.stem} " \
+               f"--set data.root=\"$PASCAL\"" in commands, file.name
+    assert squad.load_config(out / "configs" / "pascal-stl-normals-s0.yaml", cls=RunConfig).model.task_names == \
+        ["normals"]
+    msq = squad.load_config(out / "configs" / "pascal-modsquad-s0.yaml", cls=RunConfig)
+    assert len(msq.model.task_names) == 5 and msq.model.moa.num_experts == 15 and msq.model.moa.top_k == 6
+    assert "--task edge --theta 0.01" in commands and "PASCAL=${PASCAL:-/path/to/PASCAL_MT}" in commands
     for file in configs:
         cfg = squad.load_config(file, cls=RunConfig)
         assert cfg.model.img_size == 224 and cfg.optim.epochs == 100 and cfg.optim.batch_per_rank == 12

@@ -11,12 +11,15 @@ Claims: modsquad-table2 (Mod-Squad Table 2: STL, MTL, M3ViT-like, MoE MLP only, 
 router-finetune (router / head / full / linear-probe on 0.5-5 % of a new task's data), mi-vs-balance (MI loss vs a
 per-task balance loss: expert-use sparsity, I(T;E), Δt), amod-table3 (dense → MoD with attention routing or a learned
 router, no training then a short fine-tune), mone-budget (one MoNE model with e_c sampled per step vs fixed-e_c
-models, with forward time per e_c); ``all`` for every claim.
+models, with forward time per e_c), pascal-table3 (Mod-Squad Table 3 on the synthetic PASCAL-Context: STL, MTL,
+Mod-Squad and the pruned Mod-Squad at θ = 0.01; Δm, parameters full vs pruned, MACs, step time); ``all`` for every
+claim.
 
 Scales: tiny (4 tasks, 32 px, a few steps: minutes), small (13 tasks, 64 px, width 96, 200 steps, 2 seeds: about an
 hour on 2 CPU cores), paper (writes the real-Taskonomy run configs and the ``deepspeed --hostfile`` commands, runs
 nothing). Without --data the synthetic data is rendered into OUT/data/synthetic (`make_data.py synthetic`) and
-packed into HDF5 shards in OUT/data/shards (`make_data.py pack`), which the runs read.
+packed into HDF5 shards in OUT/data/shards (`make_data.py pack`), which the runs read; pascal-table3 renders its
+synthetic PASCAL-Context into OUT/data/pascal and packs it into OUT/data/pascal_shards (or reads --pascal-data).
 
 Every run is an ordinary run folder in OUT/runs (squad.load and the other tools open it); finished runs are skipped,
 so the same command resumes an interrupted invocation. The estimated time (from step times measured at the start)
@@ -52,6 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dataset root: a Taskonomy tree or HDF5 shards (default: the synthetic Taskonomy rendered and "
                         "packed into OUT/data at the scale's size; paper: the Taskonomy root written into the "
                         "commands)")
+    p.add_argument("--pascal-data", default=None,
+                   help="pascal-table3's PASCAL-Context root: a PASCAL_MT folder or its HDF5 shards (default: the "
+                        "synthetic PASCAL-Context rendered and packed into OUT/data at the scale's size; paper: the "
+                        "root written into the commands)")
     p.add_argument("--hostfile", default="hostfile", help="paper scale: the DeepSpeed hostfile the commands name")
     return p
 
@@ -98,9 +105,44 @@ def _data(args, scale, out: Path, say) -> tuple[Path, dict]:
     return shards, json.loads((tree / "synthetic.json").read_text())
 
 
+def _pascal_data(args, pscale, out: Path, say) -> tuple[Path, dict]:
+    """pascal-table3's dataset root: --pascal-data, or the synthetic PASCAL-Context rendered into OUT/data/pascal
+    (`make_data.py synthetic --dataset pascal_context`) and packed into OUT/data/pascal_shards (`make_data.py pack`)."""
+    if args.pascal_data:
+        root = Path(args.pascal_data)
+        if not root.exists():
+            raise FileNotFoundError(f"--pascal-data {root} does not exist (render one with tools/make_data.py "
+                                    f"synthetic --dataset pascal_context, or leave --pascal-data out to render it "
+                                    f"into {out / 'data'})")
+        manifest = root / "synthetic.json"
+        return root, json.loads(manifest.read_text()) if manifest.is_file() else {}
+    tree, shards = out / "data" / "pascal", out / "data" / "pascal_shards"
+    if not (tree / "synthetic.json").is_file():
+        from squad.data.synthetic_pascal import render_pascal
+
+        say(f"rendering {pscale.images} synthetic PASCAL-Context images at {pscale.img_size} px into {tree} "
+            f"(tools/make_data.py synthetic --dataset pascal_context)")
+        t0 = time.perf_counter()
+        render_pascal(tree, n=pscale.images, image_size=pscale.img_size, seed=0, overwrite=tree.exists(),
+                      workers=1 if pscale.images < 100 else None)  # a few images: not worth starting processes
+        say(f"PASCAL-Context data rendered in {time.perf_counter() - t0:.0f} s")
+    if not (shards / "shards.json").is_file():
+        from squad.data import pack_shards
+
+        t0 = time.perf_counter()
+        pack_shards(tree, shards, image_size=pscale.img_size, workers=pscale.workers, dataset="pascal_context")
+        say(f"PASCAL-Context data packed into HDF5 shards in {shards} in {time.perf_counter() - t0:.0f} s "
+            f"(tools/make_data.py pack --dataset pascal_context)")
+    return shards, json.loads((tree / "synthetic.json").read_text())
+
+
 def _data_line(root: Path, info: dict) -> str:
     if not info:
         return f"`{root}`"
+    if info.get("dataset") == "pascal_context":
+        splits = info.get("splits") or {}
+        return (f"synthetic PASCAL-Context `{root}`, {info.get('n', '?')} images at {info.get('image_size', '?')} px "
+                f"long side ({', '.join(f'{k} {v}' for k, v in splits.items())})")
     splits = info.get("buildings") or {}
     text = ", ".join(f"{k} {len(v)} buildings" for k, v in splits.items() if isinstance(v, list))
     return (f"synthetic Taskonomy `{root}`, {info.get('n', '?')} images at {info.get('image_size', '?')} px"
@@ -132,7 +174,7 @@ def _reproduce(argv: list[str] | None) -> int:
     if scale.paper:
         from squad.reproduce.paper import write_paper_plan
 
-        plan = write_paper_plan(claims, out, len(seeds), args.data, args.hostfile)
+        plan = write_paper_plan(claims, out, len(seeds), args.data, args.hostfile, args.pascal_data)
         say(f"paper scale: {len(plan['configs'])} run configs in {out / 'configs'}, commands in {plan['commands']} "
             f"(nothing was run)")
         return 0
@@ -146,14 +188,20 @@ def _reproduce(argv: list[str] | None) -> int:
     from squad.reproduce.claims import Context
     from squad.reproduce.report import write_report
     from squad.reproduce.runs import Runner, is_done
-    from squad.reproduce.scales import estimate_seconds, format_duration
+    from squad.reproduce.scales import estimate_seconds, format_duration, pascal_scale
 
     t0 = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
     previous = _previous(out, scale.name, seeds)
-    data, info = _data(args, scale, out, say)
+    pscale = pascal_scale(scale, args.steps)
+    pascal_only = claims == ["pascal-table3"]
+    if pascal_only and not args.data:  # no Taskonomy run: nothing to render
+        data, info = out / "data" / "shards", {}
+    else:
+        data, info = _data(args, scale, out, say)
+    pdata, pinfo = _pascal_data(args, pscale, out, say) if "pascal-table3" in claims else (None, {})
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    ctx = Context(scale, seeds, data, out, Runner(out, scale, data), device)
+    ctx = Context(scale, seeds, data, out, Runner(out, scale, data), device, pascal=pscale, pascal_data=pdata)
     specs = list({s.name: s for c in claims for s in CLAIMS[c].specs(ctx)}.values())
     todo = [s for s in specs if not is_done(ctx.runner.path(s))]
     ctx.runner.total = len(specs)
@@ -183,9 +231,14 @@ def _reproduce(argv: list[str] | None) -> int:
     cache.parent.mkdir(parents=True, exist_ok=True)
     cache.write_text(json.dumps({"scale": scale.name, "seeds": seeds, "claims": results}) + "\n")
     meta = {"command": command, "scale": scale, "scale_settings": dataclasses.asdict(scale), "seeds": seeds,
-            "data": {"root": str(data), "manifest": info}, "data_line": _data_line(data, info), "seconds": seconds,
+            "data": {"root": str(data), "manifest": info}, "seconds": seconds,
+            "data_line": _data_line(pdata, pinfo) if pascal_only else _data_line(data, info),
             "duration": format_duration(seconds),
             "runs": {"total": len(specs), "trained": ctx.runner.trained, "skipped": ctx.runner.skipped}}
+    if pdata is not None:
+        meta["data"]["pascal"] = {"root": str(pdata), "manifest": pinfo}
+        if not pascal_only:
+            meta["data_line"] += f"; pascal-table3: {_data_line(pdata, pinfo)}"
     meta["train_seconds"] = sum(json.loads(f.read_text()).get("train_seconds", 0.0)
                                 for f in (out / "runs").glob("*/reproduce.json"))
     report = write_report(out, results, meta)

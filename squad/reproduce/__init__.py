@@ -7,7 +7,7 @@ One experiment per claim; each run is an ordinary run folder; a report (markdown
   when done), the cost measurement (step time, peak memory);
 * `verdicts`: paired per-seed comparisons, the verdict rule, Δt;
 * `claims`: one function per claim (modsquad-table2, pruning, router-finetune, mi-vs-balance, amod-table3,
-  mone-budget);
+  mone-budget, pascal-table3 — the last on its own synthetic PASCAL-Context data);
 * `report`: report.md, figures/*.png, results.json;
 * `paper`: ``--scale paper``'s run configs and ``deepspeed --hostfile`` commands (written, not run).
 """

@@ -6,7 +6,7 @@ Layout of the output folder::
     report.md            one section per claim: the claim, its verdict, tables, the comparisons, figures, notes
     results.json         everything the report shows, as data (``claims.<name>.verdict`` ...)
     figures/*.png        Δt bars with the seed spread, the pruning curve, fine-tuning curves, expert-usage maps
-                         (MI vs balance), the A-MoD recovery curve, the MoNE e_c curve
+                         (MI vs balance), the A-MoD recovery curve, the MoNE e_c curve, PASCAL-Context Δm bars
     runs/<run>/          the run folders (squad.load opens each)
 
 A report covers every claim measured in the folder so far: a later invocation for other claims adds theirs (the
@@ -245,8 +245,44 @@ def fig_mone(data: dict, folder: Path) -> list[str]:
     return [_save(fig, folder / "mone-budget_ec.png")]
 
 
+def fig_pascal(data: dict, folder: Path) -> list[str]:
+    """Δm per method with the seed spread (bars: mean ± sd; dots: seeds), and Δm per task per method."""
+    methods = [k for k in data["methods"] if k != "stl"]
+    colours = {"pascal_mtl": "tab:blue", "pascal_modsquad": "tab:orange", "pruned": "tab:red",
+               "pruned_top": "tab:purple"}
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 3.8), gridspec_kw={"width_ratios": [2, 3]})
+    for i, k in enumerate(methods):
+        vals = [v for v in data["methods"][k]["dm"] if v is not None and math.isfinite(v)]
+        s = spread(vals)
+        ax.bar(i, s["mean"] if vals else 0.0, yerr=s["std"] if math.isfinite(s["std"]) else 0.0, capsize=4,
+               color=colours.get(k, "tab:grey"), alpha=0.8)
+        ax.scatter([i] * len(vals), vals, color="black", s=12, zorder=3)
+        params = data["methods"][k].get("params")
+        if params:
+            ax.annotate(_big(params), (i, 0), textcoords="offset points", xytext=(0, -12), ha="center", fontsize=7)
+    ax.axhline(0, color="grey", lw=0.8)
+    ax.set_xticks(range(len(methods)), [data["methods"][k]["label"] for k in methods], rotation=20, ha="right",
+                  fontsize=8)
+    ax.set_ylabel("Δm vs STL (%)")
+    ax.set_title("Mean Δm over the 5 tasks (mean ± sd over seeds; dots: seeds;\nbelow 0: parameters)", fontsize=9)
+    tasks = data["tasks"]
+    width = 0.8 / len(methods)
+    for i, k in enumerate(methods):
+        per = data["methods"][k]["per_task"]
+        means = [np.nanmean([p.get(t) if p.get(t) is not None else np.nan for p in per]) for t in tasks]
+        ax2.bar(np.arange(len(tasks)) + (i - (len(methods) - 1) / 2) * width, means, width,
+                color=colours.get(k, "tab:grey"), label=data["methods"][k]["label"])
+    ax2.axhline(0, color="grey", lw=0.8)
+    ax2.set_xticks(range(len(tasks)), tasks, fontsize=8)
+    ax2.set_ylabel("Δ vs STL (%)")
+    ax2.legend(fontsize=7)
+    ax2.set_title("Δ per task (mean over seeds)", fontsize=9)
+    fig.tight_layout()
+    return [_save(fig, folder / "pascal-table3_dm.png")]
+
+
 FIGURES = {"modsquad-table2": fig_table2, "pruning": fig_pruning, "router-finetune": fig_finetune,
-           "mi-vs-balance": fig_usage, "amod-table3": fig_amod, "mone-budget": fig_mone}
+           "mi-vs-balance": fig_usage, "amod-table3": fig_amod, "mone-budget": fig_mone, "pascal-table3": fig_pascal}
 
 
 # ------------------------------------------------------------------------------------------------ sections
@@ -328,8 +364,33 @@ def _section_mone(d: dict) -> list[str]:
                    "forward ms / batch"], rows)
 
 
+def _section_pascal(d: dict) -> list[str]:
+    from squad.tasks import get_task
+
+    rows = []
+    for m in d["methods"].values():
+        ratio = _ms(m["ratio"], "{:.3f}") if m.get("ratio") else "–"
+        rows.append([m["label"], _big(m.get("params")), ratio, _big(m.get("macs")), _num(m.get("step_s"), "{:.3f}"),
+                     _num(m.get("peak_mib"), "{:.0f}"), _ms(m["dm"]), ", ".join(_num(v) for v in m["dm"])])
+    out = _table(["method", "params", "params / Mod-Squad (pruned)", "MACs / image / task", "s / train step",
+                  "peak MiB", "Δm % (mean ± sd)", "Δm per seed"], rows)
+    head = ["task", "metric"] + [m["label"] for m in d["methods"].values()] + ["paper (real data)"]
+    rows = []
+    for t in d["tasks"]:
+        task = get_task(t)
+        arrow = "↓" if task.lower_is_better else "↑"
+        row = [t, f"{task.primary_metric} {arrow}"]
+        for m in d["methods"].values():
+            row.append(_ms([p.get(t) for p in m["metrics"]], "{:.4f}"))
+        row.append(_num(d.get("paper", {}).get("metrics", {}).get(t), "{:g}"))
+        rows.append(row)
+    return out + ["Primary metric per task on the validation split (mean ± sd over seeds; the paper's column is "
+                  "Mod-Squad on the real PASCAL-Context, in %/degrees, for reference only):", ""] + _table(head, rows)
+
+
 SECTIONS = {"modsquad-table2": _section_table2, "pruning": _section_pruning, "router-finetune": _section_finetune,
-            "mi-vs-balance": _section_mi, "amod-table3": _section_amod, "mone-budget": _section_mone}
+            "mi-vs-balance": _section_mi, "amod-table3": _section_amod, "mone-budget": _section_mone,
+            "pascal-table3": _section_pascal}
 
 
 def _shows(comparisons: Sequence[dict]) -> str:

@@ -46,6 +46,8 @@ class Family:
     config: str  # a registered model config (configs/model/<config>.yaml)
     label: str
     loss: tuple[tuple[str, object], ...] = ()
+    dataset: str = "taskonomy"  # data.dataset of its runs
+    paper_run: str | None = None  # its real-data run config under configs/ (paper scale; default: Taskonomy's)
 
 
 FAMILIES: dict[str, Family] = {
@@ -61,6 +63,13 @@ FAMILIES: dict[str, Family] = {
                                 ("w_balance", 0.01))),
     "mone": Family("mone_vit_s", "MoNE"),
     "mod": Family("mtl_vit_b", "MoD (adapted)"),  # the adapted dense model's fine-tune (its plan comes from init)
+    # pascal-table3: Mod-Squad Table 3's ViT-S models on PASCAL-Context
+    "pascal_stl": Family("stl_vit_s_pascal", "STL", dataset="pascal_context",
+                         paper_run="pascal_context/stl_vit_s.yaml"),
+    "pascal_mtl": Family("mtl_vit_s_pascal", "MTL", dataset="pascal_context",
+                         paper_run="pascal_context/mtl_vit_s.yaml"),
+    "pascal_modsquad": Family("modsquad_vit_s_pascal", "Mod-Squad", dataset="pascal_context",
+                              paper_run="pascal_context/modsquad_vit_s.yaml"),
 }
 
 
@@ -80,6 +89,8 @@ class RunSpec:
         init: returns the model config (as a dict) and weights the run starts from (A-MoD: the adapted model).
         lr: the peak learning rate (default: the scale's).
         warmup: warm-up steps (default: the scale's).
+        scale: the scale this run trains at instead of the invocation's (pascal-table3's own scale).
+        data: the dataset root instead of the invocation's (pascal-table3's PASCAL-Context).
     """
 
     name: str
@@ -93,6 +104,8 @@ class RunSpec:
     init: Callable[[], tuple[dict, dict[str, torch.Tensor]]] | None = None
     lr: float | None = None
     warmup: int | None = None
+    scale: Scale | None = None
+    data: Path | None = None
 
 
 def _merge(base: dict, extra: dict) -> dict:
@@ -132,6 +145,8 @@ def run_config_dict(spec: RunSpec, scale: Scale, data_root: str | Path) -> dict:
         model, loss = model_section(spec.family, scale, spec.tasks, spec.model)
     every = spec.steps // (spec.evals + 1) if spec.evals and spec.steps > spec.evals else 0
     data = {"root": str(data_root), "workers": scale.workers, "val_batches": 0}
+    if FAMILIES[spec.family].dataset != "taskonomy":
+        data["dataset"] = FAMILIES[spec.family].dataset
     if spec.train_tasks is not None:
         data["tasks"] = list(spec.train_tasks)
     optim = {"lr": spec.lr or scale.lr, "weight_decay": 0.05, "steps": spec.steps, "batch_per_rank": scale.batch,
@@ -145,8 +160,8 @@ def run_config_dict(spec: RunSpec, scale: Scale, data_root: str | Path) -> dict:
 
 
 def run_config(spec: RunSpec, scale: Scale, data_root: str | Path) -> RunConfig:
-    """The `RunConfig` that trains ``spec`` at ``scale`` on ``data_root``."""
-    return load_config(run_config_dict(spec, scale, data_root), cls=RunConfig)
+    """The `RunConfig` that trains ``spec`` at ``scale`` on ``data_root`` (the spec's own scale and data first)."""
+    return load_config(run_config_dict(spec, spec.scale or scale, spec.data or data_root), cls=RunConfig)
 
 
 def paper_config_dict(spec: RunSpec, scale: Scale, data_root: str) -> dict:
@@ -154,12 +169,38 @@ def paper_config_dict(spec: RunSpec, scale: Scale, data_root: str) -> dict:
     configs/taskonomy/modsquad_vit_b.yaml (100 epochs, 10 of warm-up, AdamW 2e-4, 12 images × 8 GPUs × 15 nodes)."""
     from squad.config.base import config_root
 
+    fam = FAMILIES[spec.family]
+    if fam.paper_run is not None:  # a family with its own real-data run config (pascal-table3: PASCAL-Context)
+        return benchmark_paper_config_dict(spec, data_root)
     base = load_config(Path(config_root()) / "taskonomy" / "modsquad_vit_b.yaml", cls=RunConfig)
     out = run_config_dict(spec, scale, data_root)
     out["data"] = {**to_dict(base.data), "root": data_root, **({"tasks": list(spec.train_tasks)}
                                                                if spec.train_tasks is not None else {})}
     out["optim"] = to_dict(base.optim)
     out["train"] = {**to_dict(base.train), "seed": spec.seed}
+    return out
+
+
+def benchmark_paper_config_dict(spec: RunSpec, data_root: str) -> dict:
+    """The real-data run config of a family with its own (``Family.paper_run``, e.g.
+    configs/pascal_context/stl_vit_s.yaml: Table 3's ViT-S at 512 px, batch 8, 100 epochs, ``data.dataset``
+    pascal_context) with the run's heads, tasks, seed and ``data_root``.
+
+    Raises:
+        ValueError: a family without a run config of its own.
+    """
+    from squad.config.base import config_root
+
+    fam = FAMILIES[spec.family]
+    if fam.paper_run is None:
+        raise ValueError(f"family {spec.family} has no real-data run config of its own")
+    out = to_dict(load_config(Path(config_root()) / fam.paper_run, cls=RunConfig))
+    out["model"]["heads"] = list(spec.tasks)
+    out["loss"].update(dict(fam.loss))
+    out["data"]["root"] = data_root
+    if spec.train_tasks is not None:
+        out["data"]["tasks"] = list(spec.train_tasks)
+    out["train"]["seed"] = spec.seed
     return out
 
 
@@ -258,7 +299,7 @@ class Runner:
             self.skipped += 1
             self.say(f"{where} {spec.name}: done already, skipped")
             return run_dir
-        cfg = run_config(spec, self.scale, self.data_root)
+        cfg = run_config(spec, self.scale, self.data_root)  # the spec's own scale and data when it has them
         init = spec.init()[1] if spec.init is not None else None
         t0 = time.perf_counter()
         train_run(cfg, run_dir, init)

@@ -6,6 +6,11 @@
 * ``paper``: ViT-B/16 (ViT-S/16 for MoNE) at 224 px on the real Taskonomy with the paper's schedule (100 epochs,
   batch 1440); nothing runs: the run configs and the ``deepspeed --hostfile`` commands are written.
 
+pascal-table3 runs beside each scale on its own synthetic PASCAL-Context (`pascal_scale`, `PASCAL_SETTINGS`: the 5
+tasks; tiny 16 images at 32 px, 3 steps of 4; small 320 images at 64 px, 100 steps of 16 — estimated 11 min at 2 seeds
+from step times measured beside another reproduction on the 2-core machine; paper: configs/pascal_context/'s ViT-S
+at 512 px).
+
 Every method family keeps its paper config's structure (the layer plan, which layers are routed, the losses, the
 top-k share of the experts); `width_overrides` shrinks the widths to a scale's.
 
@@ -22,6 +27,7 @@ import math
 from squad.tasks import TASK_NAMES
 
 HELD_OUT = ("class_object", "class_scene")  # router-finetune learns these onto a model pretrained without them
+PASCAL_TASKS = ("semseg", "human_parts", "saliency", "normals", "edge")  # pascal-table3 (squad.data.pascal)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,8 +113,36 @@ RUN_OVERHEAD_S = 20.0
 # with `--steps 2 --seeds 1` on the development machine while other jobs shared it (load ~5).
 SMALL_EXTRA_SECONDS: dict[str, float] = {
     "modsquad-table2": 60.0, "pruning": 100.0, "router-finetune": 110.0, "mi-vs-balance": 20.0, "amod-table3": 40.0,
-    "mone-budget": 30.0,
+    "mone-budget": 30.0, "pascal-table3": 70.0,
 }
+
+
+# pascal-table3 runs on its own data (the synthetic PASCAL-Context, squad.data.synthetic_pascal) with the 5 PASCAL
+# tasks: per scale, the keys of `Scale` that differ from the Taskonomy scale (the ViT widths stay the scale's). The
+# synthetic render's long side is the model's img_size (the reader pads it to a square); its train/val split is
+# PASCAL-Context's (4,998 / 5,105, so about half of the images validate). Paper: Table 3's ViT-S at the 512 px,
+# batch 8 of configs/pascal_context/modsquad_vit_s.yaml.
+PASCAL_SETTINGS: dict[str, dict] = {
+    "tiny": dict(images=16, img_size=32, batch=4, steps=3, thetas=(0.01,), calib_batches=1),
+    "small": dict(images=320, img_size=64, batch=16, steps=100, thetas=(0.01,), calib_batches=4),
+    "paper": dict(images=0, img_size=512, batch=8, thetas=(0.01,)),  # widths: configs/pascal_context/ (ViT-S)
+}
+PASCAL_THETA = 0.01  # the pruned model of Table 3: every task extracted at θ = 1 % (the paper's main runs)
+# Small-scale pascal-table3 figures (batch 16, 64 px, width 96, depth 4, 5 tasks; STL: one single-task model),
+# measured on the 2-core development machine while a `reproduce.py all --scale small` shared it (wall seconds, the
+# fastest of 6 steps); used by `estimate_seconds` for the families not measured at the start.
+PASCAL_SMALL_STEP_SECONDS: dict[str, float] = {"pascal_stl": 0.10, "pascal_mtl": 0.42, "pascal_modsquad": 0.57}
+# Per 5-task run: set-up, the validations at step 0 and at the end (the whole val split, odsF in Python), model.pt
+# (measured: MTL 15 s, Mod-Squad 26 s); an STL run about 0.3 of it (the edge model's odsF most).
+PASCAL_RUN_OVERHEAD_S = 20.0
+
+
+def pascal_scale(scale: Scale, steps: int | None = None) -> Scale:
+    """The scale pascal-table3 runs at beside ``scale``: the 5 PASCAL-Context tasks, `PASCAL_SETTINGS`, and
+    ``steps`` when given (``--steps``) instead of the settings' own budget."""
+    out = dataclasses.replace(scale, name=scale.name, tasks=PASCAL_TASKS, buildings=None,
+                              **PASCAL_SETTINGS[scale.name])
+    return dataclasses.replace(out, steps=steps) if steps is not None else out
 
 
 def get_scale(name: str) -> Scale:
@@ -164,8 +198,15 @@ def estimate_seconds(plan: list[tuple[str, int, int]], step_seconds: dict[str, f
         seeds: seeds per run.
     """
     ratio = _size(scale) / _size(SCALES["small"])
-    total = sum(max(5.0, SMALL_EXTRA_SECONDS.get(c, 0.0) * ratio) for c in claims or []) * seeds
+    pratio = _size(pascal_scale(scale)) / _size(pascal_scale(SCALES["small"])) if scale.name in PASCAL_SETTINGS else 1
+    total = sum(max(5.0, SMALL_EXTRA_SECONDS.get(c, 0.0) * (pratio if c == "pascal-table3" else ratio))
+                for c in claims or []) * seeds
     for family, steps, tasks in plan:
+        if family.startswith("pascal_"):  # pascal-table3's runs: 5 tasks on the synthetic PASCAL-Context
+            per = step_seconds.get(family, PASCAL_SMALL_STEP_SECONDS.get(family, 0.45) * pratio)
+            share = 0.3 if family == "pascal_stl" else 1.0
+            total += steps * per * (1 + DATA_SHARE) + 1.0 + PASCAL_RUN_OVERHEAD_S * share * min(1.0, pratio)
+            continue
         if family in step_seconds:
             per = step_seconds[family]
         else:

@@ -62,7 +62,7 @@ SHM_PREFIX = "deepspeed_allreduce_buffer"  # deepspeed/ops/csrc/cpu/comm/shm.cpp
 RESUMABLE_KEYS = (
     "optim.steps", "optim.epochs", "optim.min_lr", "optim.clip",
     "train.log_every", "train.eval_every", "train.ckpt_every", "train.keep_checkpoints", "train.stop_at",
-    "train.max_nonfinite", "train.progress",
+    "train.max_nonfinite", "train.progress", "train.init",  # init is read only by a fresh start
     "data.root", "data.workers", "data.val_split", "data.val_batches",
 )
 

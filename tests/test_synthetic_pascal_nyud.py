@@ -12,6 +12,7 @@ import pytest
 import scipy.io
 from PIL import Image
 
+from squad.data import detect_dataset
 from squad.data.synthetic_dense import PARTS_6, label_boundaries
 from squad.data.synthetic_nyud import CLASS_ID, render_nyud
 from squad.data.synthetic_pascal import CONTEXT_LABELS, VOC_CLASSES, VOC_OF_CONTEXT, render_pascal
@@ -141,7 +142,7 @@ def test_pascal_real_reader_functions(pascal: Path) -> None:
     import squad.data.benchmark as bench
     import squad.data.pascal as pas
 
-    assert bench.detect_dataset(pascal) == "pascal_context"
+    assert detect_dataset(pascal) == "pascal_context"
     for i in sorted(p.stem for p in (pascal / "JPEGImages").glob("*.jpg")):
         parts = pas.human_parts_map(bench.read_mat(pascal / "human_parts" / f"{i}.mat"))
         semseg = np.array(Image.open(pascal / "semseg/pascal-context" / f"{i}.png"))
@@ -193,9 +194,8 @@ def test_nyud_layout_labels_depth_normals_edges(nyud: Path) -> None:
 
 
 def test_nyud_real_reader_detects(nyud: Path) -> None:
-    import squad.data.benchmark as bench
 
-    assert bench.detect_dataset(nyud) == "nyud"
+    assert detect_dataset(nyud) == "nyud"
 
 
 @pytest.mark.parametrize("dataset", ["pascal_context", "nyud"])

@@ -19,12 +19,12 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from squad.data.accounting import DataReport, report
-from squad.data.benchmark import DATASETS, BenchmarkBase, DatasetTaskError, check_dataset_tasks, detect_dataset
-from squad.data.nyud import NYUD_TASKS, NYUDDataset
+from squad.data.benchmark import DATASETS, BenchmarkBase, DatasetTaskError, check_dataset_tasks
+from squad.data.nyud import NYUDDataset
 from squad.data.pack import pack_shards
-from squad.data.pascal import PASCAL_TASKS, PascalContextDataset
+from squad.data.pascal import PascalContextDataset
 from squad.data.random_tree import write_random_tree
-from squad.data.shards import INDEX_NAME, BenchmarkShardDataset, ShardDataset, is_shard_root
+from squad.data.shards import INDEX_NAME, BenchmarkShardDataset, ShardDataset, detect_dataset, is_shard_root
 from squad.data.taskonomy import (
     CorruptFileError,
     EmptyDatasetError,
@@ -38,6 +38,7 @@ from squad.data.taskonomy import (
 )
 from squad.data.transforms import SamplePipeline
 from squad.distributed import has_process_group
+from squad.tasks import NYUD_TASKS, PASCAL_TASKS
 
 __all__ = [
     "DATASETS", "INDEX_NAME", "NYUD_TASKS", "PASCAL_TASKS", "BenchmarkBase", "BenchmarkShardDataset",
@@ -61,7 +62,7 @@ def build_dataset(root: str | Path, tasks: str | Sequence[str], split: str | Seq
         tasks: task names or aliases, or ``"all"`` (the dataset's tasks).
         split: ``"train"``, ``"val"``, ``"test"`` (Taskonomy), ``"all"`` or a list of them.
         dataset: ``"taskonomy"``, ``"pascal_context"`` or ``"nyud"`` (``data.dataset``); None: detected from
-            `root` (`squad.data.benchmark.detect_dataset`: the shard index's record, else the folder layout).
+            `root` (`squad.data.shards.detect_dataset`: the shard index's record, else the folder layout).
         **kwargs: the readers' common options — ``image_size``, ``resize``, ``augment``, ``missing``,
             ``geometry_mask``, ``seed``, ``buildings`` — plus ``split_csv`` for trees (ignored for shards, which
             were split when packed). The PASCAL / NYUD readers ignore the Taskonomy-only ones.

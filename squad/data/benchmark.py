@@ -43,7 +43,7 @@ from scipy import ndimage
 
 from squad.data.taskonomy import CorruptFileError, EmptyDatasetError, TaskonomyBase
 from squad.data.transforms import MIN_COVERAGE, WrongSizeError, _resize_nearest, compact_rgb, decode_rgb, resize_raw
-from squad.tasks import DecodeError, Task, get_task, resolve_task_names
+from squad.tasks import NYUD_TASKS, PASCAL_TASKS, TASK_NAMES, DecodeError, Task, get_task, resolve_task_names
 
 logger = logging.getLogger(__name__)
 
@@ -366,13 +366,10 @@ def dataset_tasks(dataset: str) -> tuple[str, ...]:
         ValueError: an unknown dataset name.
     """
     if dataset == "pascal_context":
-        from squad.data.pascal import PASCAL_TASKS
         return PASCAL_TASKS
     if dataset == "nyud":
-        from squad.data.nyud import NYUD_TASKS
         return NYUD_TASKS
     if dataset == "taskonomy":
-        from squad.tasks import TASK_NAMES
         return tuple(TASK_NAMES)
     raise ValueError(f"unknown dataset {dataset!r}; use one of {', '.join(DATASETS)}")
 
@@ -556,19 +553,15 @@ def first_existing(folder: Path, stem: str, exts: Sequence[str]) -> Path | None:
     return None
 
 
-def detect_dataset(root: str | Path) -> str:
-    """Which dataset a folder holds: the ``dataset`` its shard index records, else by its layout
-    (``ImageSets/Context`` + ``JPEGImages`` → pascal_context; ``gt_sets`` + ``images`` → nyud; else taskonomy)."""
-    import json
-
-    from squad.data.shards import INDEX_NAME
-
+def detect_layout(root: str | Path) -> str:
+    """Which dataset a folder's layout is (``ImageSets/Context`` + ``JPEGImages`` → pascal_context; ``gt_sets`` +
+    ``images`` → nyud; else taskonomy). `squad.data.shards.detect_dataset` also reads a shard index's record."""
     root = Path(root)
-    if (root / INDEX_NAME).is_file():
-        try:
-            return str(json.loads((root / INDEX_NAME).read_text()).get("dataset", "taskonomy"))
-        except (OSError, ValueError):
-            return "taskonomy"
+    if (root / "ImageSets" / "Context").is_dir() and (root / "JPEGImages").is_dir():
+        return "pascal_context"
+    if (root / "gt_sets").is_dir() and (root / "images").is_dir():
+        return "nyud"
+    return "taskonomy"
     if (root / "ImageSets" / "Context").is_dir() and (root / "JPEGImages").is_dir():
         return "pascal_context"
     if (root / "gt_sets").is_dir() and (root / "images").is_dir():

@@ -52,8 +52,6 @@ import numpy as np
 from squad.data.benchmark import BenchmarkBase, first_existing, read_image, read_npy, read_png
 from squad.data.taskonomy import CorruptFileError
 
-NYUD_TASKS = ("nyud_semseg", "nyud_depth", "normals", "edge")
-
 NORMALS_FILL = 128  # the code of an invalid normal (decodes to a vector shorter than 0.1)
 
 # folder and accepted extensions (first that exists) per task; rgb first

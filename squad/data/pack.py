@@ -22,8 +22,8 @@ import h5py
 import numpy as np
 from torch.utils.data import DataLoader, Dataset
 
-from squad.data.benchmark import DATASETS, BenchmarkBase, check_dataset_tasks, detect_dataset
-from squad.data.shards import FORMAT, HW_KEY, INDEX_NAME, VERSION, logger
+from squad.data.benchmark import DATASETS, BenchmarkBase, check_dataset_tasks
+from squad.data.shards import FORMAT, HW_KEY, INDEX_NAME, VERSION, detect_dataset, logger
 from squad.data.taskonomy import (
     SPLITS,
     CorruptFileError,
@@ -122,7 +122,7 @@ def pack_shards(src: str | Path, out: str | Path, split_csv: str | Path | None =
         compression: h5py compression (None, ``"lzf"``, ``"gzip"``); None reads fastest.
         workers: DataLoader workers reading and resizing files in parallel.
         dataset: ``"taskonomy"``, ``"pascal_context"`` or ``"nyud"``; None: detected from `src`'s layout
-            (`squad.data.benchmark.detect_dataset`).
+            (`squad.data.shards.detect_dataset`).
 
     Returns:
         Path of the written ``shards.json``; its ``corrupt``, ``wrong_size`` and ``missing`` hold the number of

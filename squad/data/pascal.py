@@ -86,8 +86,6 @@ import numpy as np
 from squad.data.benchmark import BenchmarkBase, label_edges, read_image, read_mat, read_png
 from squad.data.taskonomy import CorruptFileError
 
-PASCAL_TASKS = ("semseg", "human_parts", "saliency", "normals", "edge")
-
 VOC_CLASSES = ("background", "aeroplane", "bicycle", "bird", "boat", "bottle", "bus", "car", "cat", "chair", "cow",
                "diningtable", "dog", "horse", "motorbike", "person", "pottedplant", "sheep", "sofa", "train",
                "tvmonitor")

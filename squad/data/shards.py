@@ -48,6 +48,20 @@ def is_shard_root(root: str | Path) -> bool:
     return (Path(root) / INDEX_NAME).is_file()
 
 
+def detect_dataset(root: str | Path) -> str:
+    """Which dataset a folder holds: the ``dataset`` its shard index records (older indexes: taskonomy), else its
+    layout (`squad.data.benchmark.detect_layout`)."""
+    from squad.data.benchmark import detect_layout
+
+    root = Path(root)
+    if is_shard_root(root):
+        try:
+            return str(json.loads((root / INDEX_NAME).read_text()).get("dataset", "taskonomy"))
+        except (OSError, ValueError):
+            return "taskonomy"
+    return detect_layout(root)
+
+
 class ShardDataset(TaskonomyBase):
     """Taskonomy samples from HDF5 shards written by `pack_shards`; same sample format as `TaskonomyDataset`.
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 
 import torch
 import torch.distributed as dist
@@ -138,6 +139,25 @@ def shutdown() -> None:
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - leaving anyway; the exit code that matters is the tool's
         pass
+    _forget_deepspeed_groups()
+
+
+def _forget_deepspeed_groups() -> None:
+    """Drops DeepSpeed's cached sub-groups of the destroyed process group, so that a later run in the same process
+    (a tool called twice, the tests) builds them on its new group instead of failing with "Group ... is not
+    registered" in `deepspeed.initialize`."""
+    groups = sys.modules.get("deepspeed.utils.groups")
+    if groups is None:
+        return
+    for name in ("_WORLD_GROUP", "_ZERO_PARAM_INTRA_PARALLEL_GROUP", "_DATA_PARALLEL_GROUP", "_MODEL_PARALLEL_GROUP",
+                 "_TENSOR_MODEL_PARALLEL_GROUP"):
+        if hasattr(groups, name):
+            setattr(groups, name, None)
+    for name in ("_EXPERT_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP_RANKS", "_EXPERT_DATA_PARALLEL_GROUP",
+                 "_EXPERT_DATA_PARALLEL_GROUP_RANKS", "_ALL_TO_ALL_GROUP"):
+        cache = getattr(groups, name, None)
+        if isinstance(cache, dict):
+            cache.clear()
 
 
 def check_device(name: str) -> torch.device:

@@ -115,3 +115,20 @@ def test_script_without_squad_says_how_to_install(tmp_path):
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
     assert res.stderr.startswith("error: cannot import squad") and "pip install -e ." in res.stderr
+
+
+def test_a_second_run_in_one_process_gets_fresh_deepspeed_groups(monkeypatch):
+    """A tool ends with `squad.distributed.shutdown`; a later run in the same process (a tool called twice, the
+    tests) must not meet DeepSpeed's cached clone of the destroyed group ("Group ... is not registered")."""
+    from deepspeed.utils import groups
+
+    from squad.distributed import free_port, init_distributed, shutdown
+
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}.items():
+        monkeypatch.setenv(key, value)
+    for _ in range(2):
+        monkeypatch.setenv("MASTER_PORT", str(free_port()))
+        init_distributed()
+        assert groups._get_broadcast_src_rank() == 0  # builds (or reuses) DeepSpeed's clone of the world group
+        shutdown()

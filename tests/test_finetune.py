@@ -117,7 +117,7 @@ def test_subsets_are_deterministic_and_nested():
 
 def test_router_finetuning_beats_the_untrained_head_and_writes_json(base_file, tiny_data, tmp_path):
     out = tmp_path / "ft.json"
-    cfg = FinetuneConfig(steps=40, batch_size=8, lr=1e-2)
+    cfg = FinetuneConfig(steps=80, batch_size=8, lr=1e-2)
     result = finetune_table(base_file, "depth", tiny_data, ["router", "head"], fractions=[0.5, 1.0], cfg=cfg,
                             save_dir=tmp_path / "models", out=out)
     untrained = result["untrained"]["rmse"]

@@ -292,7 +292,10 @@ def test_edge_occlusion_option_from_the_config():
             load_config("configs/demo.yaml", ["model.task_options={edge_occlusion: {decode: gauss}}"])
         with pytest.raises(ConfigError, match=r"model\.task_options\.edge3d\.blur_sigma"):
             load_config("configs/demo.yaml", ["model.task_options={edge3d: {blur_sigma: -1}}"])
-        with pytest.raises(ConfigError, match=r"model\.task_options: unknown task 'edges'"):
+        with pytest.raises(ConfigError, match=r"model\.task_options: unknown task 'occlusion_edges'"):
+            load_config("configs/demo.yaml", ["model.task_options={occlusion_edges: {decode: clip}}"])
+        # 'edges' is the PASCAL/NYUD edge task: it exists, but has no such option
+        with pytest.raises(ConfigError, match=r"model\.task_options\.edges: .*unsupported options \['decode'\]"):
             load_config("configs/demo.yaml", ["model.task_options={edges: {decode: clip}}"])
         load_config("configs/demo.yaml")  # a config without options restores the defaults
         assert task_options() == {} and get_task("edge_occlusion").frame_filter

@@ -132,7 +132,7 @@ def test_evaluate_tool_metrics_side_by_side_and_delta_t(run_dir, tiny_data, tmp_
     assert ev.main(["--checkpoint", str(run_dir), "--checkpoint", str(ext), "--data", str(tiny_data), "--baseline",
                     str(base), "--out", str(out)]) == 0
     both = json.loads(out.read_text())
-    full, single = both["models"]["run0"], both["models"]["depth"]
+    full, single = both["models"][run_dir.name], both["models"]["depth"]
     assert set(single["metrics"]) == {"depth_euclidean"}
     assert full["delta_t"]["mean"] == pytest.approx(0.0) and full["delta_t"]["per_task"]["normal"] == 0.0
     assert "Δt run0: mean +0.00%" in capsys.readouterr().out

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Turn a dense ViT (timm state dict or dense squad model) into a Mod-Squad initialisation (sparse upcycling).
+"""Turn a dense ViT into the initialisation of a Mod-Squad (or any squad model): sparse upcycling.
 
 The tool lives in `squad.cli.upcycle` (also installed as `squad-upcycle`); usage and examples:
 ``python tools/upcycle.py --help``.

@@ -135,7 +135,7 @@ def test_evaluate_tool_metrics_side_by_side_and_delta_t(run_dir, tiny_data, tmp_
     full, single = both["models"][run_dir.name], both["models"]["depth"]
     assert set(single["metrics"]) == {"depth_euclidean"}
     assert full["delta_t"]["mean"] == pytest.approx(0.0) and full["delta_t"]["per_task"]["normal"] == 0.0
-    assert "Δt run0: mean +0.00%" in capsys.readouterr().out
+    assert f"Δt {run_dir.name}: mean +0.00%" in capsys.readouterr().out
     assert ev.main(["--checkpoint", str(run_dir), "--data", str(tiny_data), "--tasks", "nope"]) == 2
     assert "unknown task 'nope'" in capsys.readouterr().err
     assert ev.main(["--checkpoint", str(run_dir), "--data", str(tiny_data), "--baseline", str(tmp_path / "x")]) == 2

@@ -266,6 +266,31 @@ def _single_threaded_children() -> Iterator[None]:
                 os.environ[k] = v
 
 
+def start_render(out: str | Path, n: int, image_size: int, seed: int, overwrite: bool, manifest_name: str,
+                 dataset: str, folders: Sequence[str]) -> tuple[Path, list[tuple[tuple[int, ...], slice]]]:
+    """The shared start of a benchmark render: checks the arguments, prepares `out` (`prepare_out`) and its
+    `folders`, and cuts the image indices into chunks (several even for small `n`, so every worker gets some).
+
+    Returns:
+        ``(out, [(image indices, slice of the id list)])``.
+
+    Raises:
+        ValueError: ``n < 2`` (one image per split), ``image_size < 16`` or a negative seed.
+    """
+    if n < 2:
+        raise ValueError(f"n must be >= 2 (one image per split), got {n}")
+    if image_size < 16:
+        raise ValueError(f"image_size must be >= 16, got {image_size}")
+    if seed < 0:
+        raise ValueError(f"seed must be >= 0, got {seed}")
+    out = Path(out)
+    prepare_out(out, manifest_name, overwrite, dataset)
+    for sub in folders:
+        (out / sub).mkdir(parents=True, exist_ok=True)
+    chunk = min(16, max(1, n // 8))
+    return out, [(tuple(range(a, min(n, a + chunk))), slice(a, a + chunk)) for a in range(0, n, chunk)]
+
+
 def run_jobs(fn: Callable[[Any], Any], jobs: Sequence[Any], workers: int | None) -> list[Any]:
     """``fn`` over ``jobs`` in order, in ``workers`` spawned processes (default: up to 2 CPUs; 1 = in process)."""
     workers = min(2, os.cpu_count() or 1) if workers is None else workers

@@ -56,11 +56,11 @@ from squad.data.synthetic_dense import (
     person_materials,
     person_pieces,
     place,
-    prepare_out,
     render_rect,
     run_jobs,
     soft_mask,
     split_ids,
+    start_render,
     write_lines,
 )
 
@@ -518,21 +518,11 @@ def render_pascal(
     Returns:
         The manifest's path, ``{out}/synthetic.json``.
     """
-    if n < 2:
-        raise ValueError(f"n must be >= 2 (one image per split), got {n}")
-    if image_size < 16:
-        raise ValueError(f"image_size must be >= 16, got {image_size}")
-    if seed < 0:
-        raise ValueError(f"seed must be >= 0, got {seed}")
-    out = Path(out)
-    prepare_out(out, MANIFEST, overwrite, DATASET)
-    for sub in ("JPEGImages", "semseg/pascal-context", "pascal-context/trainval", "human_parts", "sal_distill",
-                "normals_distill", "ImageSets/Context", "ImageSets/Parts"):  # fmt: skip
-        (out / sub).mkdir(parents=True, exist_ok=True)
+    out, chunks = start_render(out, n, image_size, seed, overwrite, MANIFEST, DATASET, (
+        "JPEGImages", "semseg/pascal-context", "pascal-context/trainval", "human_parts", "sal_distill",
+        "normals_distill", "ImageSets/Context", "ImageSets/Parts"))
     ids = image_ids(n)
-    chunk = min(16, max(1, n // 8))  # several jobs even for small n, so every worker gets some
-    jobs = [_Job(str(out), seed, image_size, tuple(range(a, min(n, a + chunk))), tuple(ids[a : a + chunk]))
-            for a in range(0, n, chunk)]  # fmt: skip
+    jobs = [_Job(str(out), seed, image_size, index, tuple(ids[part])) for index, part in chunks]
     rows = [row for part in run_jobs(_render_chunk, jobs, workers) for row in part]
     cats = {image_id: c for image_id, c, _ in rows}
     splits = split_ids(sorted(ids), VAL_SHARE, seed)

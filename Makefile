@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test lint bench clean-venv
+.PHONY: demo test test-fast lint lint-imports bench clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,7 +18,19 @@ demo: $(STAMP)
 	$(PY) tools/demo.py
 
 test: $(STAMP)
+	$(MAKE) --no-print-directory lint-imports
 	$(PY) -m pytest -q tests
+
+# The quick subset (no end-to-end runs: tests marked `slow` are left out), a few minutes.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" tests
+
+# The import floors declared in pyproject.toml ([tool.importlinter]). import-linter finds modules on disk, so it reads
+# a copy of the package with tasks/ and kernels/ where they are installed (squad/tasks, squad/kernels).
+lint-imports: $(STAMP)
+	@tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && cp -r squad "$$tmp/squad" && cp -r tasks "$$tmp/squad/tasks" \
+		&& cp -r kernels "$$tmp/squad/kernels" && cd "$$tmp" \
+		&& PYTHONPATH="$$tmp" "$(CURDIR)/$(VENV)/bin/lint-imports" --no-cache "$(CURDIR)/pyproject.toml"
 
 lint: $(STAMP)
 	$(PY) -m ruff check squad tasks kernels tools tests

@@ -1,4 +1,4 @@
-"""Benchmarks of routed attention for `tools/bench.py` (rows of `squad.bench.harness.BenchResult`).
+"""Benchmarks of routed attention for `tools/bench.py` (rows of `squad.timing.BenchResult`).
 
 CPU (always):
 - ``routed_attention_scores_vs_sdpa``: the reference path WITH routing scores against SDPA WITHOUT scores, forward,
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from squad.bench.harness import BenchResult, check, ratio_row, time_interleaved
+from squad.timing import BenchResult, check, ratio_row, time_interleaved
 
 from .op import routed_attention
 from .reference import explicit_attention

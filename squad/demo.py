@@ -1,6 +1,6 @@
 """Step 5 of the demo (tools/demo.py): extract depth from the trained run, score it beside the full model, and draw
-the expert-usage and task-relation figures. Thin wrappers over `squad.extract_pipeline`, `squad.compare` and
-`squad.visualize` that print what they did."""
+the expert-usage and task-relation figures. Thin wrappers over `squad.posttrain.extract.extract_to_file` and
+`squad.analysis.figures.draw_figures` that print what they did."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pathlib import Path
 
 from squad.analysis.figures import draw_figures as _draw
 from squad.eval.evaluate import format_results
+from squad.io import load_model
 from squad.posttrain.extract import extract_to_file, format_report
 
 
@@ -17,7 +18,8 @@ def extract_and_compare(run: str | Path, data: str | Path, task: str = "depth_eu
     and the full and extracted models' metrics on ``split`` side by side. Returns the report."""
     run = Path(run)
     out = run / f"{task}_theta{theta:g}.pt"
-    report = extract_to_file(run, task, out, theta=theta, data=data, calib_batches=calib_batches, eval_split=split)
+    report = extract_to_file(load_model(run), task, out, theta=theta, data=data, calib_batches=calib_batches,
+                             eval_split=split)
     print(format_report({**report, "metrics": None}))  # the metrics follow as a side-by-side table
     m = report["metrics"]
     if m:
@@ -32,6 +34,7 @@ def draw_figures(run: str | Path, data: str | Path, split: str = "val", batches:
     """Draws the figures of ``run`` into ``<run>/figures`` (and its TensorBoard) from a pass over ``split``; returns
     the folder."""
     folder = Path(run) / "figures"
-    result = _draw(run, folder, data=data, split=split, batches=batches)
+    tb = Path(run) / "tensorboard"
+    result = _draw(load_model(run), folder, data=data, split=split, batches=batches, tb_dir=tb if tb.is_dir() else None)
     print(f"{len(result['files'])} figures in {folder} (numbers in {result['json']})")
     return folder

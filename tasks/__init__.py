@@ -1,8 +1,9 @@
 """The tasks (installed as `squad.tasks`): decoding, targets, heads, masked losses and metrics.
 
 The 13 Taskonomy tasks (`TASK_NAMES`) and PASCAL-Context's and NYUD-v2's (`PASCAL_TASKS`, `NYUD_TASKS`; modules
-`segmentation` and `dense`). Use `get_task(name)` (aliases accepted); `squad.tasks.base` documents the interface and
-the calling convention shared by the model, the data pipeline and the training engine.
+`segmentation` and `dense`). Use `get_task(name)` (aliases accepted; ``get_task(name, model.cfg.task_options)`` for
+a model's configured task); `squad.tasks.base` documents the interface and the calling convention shared by the
+model, the data pipeline and the training engine. `edges` scores boundaries as SEISM does (the edge task's odsF).
 """
 
 from .base import DecodeError, Task
@@ -17,8 +18,10 @@ from .registry import (
     NYUD_TASKS,
     PASCAL_TASKS,
     TASK_NAMES,
+    TaskOptions,
     canonical_name,
     get_task,
+    options_for,
     register_task,
     resolve_task_names,
     unregister_task,
@@ -29,6 +32,6 @@ from .segmentation import SegmentationTask
 __all__ = [
     "ALIASES", "BENCHMARK_ALIASES", "DENSE_LABEL_TASKS", "NYUD_TASKS", "PASCAL_TASKS", "SCALAR_SPECS", "TASK_NAMES",
     "ClassTask", "DecodeError", "DepthTask", "EdgeTask", "NormalTask", "NyudDepthTask", "SaliencyTask", "ScalarSpec",
-    "ScalarTask", "SegmentationTask", "SurfaceNormalsTask", "Task", "canonical_name", "get_task", "register_task",
-    "resolve_task_names", "unregister_task",
+    "ScalarTask", "SegmentationTask", "SurfaceNormalsTask", "Task", "TaskOptions", "canonical_name", "get_task",
+    "options_for", "register_task", "resolve_task_names", "unregister_task",
 ]

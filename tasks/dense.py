@@ -2,7 +2,7 @@
 
 Conventions follow the public loaders and evaluators that M3ViT / Mod-Squad's Table 3 use (ASTMT,
 Vandenhende's Multi-Task-Learning-PyTorch: ``data/*.py``, ``losses/loss_functions.py``, ``evaluation/eval_*.py``) and
-SEISM for edges (`squad.eval.edges`).
+SEISM for edges (`squad.tasks.edges`).
 
 * saliency — raw ``uint8 [H, W]``, the distilled map 0..255 (bool or float in [0, 1] accepted); value {0, 1} =
   raw / 255 > 0.5, every pixel valid; head 1 logit, BCE; metrics ``maxf`` ↑ (primary), ``miou`` ↑, in %.
@@ -35,9 +35,9 @@ those of Taskonomy's normals (``c / 127.5 − 1``), so the resize is mask-aware 
 
 Edges: the training target is the boundary map at the working resolution — the reader's 1-pixel boundaries are
 resized bilinearly (so a line survives downscaling: any covered output pixel is boundary) and thinned again
-(`squad.eval.edges.thin`, as ``bwmorph thin``) on the whole resized frame (`filter_frame`), before the crop.
+(`squad.tasks.edges.thin`, as ``bwmorph thin``) on the whole resized frame (`filter_frame`), before the crop.
 Loss: ASTMT's ``BalancedCrossEntropyLoss(pos_weight=0.95)``: 0.95 · BCE on boundary pixels + 0.05 · BCE elsewhere,
-averaged over valid pixels. Metric: SEISM's odsF (`squad.eval.edges`), tolerance ``max_dist`` of the image diagonal
+averaged over valid pixels. Metric: SEISM's odsF (`squad.tasks.edges`), tolerance ``max_dist`` of the image diagonal
 (0.0075 PASCAL-Context, the default; NYUD-v2 uses 0.011: ``model.task_options: {edge: {max_dist: 0.011}}``), 99
 thresholds 0.01 … 0.99 (``thresholds=K`` for K evenly spaced ones, fewer for speed). The sums keep, per threshold,
 the matched and the predicted boundary pixels (and the true ones), summed over batches and ranks: the ODS is over
@@ -62,6 +62,7 @@ import torch
 import torch.nn.functional as F
 
 from .base import DecodeError, Task, as_f64, integer_image, masked_mean, ratio
+from .edges import edge_counts, ods_f, thin
 
 _LOGIT = 20.0  # the logit a {0, 1} truth maps to (sigmoid(20) = 1 − 2e-9)
 _MIN_NORM = 0.1
@@ -272,7 +273,7 @@ def _hist_median(counts: list[float], width: float) -> float:
 
 
 class EdgeTask(Task):
-    """Boundary detection scored by SEISM's odsF (module docstring; `squad.eval.edges`).
+    """Boundary detection scored by SEISM's odsF (module docstring; `squad.tasks.edges`).
 
     Args:
         max_dist: matching tolerance as a fraction of the image diagonal (0.0075 PASCAL-Context, 0.011 NYUD-v2).
@@ -317,8 +318,6 @@ class EdgeTask(Task):
 
     def filter_frame(self, value: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
         """Thins the boundary map of the whole resized frame to 1-pixel lines (``bwmorph thin``)."""
-        from squad.eval.edges import thin  # squad.eval imports the data package, which imports the tasks
-
         return torch.from_numpy(thin(value[0].numpy() > 0.5)).to(torch.float32)[None]
 
     def target(self, value: torch.Tensor) -> torch.Tensor:
@@ -333,8 +332,6 @@ class EdgeTask(Task):
 
     @torch.no_grad()
     def metric_sums(self, pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
-        from squad.eval.edges import edge_counts
-
         mask = self.check_batch(pred, target, mask)
         prob = self.to_units(pred)[:, 0].cpu().numpy()
         counts = edge_counts(prob, (target[:, 0] > 0).cpu().numpy(), mask[:, 0].cpu().numpy(), self.thresholds,
@@ -346,8 +343,6 @@ class EdgeTask(Task):
         return sums
 
     def metrics(self, sums: dict[str, torch.Tensor | float]) -> dict[str, float]:
-        from squad.eval.edges import ods_f
-
         k = len(self.thresholds)
         matched = np.array([float(sums[f"matched_{i:03d}"]) for i in range(k)])
         pred = np.array([float(sums[f"pred_{i:03d}"]) for i in range(k)])

@@ -5,15 +5,18 @@ together `DENSE_LABEL_TASKS`; their short names in `BENCHMARK_ALIASES`) are buil
 new domain for router fine-tuning, say) in the style of LibMTL's plug-ins: a name, a factory returning a `Task`,
 optional aliases.
 
-Task options: ``get_task(name, **options)`` builds a variant (e.g. ``get_task("edge_occlusion", decode="clip")``);
-`configure_tasks` makes variants the process-wide default, so that every ``get_task(name)`` — the data pipeline,
-the losses, the metrics — returns the same one. `squad.load_config` calls it with the model config's
-``model.task_options`` (stored with the model, so evaluation, extraction and fine-tuning of a saved model decode its
-targets as its training did).
+Task options travel with what owns them, never through a process-wide setting: ``get_task(name)`` is the task
+with its defaults; ``get_task(name, options)`` the task as a model configures it, ``options`` being the model's
+``model.task_options`` (``{task name or alias: {option: value}}``, e.g. ``{"edge_occlusion": {"decode": "clip"}}``;
+entries of other tasks are ignored); ``get_task(name, decode="clip")`` gives one task's options directly. A model
+(`squad.models.vit.SquadViT.get_task`), its config (`ModelConfig.get_task`), the datasets built for it and its
+evaluators each hold their own, so two models with different options decode and score side by side in one process.
+Configured tasks are cached per (task, options): the same options give the same instance.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -77,8 +80,10 @@ _BUILTIN: dict[str, Callable[..., Task]] = {
 }
 _EXTRA: dict[str, Callable[..., Task]] = {}
 _EXTRA_ALIASES: dict[str, str] = {}
-_CACHE: dict[str, Task] = {}
-_OPTIONS: dict[str, dict[str, Any]] = {}  # options of the shared instances (configure_tasks)
+_CACHE: dict[tuple[str, str], Task] = {}  # (canonical name, options as sorted JSON) → the instance
+
+TaskOptions = Mapping[str, Mapping[str, Any]]
+"""A model's ``model.task_options``: task name or alias → that task's options."""
 
 
 def register_task(name: str, factory: Callable[..., Task], aliases: Iterable[str] = ()) -> None:
@@ -111,8 +116,8 @@ def unregister_task(name: str) -> None:
     if name not in _EXTRA:
         raise ValueError(f"task {name!r} was not added with register_task")
     del _EXTRA[name]
-    _CACHE.pop(name, None)
-    _OPTIONS.pop(name, None)
+    for key in [k for k in _CACHE if k[0] == name]:
+        del _CACHE[key]
     for alias in [a for a, c in _EXTRA_ALIASES.items() if c == name]:
         del _EXTRA_ALIASES[alias]
 
@@ -137,65 +142,67 @@ def canonical_name(name: str) -> str:
     raise ValueError(f"unknown task {name!r}; valid names: {names}; aliases: {aliases}")
 
 
-def get_task(name: str, **options) -> Task:
-    """Returns the task for a canonical name or alias.
+def options_for(name: str, options: TaskOptions | None) -> dict[str, Any]:
+    """The options ``options`` (a model's ``task_options``) give task ``name``: its entries under the canonical name
+    and under aliases, merged in the order given (empty when none names it).
+
+    Raises:
+        ValueError: an unknown task name in ``options`` (listing the valid ones).
+    """
+    canonical = canonical_name(name)
+    out: dict[str, Any] = {}
+    for key, opts in (options or {}).items():
+        if canonical_name(str(key)) == canonical:
+            out.update(dict(opts or {}))
+    return out
+
+
+def get_task(name: str, options: TaskOptions | None = None, /, **task_options: Any) -> Task:
+    """Returns the task for a canonical name or alias, with its defaults or configured.
 
     Args:
         name: e.g. ``"depth"`` or ``"depth_euclidean"``.
-        **options: passed to the task's factory, e.g. ``get_task("class_object", loss="mse")``; without options
-            the same shared instance is returned on every call.
+        options: a model's task options (``model.task_options``: ``{task: {option: value}}``); only the entry of
+            this task (under its name or an alias) is used. None: the defaults.
+        **task_options: this task's options given directly, e.g. ``get_task("edge_occlusion", decode="clip")``;
+            they override ``options``.
+
+    Returns:
+        The same instance for the same task and options (no options: the shared default instance).
 
     Raises:
         ValueError: for an unknown name (listing the valid ones) or options the task does not take.
     """
     canonical = canonical_name(name)
+    chosen = {**options_for(canonical, options), **task_options}
+    try:
+        key = (canonical, json.dumps(chosen, sort_keys=True))
+    except TypeError:  # options that JSON cannot hold (a callable, say): a fresh, uncached instance
+        key = None
+    if key is not None and key in _CACHE:
+        return _CACHE[key]
     factory = _EXTRA.get(canonical) or _BUILTIN[canonical]
-    if options:
-        try:
-            return factory(**options)
-        except TypeError as e:
-            raise ValueError(f"task {canonical}: unsupported options {sorted(options)} ({e})") from e
-    if canonical not in _CACHE:
-        task = factory(**_OPTIONS.get(canonical, {}))
-        if task.name != canonical:
-            raise ValueError(f"the factory registered for {canonical!r} built a task named {task.name!r}")
-        _CACHE[canonical] = task
-    return _CACHE[canonical]
+    try:
+        task = factory(**chosen)
+    except TypeError as e:
+        if not chosen:
+            raise
+        raise ValueError(f"task {canonical}: unsupported options {sorted(chosen)} ({e})") from e
+    if task.name != canonical:
+        raise ValueError(f"the factory registered for {canonical!r} built a task named {task.name!r}")
+    if key is not None:
+        _CACHE[key] = task
+    return task
 
 
-def configure_tasks(options: Mapping[str, Mapping[str, Any]] | None) -> None:
-    """Sets the options of the shared task instances (what ``get_task(name)`` returns) for this process.
-
-    Tasks not named get their defaults back; instances handed out before keep their old options (a dataset built
-    earlier holds its own). Every variant is built here first, so a bad option changes nothing.
-
-    Args:
-        options: ``{task name or alias: {option: value}}``, e.g. ``{"edge_occlusion": {"decode": "clip"}}``;
-            None or ``{}`` restores every default.
+def check_task_options(options: TaskOptions | None) -> None:
+    """Builds every task ``options`` configures, so that a bad name or option fails here (config validation).
 
     Raises:
-        ValueError: an unknown task, or options its factory does not take (the message names the task; the
-            factory's own message names the option).
+        ValueError: an unknown task, or options its factory does not take (the factory's message names the option).
     """
-    chosen: dict[str, dict[str, Any]] = {}
-    built: dict[str, Task] = {}
-    for name, opts in (options or {}).items():
-        canonical = canonical_name(str(name))
-        chosen[canonical] = dict(opts or {})
-        task = get_task(canonical, **chosen[canonical]) if chosen[canonical] else None
-        if task is not None:
-            if task.name != canonical:
-                raise ValueError(f"the factory registered for {canonical!r} built a task named {task.name!r}")
-            built[canonical] = task
-    _OPTIONS.clear()
-    _OPTIONS.update({c: o for c, o in chosen.items() if o})
-    _CACHE.clear()
-    _CACHE.update(built)
-
-
-def task_options() -> dict[str, dict[str, Any]]:
-    """The options `configure_tasks` set (a copy; empty when every task has its defaults)."""
-    return {c: dict(o) for c, o in _OPTIONS.items()}
+    for name in options or {}:
+        get_task(str(name), options)
 
 
 def resolve_task_names(names: str | Iterable[str]) -> list[str]:

@@ -15,7 +15,7 @@ from tests.helpers import ROOT
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory) -> Path:
     """32 synthetic images at 32 px (24 train, 4 val, 4 test), rendered once per session."""
-    from squad.data.synthetic import render_dataset
+    from squad.data.synthetic.taskonomy import render_dataset
 
     root = tmp_path_factory.getbasetemp() / "tools_synth"
     if not (root / "synthetic.json").is_file():

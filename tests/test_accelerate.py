@@ -25,7 +25,7 @@ TIMEOUT = 300
 
 @pytest.fixture(scope="module")
 def config(tmp_path_factory) -> Path:
-    from squad.data.synthetic import render_dataset
+    from squad.data.synthetic.taskonomy import render_dataset
 
     root = tmp_path_factory.mktemp("synth")
     render_dataset(root, n=16, image_size=32, seed=0, buildings=4)  # 8 training images

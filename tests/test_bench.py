@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from squad.bench import cases as bench_cases
-from squad.bench.harness import BenchResult
+from squad.timing import BenchResult
 from tests.helpers import ROOT
 
 TOOL = ROOT / "tools/bench.py"

@@ -14,9 +14,11 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader
 
-from squad.data import TaskonomyDataset, build_dataset, collate, pack_shards, report, write_random_tree
+from squad.data import TaskonomyDataset, build_dataset, collate, eval_loader, report
 from squad.data.accounting import track
-from squad.eval.evaluate import eval_loader, evaluate
+from squad.data.offline.pack import pack_shards
+from squad.data.offline.random_tree import write_random_tree
+from squad.eval.evaluate import evaluate
 
 
 @pytest.fixture()

@@ -1,5 +1,5 @@
-"""`squad.data.stats` and ``tools/make_data.py stats``: accumulators, sampling, real-encoded trees, shards, and the
-synthetic renderer held inside the real files' ranges."""
+"""`squad.data.offline.stats` and ``tools/make_data.py stats``: accumulators, sampling, real-encoded trees, shards,
+and the synthetic renderer held inside the real files' ranges."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from squad.data.stats import (
+from squad.data.offline.stats import (
     REFERENCES,
     VALID,
     CodeHistogram,
@@ -90,7 +90,7 @@ def test_reference_tolerance_rule():
 
 
 def test_every_reference_names_a_source():
-    from squad.data.stats import SOURCES
+    from squad.data.offline.stats import SOURCES
 
     for domain, refs in REFERENCES.items():
         for key, r in refs.items():
@@ -302,7 +302,7 @@ def test_stats_on_packed_shards_equal_the_tree(real_tree, tmp_path, load_tool, c
 # ----------------------------------------------------------------------------------- the acceptance test
 def test_synthetic_renderer_is_inside_the_real_ranges(tmp_path):
     """The issue's acceptance test: every domain of the synthetic Taskonomy inside the real files' ranges."""
-    from squad.data.synthetic import render_dataset
+    from squad.data.synthetic.taskonomy import render_dataset
 
     root = tmp_path / "synthetic"
     render_dataset(root, n=80, image_size=64, seed=0, workers=1)

@@ -1,4 +1,4 @@
-"""SEISM-style boundary scoring (`squad.eval.edges`): thinning, one-to-one matching within the tolerance, odsF —
+"""SEISM-style boundary scoring (`squad.tasks.edges`): thinning, one-to-one matching within the tolerance, odsF —
 on hand-made maps whose answers are known."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from scipy import ndimage
 
-from squad.eval.edges import (
+from squad.tasks.edges import (
     NYUD_MAX_DIST,
     PASCAL_MAX_DIST,
     SEISM_THRESHOLDS,

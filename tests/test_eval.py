@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import squad.eval
-from squad.data import build_dataset
+from squad.data import build_dataset, eval_loader
 from squad.eval import MetricAccumulator, delta_t, evaluate, format_results
-from squad.eval.evaluate import delta_against, eval_loader, primary
+from squad.eval.evaluate import delta_against, primary
 from squad.tasks import TASK_NAMES, Task, get_task, register_task, unregister_task
 from tests.helpers import tiny_model
 from tests.test_tasks import batch_of
@@ -171,5 +171,6 @@ def test_format_results_marks_every_metric_direction():
 
 
 def test_package_exports():
-    assert set(squad.eval.__all__) == {"evaluate", "delta_t", "MetricAccumulator", "evaluate_file", "format_results"}
+    assert set(squad.eval.__all__) == {"evaluate", "delta_t", "MetricAccumulator", "evaluate_model", "evaluate_run",
+                                   "format_results"}
     assert all(getattr(squad.eval, name) is not None for name in squad.eval.__all__)

@@ -189,7 +189,7 @@ def test_bad_requests_are_refused(tmp_path, load_tool, capsys):
 @pytest.fixture(scope="module")
 def zero_run(tmp_path_factory) -> Path:
     """A one-rank bf16 ZeRO-2 run of 2 steps (its fp32 master weights differ from the bf16 module weights)."""
-    from squad.data.synthetic import render_dataset
+    from squad.data.synthetic.taskonomy import render_dataset
     from tests.helpers import PY, tool_env, write_run_config
 
     base = tmp_path_factory.mktemp("zero")

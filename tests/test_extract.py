@@ -12,8 +12,8 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry
 import squad
 from squad.io import export_model, load_extracted, save_extracted
 from squad.layers.experts import grouped_mm_flops
+from squad.models.pruning import choose_experts, prunable_layers
 from squad.posttrain.extract import collect_usage, extract
-from squad.posttrain.pruning import choose_experts, prunable_layers
 from tests.helpers import ROOT, tiny_model
 
 HEADS = ["depth_euclidean", "normal", "class_scene"]

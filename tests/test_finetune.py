@@ -10,8 +10,7 @@ import pytest
 import torch
 
 import squad
-from squad.data import build_dataset
-from squad.eval.evaluate import eval_loader
+from squad.data import build_dataset, eval_loader
 from squad.io import export_model
 from squad.models.vit import build_model
 from squad.posttrain.finetune import (
@@ -118,8 +117,8 @@ def test_subsets_are_deterministic_and_nested():
 def test_router_finetuning_beats_the_untrained_head_and_writes_json(base_file, tiny_data, tmp_path):
     out = tmp_path / "ft.json"
     cfg = FinetuneConfig(steps=80, batch_size=8, lr=1e-2)
-    result = finetune_table(base_file, "depth", tiny_data, ["router", "head"], fractions=[0.5, 1.0], cfg=cfg,
-                            save_dir=tmp_path / "models", out=out)
+    result = finetune_table(squad.load_model(base_file), "depth", tiny_data, ["router", "head"], fractions=[0.5, 1.0],
+                            cfg=cfg, save_dir=tmp_path / "models", out=out)
     untrained = result["untrained"]["rmse"]
     for row in result["runs"]:
         assert row["frozen_unchanged"] is True
@@ -132,7 +131,8 @@ def test_router_finetuning_beats_the_untrained_head_and_writes_json(base_file, t
 
 def test_linear_probe_and_shots(base_file, tiny_data):
     cfg = FinetuneConfig(steps=10, batch_size=4, lr=1e-2)
-    result = finetune_table(base_file, "scene", tiny_data, ["linear-probe", "full"], shots=[1], cfg=cfg)
+    result = finetune_table(squad.load_model(base_file), "scene", tiny_data, ["linear-probe", "full"], shots=[1],
+                            cfg=cfg)
     rows = {r["mode"]: r for r in result["runs"]}
     assert set(rows) == {"linear-probe", "full"}
     assert rows["linear-probe"]["trainable_params"] == (32 + 1) * 365

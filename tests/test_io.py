@@ -10,7 +10,6 @@ import pytest
 import torch
 import yaml
 
-from squad.analysis.usage import ExpertUsage
 from squad.io import (
     CHECKPOINT_FORMAT,
     EXTRACTED_FORMAT,
@@ -21,10 +20,11 @@ from squad.io import (
     load_model,
     save_extracted,
 )
+from squad.io.checkpoints import COMPLETE, MODEL_STATES
 from squad.models.single_task import SingleTaskModel
+from squad.models.usage import ExpertUsage
 from squad.models.vit import SquadViT
 from squad.posttrain.extract import collect_usage, extract
-from squad.train.checkpoint import COMPLETE, MODEL_STATES
 from tests.helpers import ROOT, tiny_model, tool_env
 
 HEADS = ["depth_euclidean", "normal"]

@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from squad.analysis.usage import ExpertUsage
 from squad.distributed import has_process_group, is_distributed
 from squad.layers.context import ForwardContext, RouterStats
+from squad.models.usage import ExpertUsage
 from squad.train.losses import TaskWeighting, all_reduce_mass, balance_loss, mutual_information
 
 

@@ -17,10 +17,10 @@ from PIL import Image
 
 from squad.config.base import ConfigError
 from squad.config.loading import load_config
-from squad.data import ShardDataset, TaskonomyDataset, pack_shards
+from squad.data import ShardDataset, TaskonomyDataset
+from squad.data.offline.pack import pack_shards
 from squad.data.transforms import SamplePipeline
 from squad.tasks import get_task
-from squad.tasks.registry import configure_tasks, task_options
 from squad.tasks.scalar import gaussian_blur
 
 SRC, OUT = 128, 64
@@ -282,22 +282,18 @@ def test_edge_occlusion_blur_ignores_holes_and_is_masked_there():
 
 
 def test_edge_occlusion_option_from_the_config():
-    try:
-        load_config("configs/demo.yaml", ["model.task_options={edge_occlusion: {decode: clip}}"])
-        assert task_options() == {"edge_occlusion": {"decode": "clip"}}
-        task = get_task("edge3d")
-        assert task.spec.clip == (0.0, 0.00625) and not task.frame_filter
-        assert SamplePipeline(["edge_occlusion"]).tasks[0] is task
-        with pytest.raises(ConfigError, match=r"model\.task_options\.edge_occlusion\.decode: .*'gauss'"):
-            load_config("configs/demo.yaml", ["model.task_options={edge_occlusion: {decode: gauss}}"])
-        with pytest.raises(ConfigError, match=r"model\.task_options\.edge3d\.blur_sigma"):
-            load_config("configs/demo.yaml", ["model.task_options={edge3d: {blur_sigma: -1}}"])
-        with pytest.raises(ConfigError, match=r"model\.task_options: unknown task 'occlusion_edges'"):
-            load_config("configs/demo.yaml", ["model.task_options={occlusion_edges: {decode: clip}}"])
-        # 'edges' is the PASCAL/NYUD edge task: it exists, but has no such option
-        with pytest.raises(ConfigError, match=r"model\.task_options\.edges: .*unsupported options \['decode'\]"):
-            load_config("configs/demo.yaml", ["model.task_options={edges: {decode: clip}}"])
-        load_config("configs/demo.yaml")  # a config without options restores the defaults
-        assert task_options() == {} and get_task("edge_occlusion").frame_filter
-    finally:
-        configure_tasks({})
+    cfg = load_config("configs/demo.yaml", ["model.task_options={edge_occlusion: {decode: clip}}"])
+    task = cfg.model.get_task("edge3d")
+    assert task.spec.clip == (0.0, 0.00625) and not task.frame_filter
+    assert task is get_task("edge_occlusion", {"edge3d": {"decode": "clip"}})  # one instance per task and options
+    assert get_task("edge_occlusion").frame_filter  # loading the config changed nothing process-wide
+    with pytest.raises(ConfigError, match=r"model\.task_options\.edge_occlusion\.decode: .*'gauss'"):
+        load_config("configs/demo.yaml", ["model.task_options={edge_occlusion: {decode: gauss}}"])
+    with pytest.raises(ConfigError, match=r"model\.task_options\.edge3d\.blur_sigma"):
+        load_config("configs/demo.yaml", ["model.task_options={edge3d: {blur_sigma: -1}}"])
+    with pytest.raises(ConfigError, match=r"model\.task_options: unknown task 'occlusion_edges'"):
+        load_config("configs/demo.yaml", ["model.task_options={occlusion_edges: {decode: clip}}"])
+    # 'edges' is the PASCAL/NYUD edge task: it exists, but has no such option
+    with pytest.raises(ConfigError, match=r"model\.task_options\.edges: .*unsupported options \['decode'\]"):
+        load_config("configs/demo.yaml", ["model.task_options={edges: {decode: clip}}"])
+    assert load_config("configs/demo.yaml").model.get_task("edge_occlusion").frame_filter

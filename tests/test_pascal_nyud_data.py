@@ -166,7 +166,7 @@ def test_thin_known_answer():
     line = np.zeros((5, 9), bool)
     line[2, 1:8] = True
     np.testing.assert_array_equal(thin(line), line)  # already one pixel wide: unchanged
-    from squad.eval.edges import thin as eval_thin  # the evaluation's thinning is the same algorithm
+    from squad.tasks.edges import thin as eval_thin  # the evaluation's thinning is the same algorithm
 
     rng = np.random.default_rng(0)
     for _ in range(10):

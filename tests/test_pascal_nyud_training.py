@@ -25,7 +25,6 @@ import torch
 import squad
 from squad.config.run import RunConfig, deepspeed_config
 from squad.tasks import get_task
-from squad.tasks.registry import configure_tasks
 from tests.helpers import PY, ROOT, TINY, tool_env
 
 # The tasks of each benchmark, their head channels and the direction of their primary metric (the issue's table).
@@ -115,13 +114,6 @@ def run(request, tmp_path_factory) -> Run:
     rc, log = _run([PY, "tools/train.py", "--config", str(ROOT / "configs" / "model" / f"{case.config}.yaml"),
                     "--out", str(out), *[a for s in sets for a in ("--set", s)]])
     return Run(case, data, out, rc, log)
-
-
-@pytest.fixture(autouse=True)
-def _task_defaults():
-    """Loading a NYUD-v2 model sets edge's maxDist process-wide (its ``task_options``): restore the defaults."""
-    yield
-    configure_tasks(None)
 
 
 @pytest.fixture

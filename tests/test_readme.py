@@ -248,9 +248,9 @@ def workspace(tmp_path_factory) -> Path:
     import timm
     import torch
 
-    from squad.data.random_tree import write_random_tree
-    from squad.data.synthetic_nyud import render_nyud
-    from squad.data.synthetic_pascal import render_pascal
+    from squad.data.offline.random_tree import write_random_tree
+    from squad.data.synthetic.nyud import render_nyud
+    from squad.data.synthetic.pascal import render_pascal
 
     ws = tmp_path_factory.mktemp("readme")
     for name in ("tools", "configs"):

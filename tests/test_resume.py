@@ -15,6 +15,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from squad.io.checkpoints import (
+    COMPLETE,
+    MODEL_STATES,
+    DamagedCheckpointError,
+    UnsafeCheckpointError,
+    complete_tags,
+    find_resume_tag,
+    resume_candidates,
+    tag_for,
+)
 from squad.train import checkpoint as ckpt
 from tests.helpers import ROOT, launcher, tool_env, write_run_config
 
@@ -25,7 +35,7 @@ STEP2, STEP4 = "step00000002", "step00000004"
 
 @pytest.fixture(scope="module")
 def config(tmp_path_factory) -> Path:
-    from squad.data.synthetic import render_dataset
+    from squad.data.synthetic.taskonomy import render_dataset
 
     root = tmp_path_factory.mktemp("synth")
     render_dataset(root, n=16, image_size=32, seed=0, buildings=4)  # 8 training images
@@ -119,7 +129,7 @@ class _WritesAFile:
 
 
 def _plant(tag: Path, target: Path) -> Path:
-    file = tag / ckpt.MODEL_STATES
+    file = tag / MODEL_STATES
     states = torch.load(file, weights_only=True)
     states["client"] = _WritesAFile(target)
     torch.save(states, file)
@@ -157,7 +167,7 @@ def test_deepspeed_reads_checkpoints_weights_only(one_rank_run, tmp_path):
     ckpt.guard_engine(engine)
     target = tmp_path / "pwned"
     bad = _plant(_copy(one_rank_run, tmp_path / "run") / "checkpoints" / STEP4, target)
-    with pytest.raises(ckpt.UnsafeCheckpointError, match="open, which weights_only loading does not allow"):
+    with pytest.raises(UnsafeCheckpointError, match="open, which weights_only loading does not allow"):
         engine.checkpoint_engine.load(str(bad), map_location="cpu")
     assert not target.exists()
 
@@ -167,7 +177,7 @@ def test_damaged_checkpoint_falls_back_to_the_previous_one(config, one_rank_run,
     run = _copy(one_rank_run, tmp_path / "run")
     original = _model(run)
     rows = (run / "metrics.jsonl").read_text()
-    bad = run / "checkpoints" / STEP4 / ckpt.MODEL_STATES
+    bad = run / "checkpoints" / STEP4 / MODEL_STATES
     bad.write_bytes(bad.read_bytes()[: bad.stat().st_size // 2])  # truncated: "failed finding central directory"
     res = _train(config, run)
     _ok(res)
@@ -184,7 +194,7 @@ def test_damaged_checkpoint_falls_back_to_the_previous_one(config, one_rank_run,
 def test_every_checkpoint_damaged_names_each_file(config, one_rank_run, tmp_path):
     run = _copy(one_rank_run, tmp_path / "run")
     (run / "model.pt").unlink()
-    files = [run / "checkpoints" / tag / ckpt.MODEL_STATES for tag in (STEP2, STEP4)]
+    files = [run / "checkpoints" / tag / MODEL_STATES for tag in (STEP2, STEP4)]
     for f in files:
         f.write_bytes(f.read_bytes()[:1000])
     res = _train(config, run)
@@ -195,18 +205,18 @@ def test_every_checkpoint_damaged_names_each_file(config, one_rank_run, tmp_path
 def test_unit_verify_tag_and_markers(tmp_path):
     d = tmp_path / "checkpoints"
     for step in (2, 4, 6):
-        (d / ckpt.tag_for(step)).mkdir(parents=True)
-        torch.save({"module": {"w": torch.ones(2)}, "ds_config": {}}, d / ckpt.tag_for(step) / ckpt.MODEL_STATES)
-        ckpt.mark_complete(d, ckpt.tag_for(step), step, keep=5)
-    (d / ckpt.tag_for(6) / ckpt.COMPLETE).write_text("")  # a marker cut short: the tag is not complete
-    assert ckpt.complete_tags(d) == [ckpt.tag_for(2), ckpt.tag_for(4)]
-    assert ckpt.resume_candidates(d) == [ckpt.tag_for(4), ckpt.tag_for(2)]
-    assert ckpt.verify_tag(d / ckpt.tag_for(4)) is None
-    (d / ckpt.tag_for(4) / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"PK\x03\x04 cut")
-    problem = ckpt.verify_tag(d / ckpt.tag_for(4))
-    assert isinstance(problem, ckpt.DamagedCheckpointError) and problem.file.endswith("optim_states.pt")
+        (d / tag_for(step)).mkdir(parents=True)
+        torch.save({"module": {"w": torch.ones(2)}, "ds_config": {}}, d / tag_for(step) / MODEL_STATES)
+        ckpt.mark_complete(d, tag_for(step), step, keep=5)
+    (d / tag_for(6) / COMPLETE).write_text("")  # a marker cut short: the tag is not complete
+    assert complete_tags(d) == [tag_for(2), tag_for(4)]
+    assert resume_candidates(d) == [tag_for(4), tag_for(2)]
+    assert ckpt.verify_tag(d / tag_for(4)) is None
+    (d / tag_for(4) / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"PK\x03\x04 cut")
+    problem = ckpt.verify_tag(d / tag_for(4))
+    assert isinstance(problem, DamagedCheckpointError) and problem.file.endswith("optim_states.pt")
     warnings = []
-    assert ckpt.select_resume_tag(d, ckpt.resume_candidates(d), warn=warnings.append) == ckpt.tag_for(2)
+    assert ckpt.select_resume_tag(d, resume_candidates(d), warn=warnings.append) == tag_for(2)
     assert len(warnings) == 1 and "optim_states.pt" in warnings[0]
 
 
@@ -241,7 +251,7 @@ def test_disk_full_during_a_two_rank_save_keeps_the_previous_checkpoint(config, 
     assert message in output and "basic_ios::clear: iostream error" in output and "MiB free" in output
     log = (run / "train.log").read_text()
     assert message in log and f"previous checkpoint {run / 'checkpoints' / STEP2} is intact" in log
-    assert ckpt.find_resume_tag(run / "checkpoints") == STEP2 and not (run / "checkpoints" / STEP4).exists()
+    assert find_resume_tag(run / "checkpoints") == STEP2 and not (run / "checkpoints" / STEP4).exists()
     assert not (run / "model.pt").exists()
     _ok(_train(config, run, "--set", "train.zero_stage=1", ranks=2))  # room again: it resumes and finishes
     assert f"resumed from {run / 'checkpoints' / STEP2}" in (run / "train.log").read_text()
@@ -258,7 +268,7 @@ def test_disk_full_writing_model_pt(config, one_rank_run, tmp_path):
     assert message in res.stderr and message in (run / "train.log").read_text()
     assert "rerun the same command" in res.stderr
     assert not (run / "model.pt").exists() and not list(run.glob(".model.pt.tmp*"))
-    assert ckpt.find_resume_tag(run / "checkpoints") == STEP4
+    assert find_resume_tag(run / "checkpoints") == STEP4
     _ok(_train(config, run))  # the rerun writes it, without training or logging again
     _same_model(_model(one_rank_run), _model(run))
     rows = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]

@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from squad.distributed import free_port
+from squad.io.checkpoints import complete_tags, find_resume_tag
 from squad.train import checkpoint as ckpt
 from squad.train import run_folder as rf
 from squad.train.objective import nonfinite_stop
@@ -173,7 +174,7 @@ def stopped_run(tmp_path_factory, run_config):
     out = tmp_path_factory.mktemp("runs") / "stopped"
     res = _train(run_config, out, "--set", "train.stop_at=2")
     assert res.returncode == 0, res.stderr[-3000:]
-    assert ckpt.find_resume_tag(out / "checkpoints") == "step00000002"
+    assert find_resume_tag(out / "checkpoints") == "step00000002"
     return out
 
 
@@ -210,7 +211,7 @@ def test_resume_none_into_a_run_is_refused_unless_overwrite(stopped_run, run_con
     res = _train(run_config, out, "--resume", "none", "--overwrite", "--set", "optim.steps=1",
                  "--set", "optim.lr=1e-3")
     assert res.returncode == 0, res.stderr[-3000:]
-    assert ckpt.complete_tags(out / "checkpoints") == ["step00000001"]
+    assert complete_tags(out / "checkpoints") == ["step00000001"]
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == [0, 1]
     assert len((out / rf.HISTORY_FILE).read_text().splitlines()) == 1

@@ -10,9 +10,9 @@ import pytest
 from PIL import Image
 from scipy import ndimage
 
-from squad.data import annotate
-from squad.data import synthetic as syn
-from squad.data.render import (
+from squad.data.synthetic import annotate
+from squad.data.synthetic import taskonomy as syn
+from squad.data.synthetic.render import (
     NUM_ROOM_FACES,
     Box,
     Camera,

@@ -13,9 +13,9 @@ import scipy.io
 from PIL import Image
 
 from squad.data import detect_dataset
-from squad.data.synthetic_dense import PARTS_6, label_boundaries
-from squad.data.synthetic_nyud import CLASS_ID, render_nyud
-from squad.data.synthetic_pascal import CONTEXT_LABELS, VOC_CLASSES, VOC_OF_CONTEXT, render_pascal
+from squad.data.synthetic.dense import PARTS_6, label_boundaries
+from squad.data.synthetic.nyud import CLASS_ID, render_nyud
+from squad.data.synthetic.pascal import CONTEXT_LABELS, VOC_CLASSES, VOC_OF_CONTEXT, render_pascal
 
 PASCAL_N, NYUD_N, SIZE = 24, 12, 48
 

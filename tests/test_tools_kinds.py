@@ -11,9 +11,11 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import squad
 from squad.config.base import ConfigError
-from squad.eval.evaluate import compute_summary, eval_loader, evaluate, set_inference
+from squad.data import eval_loader
+from squad.eval.evaluate import compute_summary, evaluate
 from squad.io import export_model
 from squad.layers.mod import MoDBlock
+from squad.models.inference import set_inference
 from tests.helpers import ROOT, randomize_routers, tiny_config
 from tests.test_profile import _counted_macs  # noqa: F401  (registers the FLOP formulas of the CPU ops)
 
@@ -34,7 +36,7 @@ def _model(kind: str, extra: list[str] | None = None, seed: int = 0) -> squad.Sq
 def _export(tmp_path, kind: str, extra: list[str] | None = None, trained=HEADS, name: str = "run"):
     """A run folder holding the model's model.pt, with the usage statistics of a short pass (as training saves)."""
     model = _model(kind, extra)
-    usage = squad.analysis.usage.ExpertUsage(model.task_names)
+    usage = squad.models.usage.ExpertUsage(model.task_names)
     with torch.no_grad():
         usage.update(model(torch.randn(2, 3, 32, 32)).stats)
     run = tmp_path / name
@@ -224,7 +226,7 @@ def test_evaluate_threshold_reports_the_share_processed_and_macs_from_it(tmp_pat
 
     hooks = [b.register_forward_hook(count) for b in model.blocks if isinstance(b, MoDBlock)]
     try:
-        usage = squad.analysis.usage.ExpertUsage(model.task_names)
+        usage = squad.models.usage.ExpertUsage(model.task_names)
         evaluate(model, eval_loader(ds, 8), HEADS, usage=usage)
     finally:
         for h in hooks:

@@ -13,6 +13,7 @@ import torch
 
 import squad
 from squad.distributed import free_port
+from squad.io.checkpoints import find_resume_tag
 from squad.train import checkpoint as ckpt
 from tests.helpers import DEEPSPEED, PY, ROOT, tool_env, write_run_config
 
@@ -22,7 +23,7 @@ TASKS = ["depth_euclidean", "normal", "class_scene", "edge_texture"]
 
 @pytest.fixture(scope="module")
 def data_root(tmp_path_factory):
-    from squad.data.synthetic import render_dataset
+    from squad.data.synthetic.taskonomy import render_dataset
 
     root = tmp_path_factory.mktemp("synth")
     render_dataset(root, n=16, image_size=32, seed=0, buildings=4)  # 8 training images: one fixed batch
@@ -60,7 +61,7 @@ def test_two_rank_deepspeed_overfits_and_exports(two_rank_run):
     losses = _losses(two_rank_run)
     assert len(losses) == 12
     assert losses[-1] < losses[0] / 3, losses
-    assert ckpt.find_resume_tag(two_rank_run / "checkpoints") == "step00000060"
+    assert find_resume_tag(two_rank_run / "checkpoints") == "step00000060"
     assert (two_rank_run / "config.yaml").is_file() and (two_rank_run / "ds_config.json").is_file()
     payload = torch.load(two_rank_run / "model.pt", weights_only=True)
     assert payload["tasks"] == TASKS
@@ -133,9 +134,9 @@ def test_incomplete_checkpoint_is_never_resumed(tmp_path):
     ckpt.mark_complete(d, "step00000003", 3, keep=5)
     (d / "step00000006").mkdir()  # a save that was killed before every rank finished
     (d / "latest").write_text("step00000006")
-    assert ckpt.find_resume_tag(d) == "step00000003"
+    assert find_resume_tag(d) == "step00000003"
     ckpt.mark_complete(d, "step00000006", 6, keep=1)
-    assert ckpt.find_resume_tag(d) == "step00000006" and not (d / "step00000003").exists()
+    assert find_resume_tag(d) == "step00000006" and not (d / "step00000003").exists()
 
 
 def test_non_finite_losses_skip_then_stop(tmp_path, run_config):
@@ -146,7 +147,7 @@ def test_non_finite_losses_skip_then_stop(tmp_path, run_config):
     assert res.returncode == 3, res.stderr[-2000:]
     assert "3 non-finite losses in a row" in res.stderr
     assert "non-finite loss" in (out / "train.log").read_text()
-    assert not (out / "model.pt").exists() and ckpt.find_resume_tag(out / "checkpoints") is None
+    assert not (out / "model.pt").exists() and find_resume_tag(out / "checkpoints") is None
 
 
 def test_two_runs_in_one_process_log_to_their_own_folders(tmp_path, tiny_data):

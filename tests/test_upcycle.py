@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import squad
-from squad.posttrain.upcycle import drift, upcycle_mlp
+from squad.models.transfer import upcycle_mlp
+from squad.posttrain.upcycle import drift
 from tests.helpers import randomize_routers, write_run_config
 
 D, HEADS, DEPTH = 64, 4, 2

@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+import squad
 from squad.analysis.figures import draw_figures
 from squad.analysis.relations import task_relations
 from squad.io import export_model
@@ -90,7 +91,8 @@ def _is_png(path) -> bool:
 
 def test_figures_are_written_with_data(run_dir, tiny_data, tmp_path):
     out = tmp_path / "figs"
-    result = draw_figures(run_dir, out, data=tiny_data, split="val", batches=1, batch_size=4)
+    result = draw_figures(squad.load_model(run_dir), out, data=tiny_data, split="val", batches=1, batch_size=4,
+                          tb_dir=run_dir / "tensorboard")
     names = sorted(p.name for p in out.glob("*.png"))
     assert names == ["mod_tokens.png", "relations_all.png", "relations_first.png", "relations_last.png",
                      "relations_middle.png", "usage_blocks.0.attn.png", "usage_blocks.0.mlp.png",

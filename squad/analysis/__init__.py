@@ -1,7 +1,8 @@
 """Looking inside a model: what it routes where, and what it costs.
 
-- usage.py: `ExpertUsage`, expert-selection statistics per task and layer (saved in model.pt).
 - relations.py: task-relation matrices from per-token expert selections (`task_relations`).
 - figures.py: heatmaps and relation plots, and the tools/visualize.py pipeline (`draw_figures`).
 - flops.py: `profile` — parameters, active parameters per token and MACs per image per task.
+
+The statistics they read are `squad.models.usage.ExpertUsage`.
 """

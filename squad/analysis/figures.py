@@ -22,10 +22,12 @@ import matplotlib
 import torch
 
 from squad.analysis.relations import TaskRelations, task_relations
-from squad.analysis.usage import ExpertUsage
-from squad.io import load_model
+from squad.data import build_dataset, eval_loader
 from squad.layers.base import EXPERT_KINDS, RoutedLayer
+from squad.models.inference import set_inference
+from squad.models.usage import ExpertUsage
 from squad.models.vit import SquadViT
+from squad.tasks import DENSE_LABEL_TASKS, TASK_NAMES
 
 matplotlib.use("Agg")  # files and TensorBoard only; never a window
 
@@ -115,13 +117,10 @@ def calibration_pass(model: SquadViT, data: str | Path, split: str = "val", batc
     """Usage statistics of ``model`` over ``batches`` batches of ``split`` (every task fused), and the task
     relations when it has MoE attention / MoE MLP layers (None otherwise: MoD and MoNE routing has no experts two
     tasks could share)."""
-    from squad.data import build_dataset
-    from squad.eval.evaluate import eval_loader
-    from squad.tasks import DENSE_LABEL_TASKS, TASK_NAMES
-
     # a task the data provides (images only: targets unused): the model's own Taskonomy / PASCAL / NYUD task
     probe = next((t for t in model.task_names if t in (*TASK_NAMES, *DENSE_LABEL_TASKS)), TASK_NAMES[0])
-    ds = build_dataset(data, [probe], split, image_size=model.cfg.img_size, augment=False, missing="mask")
+    ds = build_dataset(data, [probe], split, image_size=model.cfg.img_size, augment=False, missing="mask",
+                       task_options=model.cfg.task_options)
     usage = ExpertUsage(model.task_names)
     loader = eval_loader(ds, batch_size, workers)
     if _has_moe(model):
@@ -145,24 +144,24 @@ def _mone_widths(model: SquadViT) -> list[str]:
     return [f"D/{2 ** (e - 1 - j)}" if j < e - 1 else "D" for j in range(e)]
 
 
-def draw_figures(source: str | Path | SquadViT, out_dir: str | Path, *, data: str | Path | None = None,
+def draw_figures(model: SquadViT, out_dir: str | Path, *, data: str | Path | None = None,
                  split: str = "val", batches: int = 4, batch_size: int = 8, tb_dir: str | Path | None = None,
                  device: str | torch.device = "cpu", workers: int = 0, mone_capacity: float | None = None,
                  mod_inference: str | None = None) -> dict:
     """Draws every figure into ``out_dir`` (and TensorBoard) and returns what was written.
 
-    The model and its statistics are checked before anything is created: a missing checkpoint, a model without
-    routed layers or no statistics to draw from leave no folder behind.
+    The model and its statistics are checked before anything is created: a model without routed layers or no
+    statistics to draw from leave no folder behind.
 
     Args:
-        source: run folder, ``model.pt``, or a model in memory.
+        model: the model (`squad.load_model`); without ``data`` the usage statistics saved with it (its ``usage``,
+            from training) are drawn, and its ``meta["extra"]["step"]`` is the TensorBoard step.
         out_dir: folder for the PNGs and ``figures.json``.
         data: dataset root for a calibration pass (recommended; needed for relation matrices).
         split: split of the calibration pass.
         batches: calibration batches (0 = the whole split).
         batch_size: images per batch.
-        tb_dir: TensorBoard log folder (default: the run's ``tensorboard/`` when ``source`` is a run folder;
-            pass ``""`` to skip TensorBoard).
+        tb_dir: TensorBoard log folder (None or ``""``: no TensorBoard).
         device: where to run.
         workers: data loader workers.
         mone_capacity: MoNE effective capacity e_c for the calibration pass (MoNE models).
@@ -174,20 +173,11 @@ def draw_figures(source: str | Path | SquadViT, out_dir: str | Path, *, data: st
     Raises:
         ValueError: a model without routed layers; no data and no saved usage statistics; an inference setting
             the model cannot take, or one given without data (saved statistics come from training).
-        FileNotFoundError: a missing checkpoint or data.
+        FileNotFoundError: missing data.
     """
-    from squad.eval.evaluate import set_inference
-
     out_dir = Path(out_dir)
-    step = 0
-    if isinstance(source, SquadViT):
-        model, saved = source, None
-    else:
-        model = load_model(source)
-        saved = model.usage
-        step = int((model.meta.get("extra") or {}).get("step", 0) or 0)
-        if tb_dir is None and Path(source).is_dir() and (Path(source) / "tensorboard").is_dir():
-            tb_dir = Path(source) / "tensorboard"
+    saved = getattr(model, "usage", None)
+    step = int(((getattr(model, "meta", None) or {}).get("extra") or {}).get("step", 0) or 0)
     if not any(isinstance(m, RoutedLayer) for m in model.modules()):
         raise ValueError(f"{model.cfg.name} has no routed layers (MoE attention, MoE MLP, Mixture-of-Depths or "
                          f"nested experts): there is no routing to draw")

@@ -18,13 +18,13 @@ from collections.abc import Mapping, Sequence
 
 import torch.nn as nn
 
-from squad.analysis.usage import ExpertUsage
 from squad.layers.mod import MoDBlock
 from squad.layers.moe_attention import MoEAttention
 from squad.layers.moe_mlp import ExpertMLP
 from squad.layers.mone import MoNEBlock
 from squad.layers.mone_capacity import capacity_distribution
 from squad.layers.routing import TaskLinear
+from squad.models.usage import ExpertUsage
 from squad.models.vit import SquadViT
 
 

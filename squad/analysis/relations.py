@@ -19,9 +19,9 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from squad.analysis.usage import ExpertUsage
 from squad.layers.base import EXPERT_KINDS
 from squad.layers.mod import MoDBlock
+from squad.models.usage import ExpertUsage
 from squad.models.vit import SquadOutput, SquadViT
 
 

@@ -1,7 +1,7 @@
 """The performance cases of `tools/bench.py` (DESIGN.md "Performance contract") and the registry that lists them.
 
 Each case is a function ``case(quick: bool) -> list[BenchResult]`` that builds what it measures, times candidate
-and baseline interleaved in this process (`squad.bench.harness.time_interleaved`) and returns rows whose value is a
+and baseline interleaved in this process (`squad.timing.time_interleaved`) and returns rows whose value is a
 ratio of medians. `CASES` names every case by ``"module:function"``; a case's module is imported only when the case
 runs, so a missing or broken module becomes an error row (`run_case`) instead of hiding the other cases. To add a
 case, write the function anywhere under ``squad`` and append a `Case` to `CASES`.
@@ -36,8 +36,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import squad
 from squad import runtime
-from squad.bench.harness import BenchResult, ratio_row, time_interleaved
+from squad.config.model import MoAConfig, MoEConfig, RouterConfig
+from squad.distributed import has_process_group
+from squad.layers.context import ForwardContext
+from squad.layers.mlp import Mlp
+from squad.layers.moe_attention import MoEAttention
+from squad.layers.moe_mlp import MoEMlp
+from squad.timing import BenchResult, ratio_row, time_interleaved
 
 log = logging.getLogger(__name__)
 
@@ -177,14 +184,11 @@ def _config(name: str, overrides: Sequence[str] = ()):
     path = CONFIG_DIR / f"{name}.yaml"
     if not path.is_file():
         raise FileNotFoundError(f"model config {path} not found (the bench reads the repository's configs/model/)")
-    import squad
 
     return squad.load_config(path, list(overrides)).model
 
 
 def _build(name: str, overrides: Sequence[str] = ()):
-    import squad
-
     torch.manual_seed(0)
     return squad.build_model(_config(name, overrides))
 
@@ -200,15 +204,11 @@ def _fwd_bwd(fn: Callable[[], torch.Tensor], params: Sequence[torch.Tensor]) -> 
 
 
 def _router_config():
-    from squad.config.model import RouterConfig
-
     # random (not zero) router weights: zero-initialised routers send every token to the same first k experts
     return RouterConfig(noise=False, zero_init=False)
 
 
 def _task_context(rows: int, num_tasks: int):
-    from squad.layers.context import ForwardContext
-
     ids = torch.arange(rows) % num_tasks
     return lambda: ForwardContext(task_ids=ids, num_tasks=num_tasks)
 
@@ -218,8 +218,6 @@ def _deepspeed_moe(dim: int, hidden: int, num_experts: int, k: int) -> nn.Module
     """DeepSpeed's MoE layer with the same experts, in this process (CPU accelerator, gloo, world size 1)."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import torch.distributed as dist
-
-    from squad.distributed import has_process_group
 
     if not has_process_group():
         with socket.socket() as s:
@@ -237,9 +235,6 @@ def _deepspeed_moe(dim: int, hidden: int, num_experts: int, k: int) -> nn.Module
 
 def bench_moe_mlp(quick: bool = False) -> list[BenchResult]:
     """MoE MLP fwd+bwd against the dense MLP of equal active FLOPs (D 384, 16 experts, top-4, width 4D/k = 384)."""
-    from squad.config.model import MoEConfig
-    from squad.layers.mlp import Mlp
-    from squad.layers.moe_mlp import MoEMlp
 
     d, e, k, tasks = VIT_S_DIM, 16, 4, 13
     rows, tokens = (2 if quick else 8), 197
@@ -292,8 +287,6 @@ class MultiQueryAttention(nn.Module):
 
 def bench_moa(quick: bool = False) -> list[BenchResult]:
     """MoA fwd+bwd (15 experts, top-6, head dim 64) against multi-query attention of equal active FLOPs."""
-    from squad.config.model import MoAConfig
-    from squad.layers.moe_attention import MoEAttention
 
     d, e, k, dh, tasks = VIT_S_DIM, 15, 6, 64, 13
     rows, tokens = (2 if quick else 8), 197
@@ -404,8 +397,6 @@ def profile_rows(names: Sequence[str] | None = None) -> list[dict]:
         One dict per config: ``config``, ``params``, ``active_params`` (mean per task), ``macs`` (per image per
         task, mean over tasks; MoNE at its configured e_c), ``tasks``.
     """
-    import squad
-
     out = []
     for name in names or PROFILE_CONFIGS:
         cfg = _config(name)

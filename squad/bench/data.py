@@ -8,14 +8,14 @@ from pathlib import Path
 
 from torch.utils.data import DataLoader
 
-from squad.bench.harness import BenchResult, ratio_row, time_interleaved
-from squad.data.pack import pack_shards
-from squad.data.random_tree import write_random_tree
+from squad.data.offline.pack import pack_shards
+from squad.data.offline.random_tree import write_random_tree
 from squad.data.shards import ShardDataset
 from squad.data.taskonomy import (
     TaskonomyDataset,
     collate,
 )
+from squad.timing import BenchResult, ratio_row, time_interleaved
 
 
 def bench_shards_vs_png(tmpdir: str | Path | None = None, quick: bool = False) -> list[BenchResult]:

@@ -19,9 +19,10 @@ from pathlib import Path
 import torch
 import yaml
 
-from squad.bench.harness import BenchResult, check, ratio_row, time_interleaved
+from squad.data.synthetic.taskonomy import render_dataset
 from squad.io import load_extracted, load_model
 from squad.posttrain.extract import extract_to_file
+from squad.timing import BenchResult, check, ratio_row, time_interleaved
 
 log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,8 +32,6 @@ THETA = 0.01
 
 def _train_tiny_run(folder: Path, quick: bool) -> tuple[Path, Path]:
     """Renders a small synthetic dataset and trains configs/demo.yaml briefly (one plain-python process)."""
-    from squad.data.synthetic import render_dataset
-
     data = folder / "data"
     render_dataset(data, n=48 if quick else 96, image_size=64, seed=0, workers=1)
     run = folder / "run"
@@ -63,9 +62,10 @@ def _run_data(run: Path) -> Path | None:
 
 def _measure(run: Path, data: Path | None, source: str, folder: Path, quick: bool) -> list[BenchResult]:
     out = folder / f"{TASK}_theta{THETA:g}.pt"
-    report = extract_to_file(run, TASK, out, theta=THETA, data=data, calib_batches=4 if quick else 16,
-                             eval_split=None, saved_usage=data is None)
     full = load_model(run)
+    report = extract_to_file(full, TASK, out, theta=THETA, data=data, calib_batches=4 if quick else 16,
+                             eval_split=None, saved_usage=data is None)
+    full = load_model(run)  # extraction set its inference settings: a fresh copy for timing
     ext = load_extracted(out)
     size = full.cfg.img_size
     images = torch.randn(8, 3, size, size, generator=torch.Generator().manual_seed(0))

@@ -29,7 +29,8 @@ def load_dense(path: str, num_heads: int | None):
 
     from squad import io
     from squad.config.loading import load_config
-    from squad.models.timm import load_timm_file, load_timm_weights
+    from squad.io.weights import read_timm_file
+    from squad.models.timm import load_timm_weights
     from squad.models.vit import build_model
 
     p = Path(path)
@@ -39,7 +40,7 @@ def load_dense(path: str, num_heads: int | None):
         raise FileNotFoundError(f"--checkpoint {p} not found (a squad model.pt / run folder, or a timm ViT state "
                                 f"dict .pth/.pt/.safetensors)")
     try:
-        state = load_timm_file(p)
+        state = read_timm_file(p)
     except (FileNotFoundError, ValueError):
         raise
     except Exception as e:  # noqa: BLE001 - pickle, zip and safetensors readers each raise their own kinds
@@ -130,8 +131,8 @@ def _adapt(argv: list[str] | None) -> int:
 
     rows = {name: {} for name in models}
     if args.data:
-        from squad.data import build_dataset
-        from squad.eval.evaluate import eval_loader, evaluate, primary
+        from squad.data import build_dataset, eval_loader
+        from squad.eval.evaluate import evaluate, primary
         from squad.tasks import TASK_NAMES
 
         tasks = [t for t in dense.task_names if t in TASK_NAMES]

@@ -33,7 +33,7 @@ def say(msg: str) -> None:
 
 
 def ensure_data(root: Path, n: int) -> None:
-    from squad.data.synthetic import render_dataset
+    from squad.data.synthetic.taskonomy import render_dataset
 
     if (root / "synthetic.json").is_file():
         print(f"data: {root} (already rendered)")

@@ -96,6 +96,7 @@ def _evaluate(argv: list[str] | None) -> int:
     logging.basicConfig(level=logging.INFO, format="[squad] %(message)s")
 
     from squad.eval.evaluate import delta_against, evaluate_run, format_results, load_baseline
+    from squad.io import load
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else None
     taken: set[str] = set()
@@ -103,7 +104,7 @@ def _evaluate(argv: list[str] | None) -> int:
     models = {}
     for path in args.checkpoint:
         try:
-            run_ = evaluate_run(path, args.data, args.split, tasks, args.batches, args.batch_size, args.device,
+            run_ = evaluate_run(load(path), args.data, args.split, tasks, args.batches, args.batch_size, args.device,
                                 args.workers, mone_capacity=args.mone_capacity, mod_inference=args.mod_inference)
         except ValueError as e:
             if len(args.checkpoint) == 1:

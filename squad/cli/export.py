@@ -68,7 +68,7 @@ def _export(argv: list[str] | None) -> int:
 
     import squad
     from squad.deploy.export import check_program, export_program, load_program, program_info, save_program
-    from squad.eval.evaluate import set_inference
+    from squad.models.inference import set_inference
 
     model = squad.load(args.checkpoint)
     out = Path(args.out)
@@ -130,7 +130,7 @@ def _with_weights(model, source: Path):
 
     import torch
 
-    from squad.posttrain.surgery import build_on_meta, load_assigned
+    from squad.models.surgery import build_on_meta, load_assigned
 
     if source.is_dir():
         index = [source / n for n in ("model.safetensors.index.json", "pytorch_model.bin.index.json")

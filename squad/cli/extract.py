@@ -64,12 +64,13 @@ def _extract(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[squad] %(message)s")
 
+    from squad.io import load_model
     from squad.posttrain.extract import extract_to_file, format_report
 
     out = args.out or _default_out(args.checkpoint, args.task, args.theta, args.keep_top)
     report = extract_to_file(
-        args.checkpoint, args.task, out, theta=args.theta, keep_top=args.keep_top, renormalize=args.renormalize,
-        data=args.data, calib_split=args.calib_split, calib_batches=args.calib_batches,
+        load_model(args.checkpoint), args.task, out, theta=args.theta, keep_top=args.keep_top,
+        renormalize=args.renormalize, data=args.data, calib_split=args.calib_split, calib_batches=args.calib_batches,
         eval_split=None if args.eval_split.lower() == "none" else args.eval_split, eval_batches=args.eval_batches,
         batch_size=args.batch_size, saved_usage=args.saved_usage, device=args.device, workers=args.workers,
         mone_capacity=args.mone_capacity, mod_inference=args.mod_inference)

@@ -75,7 +75,16 @@ def _finetune(argv: list[str] | None) -> int:
         return 0  # one process does the work; a launcher's other ranks have nothing to do
     logging.basicConfig(level=logging.INFO, format="[squad] %(message)s")
 
-    from squad.posttrain.finetune import MODES, FinetuneConfig, finetune_table, format_table
+    from squad.io import load_model
+    from squad.tasks import get_task
+    from squad.posttrain.finetune import (
+        MODES,
+        FinetuneConfig,
+        check_request,
+        finetune_table,
+        format_table,
+        train_without_hint,
+    )
 
     modes = list(MODES) if args.mode == "all" else [m.strip() for m in args.mode.split(",") if m.strip()]
     fractions = args.fractions if args.fractions is not None or args.shots is not None else [0.01]
@@ -84,7 +93,12 @@ def _finetune(argv: list[str] | None) -> int:
     cfg = FinetuneConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, weight_decay=args.weight_decay,
                          init=args.init, seed=args.seed, eval_batches=args.eval_batches, device=args.device,
                          workers=args.workers)
-    result = finetune_table(args.checkpoint, args.task, args.data, modes, fractions, args.shots, cfg,
+    check_request(args.task, modes, fractions, args.shots, cfg)  # before any work
+    try:
+        model = load_model(args.checkpoint)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"{e}; {train_without_hint(args.checkpoint, get_task(args.task).name)}") from e
+    result = finetune_table(model, args.task, args.data, modes, fractions, args.shots, cfg,
                             args.train_split, args.eval_split, args.replace, args.save_dir, out)
     print(format_table(result))
     print(f"results: {out}")

@@ -8,7 +8,8 @@
 loads. `pack` stores every domain of each sample, resized to --image-size, in HDF5 shards that
 `squad.data.build_dataset` reads with the same sample format, several times faster. `stats` samples views of a
 tree (either layout), the synthetic tree or shards and prints, per domain, code and target-space statistics beside
-the ranges real Taskonomy files show, flagging values outside them (`squad.data.stats`): how to check a download.
+the ranges real Taskonomy files show, flagging values outside them (`squad.data.offline.stats`): how to check a
+download.
 Exit codes: 0 done (flags are reported, not failures), 1 with --strict when a statistic is outside its real range,
 2 bad input (no such root, no domain folder, unknown split or domain).
 """
@@ -33,11 +34,11 @@ def _synthetic(args: argparse.Namespace) -> None:
         raise ValueError(f"--buildings applies to --dataset taskonomy only, not {args.dataset}")
     try:  # lazy: only this subcommand needs the renderer
         if args.dataset == "pascal_context":
-            from squad.data.synthetic_pascal import render_pascal as render
+            from squad.data.synthetic.pascal import render_pascal as render
         elif args.dataset == "nyud":
-            from squad.data.synthetic_nyud import render_nyud as render
+            from squad.data.synthetic.nyud import render_nyud as render
         else:
-            from squad.data.synthetic import render_dataset
+            from squad.data.synthetic.taskonomy import render_dataset
     except ModuleNotFoundError as e:
         raise ValueError(f"the synthetic renderer is not available ({e})") from e
 
@@ -52,7 +53,8 @@ def _synthetic(args: argparse.Namespace) -> None:
 
 
 def _pack(args: argparse.Namespace) -> None:
-    from squad.data import build_dataset, pack_shards
+    from squad.data import build_dataset
+    from squad.data.offline.pack import pack_shards
 
     t0 = time.perf_counter()
     index = pack_shards(args.src, args.out, split_csv=args.split, splits=args.partitions,
@@ -74,7 +76,7 @@ def _pack(args: argparse.Namespace) -> None:
 
 
 def _stats(args: argparse.Namespace) -> int:
-    from squad.data.stats import dataset_stats
+    from squad.data.offline.stats import dataset_stats
 
     t0 = time.perf_counter()
     result = dataset_stats(args.root, max_images=args.max_images or None, split=args.split,

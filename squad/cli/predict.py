@@ -78,10 +78,12 @@ def _predict(argv: list[str] | None) -> int:
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     from squad.deploy.predict import SUMMARY, predict
+    from squad.io import load
 
     names = _class_names(args.class_names)
+    model = load(args.checkpoint)
     with logging_redirect_tqdm():
-        summary = predict(args.checkpoint, args.images, args.out, args.tasks, batch_size=args.batch_size,
+        summary = predict(model, args.images, args.out, args.tasks, batch_size=args.batch_size,
                           device=args.device, encode=args.encode, mone_capacity=args.mone_capacity,
                           mod_inference=args.mod_inference, class_names=names,
                           progress=not args.quiet and sys.stderr.isatty())

@@ -30,13 +30,9 @@ not reproduced / inconclusive) follow the rule written in the report.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import logging
 import shlex
 import sys
-import time
-from pathlib import Path
 
 from squad.cli import run
 
@@ -76,187 +72,20 @@ def _log_quietly() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
-def _data(args, scale, out: Path, say) -> tuple[Path, dict]:
-    """The dataset root: --data, or the synthetic Taskonomy rendered into OUT/data/synthetic and packed into HDF5
-    shards in OUT/data/shards (reads several times faster; both kept between invocations)."""
-    if args.data:
-        root = Path(args.data)
-        if not root.exists():
-            raise FileNotFoundError(f"--data {root} does not exist (render one with tools/make_data.py synthetic, "
-                                    f"or leave --data out to render it into {out / 'data'})")
-        manifest = root / "synthetic.json"
-        return root, json.loads(manifest.read_text()) if manifest.is_file() else {}
-    tree, shards = out / "data" / "synthetic", out / "data" / "shards"
-    if not (tree / "synthetic.json").is_file():
-        from squad.data.synthetic import render_dataset
-
-        say(f"rendering {scale.images} synthetic images at {scale.img_size} px into {tree} "
-            f"(tools/make_data.py synthetic)")
-        t0 = time.perf_counter()
-        render_dataset(tree, n=scale.images, image_size=scale.img_size, seed=0, buildings=scale.buildings,
-                       overwrite=tree.exists())
-        say(f"data rendered in {time.perf_counter() - t0:.0f} s")
-    if not (shards / "shards.json").is_file():
-        from squad.data import pack_shards
-
-        t0 = time.perf_counter()
-        pack_shards(tree, shards, image_size=scale.img_size, workers=scale.workers)
-        say(f"data packed into HDF5 shards in {shards} in {time.perf_counter() - t0:.0f} s (tools/make_data.py pack)")
-    return shards, json.loads((tree / "synthetic.json").read_text())
-
-
-def _pascal_data(args, pscale, out: Path, say) -> tuple[Path, dict]:
-    """pascal-table3's dataset root: --pascal-data, or the synthetic PASCAL-Context rendered into OUT/data/pascal
-    (`make_data.py synthetic --dataset pascal_context`) and packed into OUT/data/pascal_shards (`make_data.py pack`)."""
-    if args.pascal_data:
-        root = Path(args.pascal_data)
-        if not root.exists():
-            raise FileNotFoundError(f"--pascal-data {root} does not exist (render one with tools/make_data.py "
-                                    f"synthetic --dataset pascal_context, or leave --pascal-data out to render it "
-                                    f"into {out / 'data'})")
-        manifest = root / "synthetic.json"
-        return root, json.loads(manifest.read_text()) if manifest.is_file() else {}
-    tree, shards = out / "data" / "pascal", out / "data" / "pascal_shards"
-    if not (tree / "synthetic.json").is_file():
-        from squad.data.synthetic_pascal import render_pascal
-
-        say(f"rendering {pscale.images} synthetic PASCAL-Context images at {pscale.img_size} px into {tree} "
-            f"(tools/make_data.py synthetic --dataset pascal_context)")
-        t0 = time.perf_counter()
-        render_pascal(tree, n=pscale.images, image_size=pscale.img_size, seed=0, overwrite=tree.exists(),
-                      workers=1 if pscale.images < 100 else None)  # a few images: not worth starting processes
-        say(f"PASCAL-Context data rendered in {time.perf_counter() - t0:.0f} s")
-    if not (shards / "shards.json").is_file():
-        from squad.data import pack_shards
-
-        t0 = time.perf_counter()
-        pack_shards(tree, shards, image_size=pscale.img_size, workers=pscale.workers, dataset="pascal_context")
-        say(f"PASCAL-Context data packed into HDF5 shards in {shards} in {time.perf_counter() - t0:.0f} s "
-            f"(tools/make_data.py pack --dataset pascal_context)")
-    return shards, json.loads((tree / "synthetic.json").read_text())
-
-
-def _data_line(root: Path, info: dict) -> str:
-    if not info:
-        return f"`{root}`"
-    if info.get("dataset") == "pascal_context":
-        splits = info.get("splits") or {}
-        return (f"synthetic PASCAL-Context `{root}`, {info.get('n', '?')} images at {info.get('image_size', '?')} px "
-                f"long side ({', '.join(f'{k} {v}' for k, v in splits.items())})")
-    splits = info.get("buildings") or {}
-    text = ", ".join(f"{k} {len(v)} buildings" for k, v in splits.items() if isinstance(v, list))
-    return (f"synthetic Taskonomy `{root}`, {info.get('n', '?')} images at {info.get('image_size', '?')} px"
-            + (f" ({text})" if text else ""))
-
-
 def _reproduce(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
-    from squad.reproduce.claims import CLAIMS, resolve_claims
-
-    claims = resolve_claims(args.claims)  # an unknown name: ValueError listing the claims (exit 2)
-    if args.seeds is not None and args.seeds < 1:
-        raise ValueError(f"--seeds must be >= 1, got {args.seeds}")
-    if args.steps is not None and args.steps < 1:
-        raise ValueError(f"--steps must be >= 1, got {args.steps}")
-    from squad.reproduce.scales import get_scale
-
-    scale = get_scale(args.scale)
-    if args.steps is not None:
-        scale = dataclasses.replace(scale, steps=args.steps)
-    seeds = list(range(args.seeds or scale.seeds))
-    out = Path(args.out)
     command = "python tools/reproduce.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None
                                                                                 else sys.argv[1:]))
+    if args.scale != "paper":
+        from squad.distributed import prepare_environment
 
-    def say(text: str) -> None:
-        print(f"[reproduce] {text}", flush=True)
+        prepare_environment()  # before deepspeed is imported anywhere
+        _log_quietly()
+    from squad.reproduce.invocation import reproduce
 
-    if scale.paper:
-        from squad.reproduce.paper import write_paper_plan
-
-        plan = write_paper_plan(claims, out, len(seeds), args.data, args.hostfile, args.pascal_data)
-        say(f"paper scale: {len(plan['configs'])} run configs in {out / 'configs'}, commands in {plan['commands']} "
-            f"(nothing was run)")
-        return 0
-
-    from squad.distributed import prepare_environment
-
-    prepare_environment()  # before deepspeed is imported anywhere
-    _log_quietly()
-    import torch
-
-    from squad.reproduce.claims import Context
-    from squad.reproduce.report import write_report
-    from squad.reproduce.runs import Runner, is_done
-    from squad.reproduce.scales import estimate_seconds, format_duration, pascal_scale
-
-    t0 = time.perf_counter()
-    out.mkdir(parents=True, exist_ok=True)
-    previous = _previous(out, scale.name, seeds)
-    pscale = pascal_scale(scale, args.steps)
-    pascal_only = claims == ["pascal-table3"]
-    if pascal_only and not args.data:  # no Taskonomy run: nothing to render
-        data, info = out / "data" / "shards", {}
-    else:
-        data, info = _data(args, scale, out, say)
-    pdata, pinfo = _pascal_data(args, pscale, out, say) if "pascal-table3" in claims else (None, {})
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    ctx = Context(scale, seeds, data, out, Runner(out, scale, data), device, pascal=pscale, pascal_data=pdata)
-    specs = list({s.name: s for c in claims for s in CLAIMS[c].specs(ctx)}.values())
-    todo = [s for s in specs if not is_done(ctx.runner.path(s))]
-    ctx.runner.total = len(specs)
-    say(f"{len(claims)} claim{'s' if len(claims) > 1 else ''} at scale {scale.name}, seeds {seeds}: {len(specs)} runs "
-        f"({len(specs) - len(todo)} done already)")
-    if todo:
-        measured = {}
-        for s in todo:  # measure one step time per family (the cost table re-uses these)
-            fam = s.family if s.family != "mod" else "mtl"
-            key = fam if fam != "stl" else "stl"
-            if key not in measured:
-                probe = s if s.init is None else next((x for x in specs if x.family == "mtl"), None)
-                if probe is not None:
-                    measured[key] = ctx.cost(probe)["step_s"]
-        plan = [("mtl" if s.family == "mod" else s.family, s.steps, len(s.train_tasks or s.tasks)) for s in todo]
-        estimate = estimate_seconds(plan, measured, scale, claims, len(seeds))
-        say(f"estimated time {format_duration(estimate)}: {len(todo)} runs to train (seconds per step measured just "
-            f"now: {', '.join(f'{k} {v:.2f}' for k, v in measured.items())}) and the claims' evaluations")
-    results = dict(previous)
-    for name in claims:
-        say(f"claim {name}")
-        t_claim = time.perf_counter()
-        results[name] = CLAIMS[name].measure(ctx)
-        say(f"claim {name} measured in {format_duration(time.perf_counter() - t_claim)} (with the runs it trained)")
-    seconds = time.perf_counter() - t0
-    cache = out / "cache" / "claims.json"
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    cache.write_text(json.dumps({"scale": scale.name, "seeds": seeds, "claims": results}) + "\n")
-    meta = {"command": command, "scale": scale, "scale_settings": dataclasses.asdict(scale), "seeds": seeds,
-            "data": {"root": str(data), "manifest": info}, "seconds": seconds,
-            "data_line": _data_line(pdata, pinfo) if pascal_only else _data_line(data, info),
-            "duration": format_duration(seconds),
-            "runs": {"total": len(specs), "trained": ctx.runner.trained, "skipped": ctx.runner.skipped}}
-    if pdata is not None:
-        meta["data"]["pascal"] = {"root": str(pdata), "manifest": pinfo}
-        if not pascal_only:
-            meta["data_line"] += f"; pascal-table3: {_data_line(pdata, pinfo)}"
-    meta["train_seconds"] = sum(json.loads(f.read_text()).get("train_seconds", 0.0)
-                                for f in (out / "runs").glob("*/reproduce.json"))
-    report = write_report(out, results, meta)
-    verdicts = ", ".join(f"{n}: {results[n]['verdict']}" for n in results)
-    say(f"report {report} ({verdicts}) in {format_duration(seconds)}")
+    reproduce(args.claims, args.scale, args.out, seeds=args.seeds, steps=args.steps, data=args.data,
+              pascal=args.pascal_data, hostfile=args.hostfile, command=command)
     return 0
-
-
-def _previous(out: Path, scale: str, seeds: list[int]) -> dict:
-    """The claims an earlier invocation measured in ``out`` (kept in the report), if at the same scale and seeds."""
-    cache = out / "cache" / "claims.json"
-    if not cache.is_file():
-        return {}
-    data = json.loads(cache.read_text())
-    if data.get("scale") != scale:
-        raise ValueError(f"--out {out} holds a report at scale {data.get('scale')}; use another --out for scale "
-                         f"{scale}")
-    return data["claims"] if data.get("seeds") == seeds else {}
 
 
 def main(argv: list[str] | None = None) -> int:

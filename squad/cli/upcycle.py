@@ -8,7 +8,7 @@
 a dense squad model (model.pt, run folder or checkpoint). --config is a model or run config (a registered name or a
 YAML file; --set changes its model keys, with or without the ``model.`` prefix); its widths, depth, patch and image
 size must be the dense model's. The shared parts are copied, MoE-MLP experts and MoE-attention heads come from the
-dense MLP and heads, routers are fresh (schemes and their step-0 accuracy: `squad.posttrain.upcycle`). The step-0
+dense MLP and heads, routers are fresh (schemes and their step-0 accuracy: `squad.models.transfer`). The step-0
 drift from the dense model (relative error of the final features and of each block's output) is measured on
 --images random images and printed, and stored with the model. --out is a squad model file: `squad.load` opens it,
 and a run starts from it with ``train.init``.
@@ -53,14 +53,16 @@ def _upcycle(argv: list[str] | None) -> int:
 
     from squad import io
     from squad.config.loading import model_config
+    from squad.io.weights import read_dense_source
+    from squad.models.transfer import transfer
     from squad.models.vit import build_model
-    from squad.posttrain.upcycle import drift, load_dense, transfer
+    from squad.posttrain.upcycle import drift
 
     cfg = model_config(args.config, args.set)
     source = Path(args.source)
     torch.manual_seed(args.seed)
     model = build_model(cfg).eval()  # the fresh parts: what a run seeded --seed would draw
-    dense, copy_heads = load_dense(source, cfg)
+    dense, copy_heads = read_dense_source(source, cfg)
     report = transfer(dense, model, moe=args.moe_scheme, kv=args.kv, task_embed=args.task_embed,
                       copy_heads=copy_heads, source_name=str(source))
     print(f"upcycled {source} into {cfg.name} ({cfg.depth} blocks, {len(model.task_names)} tasks)")

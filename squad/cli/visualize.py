@@ -47,11 +47,15 @@ def _visualize(argv: list[str] | None) -> int:
     logging.basicConfig(level=logging.INFO, format="[squad] %(message)s")
 
     from squad.analysis.figures import draw_figures
+    from squad.io import load_model
 
+    model = load_model(args.checkpoint)  # checked before anything is created
     folder = Path(args.checkpoint) if Path(args.checkpoint).is_dir() else Path(args.checkpoint).parent
     out = Path(args.out) if args.out else folder / "figures"
     tb = "" if args.tb and args.tb.lower() == "none" else args.tb
-    result = draw_figures(args.checkpoint, out, data=args.data, split=args.split, batches=args.batches,
+    if tb is None and Path(args.checkpoint).is_dir() and (folder / "tensorboard").is_dir():
+        tb = folder / "tensorboard"  # the run's own TensorBoard
+    result = draw_figures(model, out, data=args.data, split=args.split, batches=args.batches,
                           batch_size=args.batch_size, tb_dir=tb, device=args.device, workers=args.workers,
                           mone_capacity=args.mone_capacity, mod_inference=args.mod_inference)
     print(f"usage from: {result['usage_source']}")

@@ -26,8 +26,8 @@ def _read(source: str | Path | dict[str, Any]) -> dict[str, Any]:
 
 def load_config(source: str | Path | dict[str, Any], overrides: list[str] | None = None, cls: type | None = None):
     """Loads a config from a YAML path (following ``base:``), a registered model name or a dict, applies
-    ``key=value`` overrides, validates. The model's ``task_options`` become this process's task defaults
-    (`squad.tasks.registry.configure_tasks`; a config without them restores the defaults).
+    ``key=value`` overrides, validates. Nothing process-wide changes: the model's ``task_options`` stay in the
+    returned config (`ModelConfig.get_task` gives the configured tasks).
 
     Args:
         source: YAML file, a name from `squad.list_models` (e.g. ``"modsquad_vit_s"``), or a plain dict.
@@ -49,13 +49,7 @@ def load_config(source: str | Path | dict[str, Any], overrides: list[str] | None
         raise ConfigError(f"{source if not isinstance(source, dict) else 'config'} is a run config (it has a "
                           f"{run_keys[0]!r} section): load it with cls=RunConfig (or leave cls out), or take its "
                           f"model with model_config()")
-    cfg = load_dataclass(cls, data)
-    model = getattr(cfg, "model", None)
-    if isinstance(model, ModelConfig):
-        from squad.tasks.registry import configure_tasks  # the model's task options become the process default
-
-        configure_tasks(model.task_options)
-    return cfg
+    return load_dataclass(cls, data)
 
 
 def model_config(source: str | Path | dict[str, Any], overrides: list[str] | None = None) -> ModelConfig:

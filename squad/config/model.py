@@ -24,6 +24,7 @@ import math
 from typing import Any, Literal
 
 from squad.config.base import ConfigError
+from squad.tasks import Task, canonical_name, get_task
 
 HeadKind = Literal["dense", "class", "token"]
 DECODERS = ("linear", "light")  # a dense head's decoder (squad.layers.heads)
@@ -202,8 +203,8 @@ class ModelConfig:
     mone: MoNEConfig = dataclasses.field(default_factory=MoNEConfig)
     task_embed: Literal["every_block", "moe_inputs", "none"] = "every_block"
     heads: list[HeadConfig | str] = dataclasses.field(default_factory=list)
-    # options of the tasks' decoding/targets (squad.tasks.get_task), stored with the model, e.g.
-    # {edge_occlusion: {decode: clip}}; load_config makes them the process-wide default (squad.tasks.registry)
+    # options of the tasks' decoding/targets/metrics, stored with the model, e.g. {edge_occlusion: {decode: clip}};
+    # they reach the model's tasks through `get_task` (squad.tasks.registry): never a process-wide setting
     task_options: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
     def blocks(self) -> list[BlockSpec]:
@@ -217,8 +218,6 @@ class ModelConfig:
             if isinstance(h, HeadConfig):
                 out.append(h)
             else:
-                from squad.tasks import get_task  # the registry; model configs may name tasks
-
                 task = get_task(h)
                 out.append(HeadConfig(task.name, task.head_kind, task.channels))
         return out
@@ -226,6 +225,10 @@ class ModelConfig:
     @property
     def task_names(self) -> list[str]:
         return [h.name for h in self.head_configs()]
+
+    def get_task(self, name: str) -> Task:
+        """The task ``name`` (name or alias) configured by this model's ``task_options``."""
+        return get_task(name, self.task_options)
 
     @property
     def grid(self) -> int:
@@ -262,8 +265,6 @@ class ModelConfig:
         except (ValueError, KeyError) as e:
             raise ConfigError(f"{p}heads: {e}") from e
         for name, opts in self.task_options.items():
-            from squad.tasks import canonical_name, get_task
-
             try:
                 canonical_name(name)
             except ValueError as e:

@@ -11,6 +11,7 @@ import dataclasses
 from typing import Literal
 
 from squad.config.model import ConfigError, LossConfig, ModelConfig
+from squad.tasks import resolve_task_names
 
 SPLIT_NAMES = ("train", "val", "test", "all")  # what data.split / data.val_split may name (`squad.data`)
 DATASET_NAMES = ("taskonomy", "pascal_context", "nyud")  # data.dataset (`squad.data.benchmark.DATASETS`)
@@ -102,7 +103,8 @@ class TrainConfig:
     progress: bool = True
     # start from this model file instead of the fresh init: what tools/upcycle.py writes (or any squad model of the
     # same architecture and tasks), or a dense ViT (timm state dict, dense squad model) upcycled on the spot
-    # (squad.posttrain.upcycle). A resumed run loads its checkpoint instead; the file is checked when the run starts.
+    # (squad.models.transfer.initialize_from). A resumed run loads its checkpoint instead; the file is checked when
+    # the run starts.
     init: str | None = None
 
     def check(self, path: str) -> None:
@@ -132,8 +134,6 @@ class RunConfig:
     def check(self, path: str) -> None:
         names = self.model.task_names
         if self.data.tasks != "all":
-            from squad.tasks import resolve_task_names
-
             try:
                 tasks = resolve_task_names(self.data.tasks)
             except ValueError as e:
@@ -155,8 +155,6 @@ class RunConfig:
         """Canonical names of the tasks this run trains."""
         if self.data.tasks == "all":
             return self.model.task_names
-        from squad.tasks import resolve_task_names
-
         return resolve_task_names(self.data.tasks)
 
 

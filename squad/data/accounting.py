@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from squad.distributed import is_distributed
+
 logger = logging.getLogger("squad.data")
 
 KINDS = ("corrupt", "wrong_size")  # found while reading; "missing" is found while indexing
@@ -163,8 +165,6 @@ def report(dataset, name: str, images: int | None = None) -> DataReport:
 
     A collective when a process group with several ranks is running: call it on every rank.
     """
-    from squad.distributed import is_distributed
-
     issues: FileIssues = dataset.issues
     counts = {k: issues.count(k) for k in KINDS}
     if is_distributed():
@@ -213,8 +213,6 @@ def register(dataset) -> None:
 
 
 def _safe_collective() -> bool:
-    from squad.distributed import is_distributed
-
     return not is_distributed()  # at a tool's exit, ranks may not all be here: never start a collective then
 
 

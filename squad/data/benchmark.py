@@ -21,7 +21,7 @@ float, with 0 as their invalid code.
 
 `BenchmarkBase` is the Dataset: it shares `squad.data.taskonomy.TaskonomyBase`'s sample dict, collate, accounting
 of corrupt / wrong-size / missing files (`squad.data.accounting`), substitution in training and omission in
-evaluation. The packer (`squad.data.pack`) stores the output of `BenchmarkPipeline.prepare_raw` (the fit to the
+evaluation. The packer (`squad.data.offline.pack`) stores the output of `BenchmarkPipeline.prepare_raw` (the fit to the
 packed size), so shards read back at that size give exactly the tree reader's samples.
 """
 
@@ -43,7 +43,16 @@ from scipy import ndimage
 
 from squad.data.taskonomy import CorruptFileError, EmptyDatasetError, TaskonomyBase
 from squad.data.transforms import MIN_COVERAGE, WrongSizeError, _resize_nearest, compact_rgb, decode_rgb, resize_raw
-from squad.tasks import NYUD_TASKS, PASCAL_TASKS, TASK_NAMES, DecodeError, Task, get_task, resolve_task_names
+from squad.tasks import (
+    NYUD_TASKS,
+    PASCAL_TASKS,
+    TASK_NAMES,
+    DecodeError,
+    Task,
+    TaskOptions,
+    get_task,
+    resolve_task_names,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -415,6 +424,8 @@ class BenchmarkBase(TaskonomyBase):
         missing: ``"skip"`` leaves out samples lacking a task's file; ``"mask"`` keeps them masked.
         seed: augmentation seed.
         scale_range: the training scale factor's range.
+        task_options: the options of the model the data is for (``model.task_options``, e.g. edge's
+            ``max_dist``), as in `squad.data.taskonomy.TaskonomyDataset`.
         **ignored: Taskonomy-only options (``resize``, ``geometry_mask``, ``split_csv``, ``buildings``) are
             accepted and ignored, so callers can pass one set of options.
 
@@ -430,13 +441,14 @@ class BenchmarkBase(TaskonomyBase):
 
     def __init__(self, root: str | Path, tasks: str | Sequence[str], split: str | Sequence[str] = "train",
                  image_size: int | None = None, augment: bool = False, missing: Literal["skip", "mask"] = "skip",
-                 seed: int = 0, scale_range: tuple[float, float] = DEFAULT_SCALE_RANGE, **ignored: Any) -> None:
+                 seed: int = 0, scale_range: tuple[float, float] = DEFAULT_SCALE_RANGE,
+                 task_options: TaskOptions | None = None, **ignored: Any) -> None:
         names = check_dataset_tasks(self.dataset, tasks)
         unknown = set(ignored) - {"resize", "geometry_mask", "split_csv", "buildings"}
         if unknown:
             raise TypeError(f"{type(self).__name__}: unexpected options {sorted(unknown)}")
-        super().__init__(names, image_size, None, augment, missing, False, seed)
-        self.pipeline = BenchmarkPipeline(self.tasks, image_size, augment, scale_range)
+        super().__init__(names, image_size, None, augment, missing, False, seed, task_options)
+        self.pipeline = BenchmarkPipeline(self.task_objects(), image_size, augment, scale_range)
         self.domains = self.pipeline.domains
         self.root = Path(root)
         if not self.root.is_dir():

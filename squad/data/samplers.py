@@ -1,9 +1,7 @@
-"""The DeepSpeed training loop: one fused multi-task pass per step, uncertainty-weighted task losses, the MI loss
-across ranks, periodic validation, TensorBoard logs, checkpoints that resume exactly, and the exported model.
-
-Exact resumption: the data order is the sampler's (seed, epoch) permutation with the consumed batches skipped,
-augmentation draws come from (seed, epoch, index), and the torch RNG (router noise, task sampling) is reseeded from
-(seed, step, rank) every step — so nothing but the step counters needs saving beside DeepSpeed's own state.
+"""Samplers: the training sampler that resumes mid-epoch (`ResumableSampler`: a `DistributedSampler` whose first epoch
+after a resume starts ``skip`` batches in, so the data order continues exactly), and in-order evaluation batches
+(`InOrderBatches`: this rank's share of a dataset, every sample at most once, unusable samples left out rather than
+replaced; `squad.data.eval_loader` wraps it).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""HDF5 shards of a Taskonomy tree: the format and its reader (`ShardDataset`); `squad.data.pack` writes them.
+"""HDF5 shards of a Taskonomy tree: the format and its reader (`ShardDataset`); `squad.data.offline.pack` writes them.
 
 A shard folder holds ``shards.json`` (the index: format, stored size, domains, shards per split) and files
 ``{split}_{k:05d}.h5``. Each shard has, for N samples:
@@ -28,12 +28,14 @@ from typing import Any, Literal
 import h5py
 import numpy as np
 
+from squad.data.benchmark import DEFAULT_SCALE_RANGE, BenchmarkPipeline, check_dataset_tasks, detect_layout
 from squad.data.taskonomy import (
     CorruptFileError,
     EmptyDatasetError,
     TaskonomyBase,
     make_data_hint,
 )
+from squad.tasks import TaskOptions
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +53,6 @@ def is_shard_root(root: str | Path) -> bool:
 def detect_dataset(root: str | Path) -> str:
     """Which dataset a folder holds: the ``dataset`` its shard index records (older indexes: taskonomy), else its
     layout (`squad.data.benchmark.detect_layout`)."""
-    from squad.data.benchmark import detect_layout
-
     root = Path(root)
     if is_shard_root(root):
         try:
@@ -67,7 +67,7 @@ class ShardDataset(TaskonomyBase):
 
     Args:
         root: shard folder (holds ``shards.json``).
-        tasks, augment, missing, geometry_mask, seed: as in `TaskonomyDataset`.
+        tasks, augment, missing, geometry_mask, seed, task_options: as in `TaskonomyDataset`.
         split: ``"train"``, ``"val"``, ``"test"``, ``"all"`` or a list (shards packed without a CSV are ``"all"``).
         buildings: keep only samples of these buildings.
         image_size: output size; None keeps the packed size (then no resizing happens).
@@ -83,8 +83,8 @@ class ShardDataset(TaskonomyBase):
     def __init__(self, root: str | Path, tasks: str | Sequence[str], split: str | Sequence[str] = "train",
                  buildings: Sequence[str] | None = None, image_size: int | None = None, resize: int | None = None,
                  augment: bool = False, missing: Literal["skip", "mask"] = "skip", geometry_mask: bool = True,
-                 seed: int = 0) -> None:
-        super().__init__(tasks, image_size, resize, augment, missing, geometry_mask, seed)
+                 seed: int = 0, task_options: TaskOptions | None = None) -> None:
+        super().__init__(tasks, image_size, resize, augment, missing, geometry_mask, seed, task_options)
         self.root = Path(root)
         path = self.root / INDEX_NAME
         if not path.is_file():
@@ -175,7 +175,7 @@ class ShardDataset(TaskonomyBase):
 
 
 class BenchmarkShardDataset(ShardDataset):
-    """PASCAL-Context / NYUD-v2 samples from shards written by `squad.data.pack.pack_benchmark`.
+    """PASCAL-Context / NYUD-v2 samples from shards written by `squad.data.offline.pack.pack_benchmark`.
 
     The stored arrays are the readers' fit to the packed size, zero-padded to a square; ``hw`` gives each sample's
     unpadded size, which `_read` cuts back out before `squad.data.benchmark.BenchmarkPipeline` runs — so reading at
@@ -195,9 +195,8 @@ class BenchmarkShardDataset(ShardDataset):
 
     def __init__(self, root: str | Path, tasks: str | Sequence[str], split: str | Sequence[str] = "train",
                  image_size: int | None = None, augment: bool = False, missing: Literal["skip", "mask"] = "skip",
-                 seed: int = 0, scale_range: tuple[float, float] | None = None, **ignored: Any) -> None:
-        from squad.data.benchmark import DEFAULT_SCALE_RANGE, BenchmarkPipeline, check_dataset_tasks
-
+                 seed: int = 0, scale_range: tuple[float, float] | None = None,
+                 task_options: TaskOptions | None = None, **ignored: Any) -> None:
         unknown = set(ignored) - {"resize", "geometry_mask", "split_csv", "buildings"}
         if unknown:
             raise TypeError(f"BenchmarkShardDataset: unexpected options {sorted(unknown)}")
@@ -210,8 +209,9 @@ class BenchmarkShardDataset(ShardDataset):
             raise ValueError(f"{path}: these shards hold taskonomy; read them with ShardDataset")
         names = check_dataset_tasks(self.dataset, tasks)
         super().__init__(root, names, split=split, image_size=image_size, augment=augment, missing=missing,
-                         geometry_mask=False, seed=seed)
-        self.pipeline = BenchmarkPipeline(self.tasks, image_size, augment, scale_range or DEFAULT_SCALE_RANGE)
+                         geometry_mask=False, seed=seed, task_options=task_options)
+        self.pipeline = BenchmarkPipeline(self.task_objects(), image_size, augment,
+                                          scale_range or DEFAULT_SCALE_RANGE)
         self.domains = self.pipeline.domains
 
     def _read(self, index: int, domain: str) -> np.ndarray:

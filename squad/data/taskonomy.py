@@ -23,7 +23,7 @@ while indexing; with ``missing="skip"`` the sample is left out of the index, cou
 file of each kind is logged as a warning; `report` gives the totals over all ranks, and every run and tool prints
 them in one line at its end. A bad rgb file — or, with ``missing="skip"``, a bad target — makes the sample
 unusable: training (``substitute=True``, the default) is served the next index instead, so the epoch goes on at
-full length; evaluation (`without_substitutes`, used by `squad.eval.evaluate.eval_loader`) leaves it out, so no
+full length; evaluation (`without_substitutes`, used by `squad.data.eval_loader`) leaves it out, so no
 sample is scored twice. With ``missing="mask"`` a bad target is masked like a missing one. A file found bad is not
 read again.
 """
@@ -44,7 +44,7 @@ from torch.utils.data import Dataset, default_collate
 
 from squad.data.accounting import FileIssues, register
 from squad.data.transforms import SamplePipeline, WrongSizeError
-from squad.tasks import DecodeError, get_task, resolve_task_names
+from squad.tasks import DecodeError, TaskOptions, get_task, resolve_task_names
 
 logger = logging.getLogger(__name__)
 
@@ -214,13 +214,15 @@ class TaskonomyBase(Dataset):
     """
 
     def __init__(self, tasks: str | Sequence[str], image_size: int | None, resize: int | None, augment: bool,
-                 missing: Literal["skip", "mask"], geometry_mask: bool, seed: int) -> None:
+                 missing: Literal["skip", "mask"], geometry_mask: bool, seed: int,
+                 task_options: TaskOptions | None = None) -> None:
         if missing not in ("skip", "mask"):
             raise ValueError(f"missing must be 'skip' or 'mask', got {missing!r}")
         self.tasks = resolve_task_names(tasks)
-        self.pipeline = SamplePipeline(self.tasks, image_size, resize, augment, geometry_mask)
+        self.task_options = {str(k): dict(v or {}) for k, v in (task_options or {}).items()}
+        self.pipeline = SamplePipeline(self.task_objects(), image_size, resize, augment, geometry_mask)
         self.domains = self.pipeline.domains
-        self.task_domains = [get_task(t).domain for t in self.tasks]
+        self.task_domains = [t.domain for t in self.task_objects()]
         self.required = ["rgb", *self.task_domains] if missing == "skip" else ["rgb"]
         self.missing = missing
         self.seed = seed
@@ -267,7 +269,7 @@ class TaskonomyBase(Dataset):
     def without_substitutes(self) -> TaskonomyBase:
         """The same dataset (sharing its file record) yielding None for an unusable sample instead of the next one.
 
-        `squad.eval.evaluate.eval_loader` uses it so that an evaluation leaves such samples out rather than scoring
+        `squad.data.eval_loader` uses it so that an evaluation leaves such samples out rather than scoring
         a neighbour twice.
         """
         view = object.__new__(type(self))
@@ -345,6 +347,12 @@ class TaskonomyBase(Dataset):
             logger.debug("skipping %s data: %s", label, what)
 
 
+    def task_objects(self) -> list:
+        """The `Task` of every task of this dataset, configured by its ``task_options`` (a model's
+        ``model.task_options``: how targets are decoded, e.g. occlusion edges blurred or clipped)."""
+        return [get_task(t, self.task_options) for t in self.tasks]
+
+
 class TaskonomyDataset(TaskonomyBase):
     """Taskonomy from its folder tree (PNG / .npy files), in either layout.
 
@@ -363,6 +371,8 @@ class TaskonomyDataset(TaskonomyBase):
             is then read for every sample with a geometric task, and also masks the resize of the geometric
             domains (`squad.data.transforms`: fill values never blend into valid pixels).
         seed: augmentation seed.
+        task_options: the options of the model the data is for (``model.task_options``, e.g.
+            ``{"edge_occlusion": {"decode": "clip"}}``): targets are decoded as that model's tasks decode them.
 
     Raises:
         FileNotFoundError: `root` or its ``rgb`` folder is missing (with a hint on how to make data), or a
@@ -374,8 +384,9 @@ class TaskonomyDataset(TaskonomyBase):
     def __init__(self, root: str | Path, tasks: str | Sequence[str], split: str | Sequence[str] = "train",
                  split_csv: str | Path | None = None, buildings: Sequence[str] | None = None,
                  image_size: int | None = None, resize: int | None = None, augment: bool = False,
-                 missing: Literal["skip", "mask"] = "skip", geometry_mask: bool = True, seed: int = 0) -> None:
-        super().__init__(tasks, image_size, resize, augment, missing, geometry_mask, seed)
+                 missing: Literal["skip", "mask"] = "skip", geometry_mask: bool = True, seed: int = 0,
+                 task_options: TaskOptions | None = None) -> None:
+        super().__init__(tasks, image_size, resize, augment, missing, geometry_mask, seed, task_options)
         self.root = Path(root)
         if not self.root.is_dir():
             raise FileNotFoundError(f"Taskonomy root {self.root} does not exist. {make_data_hint(self.root)}")

@@ -111,7 +111,7 @@ def export_program(model: nn.Module, tasks: Sequence[str] | None = None, *, dyna
     Args:
         model: a `SquadViT` (full model: ``squad.load`` of a run folder, model.pt or checkpoint tag) or an extracted
             `SingleTaskModel` (``squad.load_extracted``). It is moved to the CPU in float32 and set to eval mode
-            (in place); set MoNE's capacity / MoD's inference mode before (`squad.eval.evaluate.set_inference`).
+            (in place); set MoNE's capacity / MoD's inference mode before (`squad.models.inference.set_inference`).
         tasks: tasks the program predicts (names or aliases; default: all of the model's, or the extracted task).
         dynamic_batch: a symbolic batch size (any B ≥ 1); False fixes B = ``example_batch``.
         example_batch: the batch size traced with (≥ 2: torch.export fixes sizes traced at 0 or 1).

@@ -6,7 +6,7 @@
 Models: whatever `squad.load` opens — a run folder, ``model.pt``, a DeepSpeed checkpoint tag, an extracted
 single-task file (tools/extract.py), an adapted MoD/A-MoD model (tools/adapt_pretrained.py) — or a model in memory
 (a `SquadViT` or `SingleTaskModel`). MoNE's e_c and MoD's inference mode are set as tools/evaluate.py sets them
-(`squad.eval.evaluate.set_inference`).
+(`squad.models.inference.set_inference`).
 
 Images (`list_images`, `load_image`): JPEG and PNG files (any other format Pillow opens works when the file is named
 directly; a folder is scanned, not recursively, for ``.jpg``, ``.jpeg`` and ``.png`` in sorted order). Any size and
@@ -55,10 +55,12 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from squad.data.transforms import decode_rgb, resize_raw
 from squad.deploy.encode import encode_taskonomy, has_taskonomy_encoding
 from squad.deploy.pictures import picture, save_png, top_k
+from squad.io import atomic_write_text
 from squad.layers.heads import DenseHead
+from squad.models.inference import inference_settings, set_inference
 from squad.models.single_task import SingleTaskModel
 from squad.models.vit import SquadViT
-from squad.tasks import Task, get_task
+from squad.tasks import Task, TaskOptions, get_task
 
 log = logging.getLogger("squad.predict")
 
@@ -194,10 +196,11 @@ def resolve_tasks(model: nn.Module, tasks: str | Iterable[str] | None) -> list[s
     return out
 
 
-def _task(name: str) -> Task | None:
-    """The registered task of a head, or None for a head outside the registry (its outputs stay raw)."""
+def _task(name: str, options: TaskOptions | None = None) -> Task | None:
+    """The registered task of a head (configured by the model's ``task_options``), or None for a head outside the
+    registry (its outputs stay raw)."""
     try:
-        return get_task(name)
+        return get_task(name, options)
     except ValueError:
         return None
 
@@ -272,26 +275,26 @@ def run_model(model: nn.Module, images: torch.Tensor, tasks: Sequence[str]) -> d
     preds = inner(images.to(dtype), list(tasks)).preds
     out = {}
     for t in tasks:
-        spec = _task(t)
+        spec = _task(t, inner.cfg.task_options)
         out[t] = spec.to_units(preds[t]) if spec is not None else preds[t].float()
     return out
 
 
-def predict(model: nn.Module | str | Path, images: str | Path | Iterable[str | Path], out: str | Path,
+def predict(model: nn.Module, images: str | Path | Iterable[str | Path], out: str | Path,
             tasks: str | Iterable[str] | None = None, *, batch_size: int = 8, device: str | torch.device | None = None,
             encode: Encoding = "npy", mone_capacity: float | None = None, mod_inference: str | None = None,
             class_names: dict[str, list[str]] | None = None, progress: bool = False) -> dict:
     """Runs a model on image files and writes, per image and task, a picture and the raw values (module docstring).
 
     Args:
-        model: a loaded model (moved to ``device``, set to eval mode) or anything `squad.load` opens.
+        model: a loaded model, full or extracted (`squad.load`; moved to ``device``, set to eval mode).
         images: image files and folders (`list_images`).
         out: the output folder (created).
         tasks: task names or aliases (default: every task of the model).
         batch_size: images per forward pass.
         device: where to run (default: ``cuda`` when available, else ``cpu``).
         encode: raw values as ``"npy"`` (task units) or ``"taskonomy"`` (the dataset's PNG encodings).
-        mone_capacity, mod_inference: MoNE's e_c and MoD's inference mode (`squad.eval.evaluate.set_inference`).
+        mone_capacity, mod_inference: MoNE's e_c and MoD's inference mode (`squad.models.inference.set_inference`).
         class_names: ``{task: names}`` for class tasks, one name per class (shown in the top-5).
         progress: show a progress bar over the images (tqdm, on stderr).
 
@@ -304,18 +307,13 @@ def predict(model: nn.Module | str | Path, images: str | Path | Iterable[str | P
     Raises:
         ValueError: an unknown task (listing the model's tasks), a bad setting, an encoding other than npy /
             taskonomy, class names of the wrong length, or no images.
-        FileNotFoundError: a missing checkpoint or image path.
+        FileNotFoundError: a missing image path.
     """
-    from squad.eval.evaluate import inference_settings, set_inference
-    from squad.io import atomic_write_text, load
-
     if encode not in ("npy", "taskonomy"):
         raise ValueError(f"encode must be 'npy' or 'taskonomy', got {encode!r}")
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    checkpoint = str(model) if isinstance(model, (str, Path)) else None
-    if checkpoint is not None:
-        model = load(checkpoint)
+    checkpoint = (getattr(model, "meta", None) or {}).get("path")
     inner = _inner(model)
     set_inference(inner, mone_capacity, mod_inference)
     names = resolve_tasks(model, tasks)
@@ -362,7 +360,7 @@ def predict(model: nn.Module | str | Path, images: str | Path | Iterable[str | P
                 done.append(entry)
                 bar.update(1)
     summary = {
-        "checkpoint": checkpoint or getattr(model, "meta", {}).get("path"),
+        "checkpoint": checkpoint,
         "model": inner.cfg.name,
         "tasks": names,
         "encode": encode,

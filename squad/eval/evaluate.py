@@ -2,31 +2,31 @@
 
 Two halves, the second built on the first:
 
-* Running a model: `eval_loader` gives this rank's in-order share of a dataset; `evaluate` runs a model over it
-  in one fused pass per batch and scores every task with a `MetricAccumulator` (each task's additive statistics
-  summed over batches, then over ranks, then finalised; `squad.eval.metrics`). The training engine uses both.
-* Saved models and reports (the library side of tools/evaluate.py): `evaluate_model` and `evaluate_file` score an
-  in-memory model or a run folder / ``model.pt`` / extracted model on a split, `side_by_side` scores several;
-  `load_baseline` reads baseline results files (e.g. single-task runs), `delta_against` computes Δt against them
-  (`squad.eval.metrics.delta_t`), `primary` picks each task's primary metric, and `format_results` prints the
-  tables, each metric with its direction (``↓`` lower / ``↑`` higher is better, from the task).
-* Inference settings (every tool that runs a saved model): `set_inference` sets MoNE's effective capacity e_c and
-  MoD's inference mode (top-k or threshold) on a loaded model, refusing what the model cannot do; `evaluate_run`
-  scores a saved model under them and reports the compute actually spent (`compute_summary`: the share of tokens
-  each MoD block processed, tokens per nested MoNE expert, MACs per image at capacity and from the measured shares).
+* Running a model: `evaluate` runs a model over a loader (`squad.data.eval_loader`: this rank's in-order share of
+  a dataset) in one fused pass per batch and scores every task with a `MetricAccumulator` (each task's additive
+  statistics summed over batches, then over ranks, then finalised; `squad.eval.metrics`). The training engine uses
+  it. Tasks decode and score as the model configures them (``model.cfg.task_options``).
+* Models and reports (the library side of tools/evaluate.py; the models are loaded ones, `squad.load`):
+  `evaluate_model` scores a model on a split, `evaluate_run` also under inference settings
+  (`squad.models.inference.set_inference`: MoNE's e_c, MoD's top-k or threshold) with the compute actually spent
+  (`compute_summary`: the share of tokens each MoD block processed, tokens per nested MoNE expert, MACs per image at
+  capacity and from the measured shares), `side_by_side` scores several; `load_baseline` reads baseline results
+  files (e.g. single-task runs), `delta_against` computes Δt against them (`squad.eval.metrics.delta_t`), `primary`
+  picks each task's primary metric, and `format_results` prints the tables, each metric with its direction (``↓``
+  lower / ``↑`` higher is better, from the task).
 
 Example::
 
-    results = evaluate_file("runs/demo", "data/synthetic", "val")
-    table = side_by_side({"full": "runs/demo", "depth θ=0.01": "runs/demo/depth.pt"}, "data/synthetic")
+    model = squad.load("runs/demo")
+    results = evaluate_model(model, model.task_names, "data/synthetic", "val")
+    table = side_by_side({"full": model, "depth θ=0.01": squad.load("runs/demo/depth.pt")}, "data/synthetic")
     dt = delta_against(results, load_baseline(["runs/stl_depth/eval.json", "runs/stl_normal/eval.json"]))
-    run = evaluate_run("runs/mod", "data/synthetic", mod_inference="threshold")   # + run["compute"]
+    run = evaluate_run(squad.load("runs/mod"), "data/synthetic", mod_inference="threshold")   # + run["compute"]
     print(format_results({"full": results}))
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
@@ -35,33 +35,17 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader
 
 from squad.analysis.flops import mod_shares, mone_shares, profile
-from squad.analysis.usage import ExpertUsage
-from squad.data import TaskonomyBase, build_dataset, collate, report
-from squad.data.samplers import InOrderBatches
+from squad.data import build_dataset, eval_loader, report
 from squad.eval.metrics import MetricAccumulator, delta_t
-from squad.io import load
-from squad.layers.mod import MoDBlock
-from squad.layers.mone import MoNEBlock
+from squad.models.inference import inference_settings, set_inference
 from squad.models.single_task import SingleTaskModel
+from squad.models.usage import ExpertUsage
+from squad.models.vit import SquadViT
 from squad.tasks import get_task
 
 # --------------------------------------------------------------------------------------------- running a model
-
-
-def eval_loader(dataset, batch_size: int, workers: int = 0) -> DataLoader:
-    """An in-order loader over this rank's shard of ``dataset``, every sample at most once.
-
-    A sample the dataset cannot use (a corrupt or wrong-size file, `squad.data.accounting`) is left out — its
-    batch is smaller — never replaced by its neighbour, so nothing is scored twice.
-    """
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    if isinstance(dataset, TaskonomyBase):
-        dataset = dataset.without_substitutes()
-    return DataLoader(InOrderBatches(dataset, batch_size, rank, world, collate), batch_size=None,
-                      num_workers=workers)
 
 
 @torch.no_grad()
@@ -71,8 +55,9 @@ def evaluate(model, loader, tasks: Sequence[str], device: torch.device | str = "
     """Every task's metrics over ``loader`` (all ranks' shares combined).
 
     Args:
-        model: a `SquadViT` (or anything with the same call signature).
-        loader: batches from `squad.data.collate`.
+        model: a `SquadViT`; its tasks (``model.get_task``: configured by its ``task_options``) decode the targets'
+            units and score the predictions.
+        loader: batches from `squad.data.collate` (a dataset built with the model's ``task_options``).
         tasks: the tasks to score (all run in one fused pass per batch).
         device: where to run.
         max_batches: stop after this many batches per rank (0 = all).
@@ -87,7 +72,8 @@ def evaluate(model, loader, tasks: Sequence[str], device: torch.device | str = "
     """
     was_training = model.training
     model.eval()
-    acc = MetricAccumulator(list(tasks))
+    specs = {t: model.get_task(t) for t in tasks}
+    acc = MetricAccumulator(list(specs.values()))
     scored = 0
     try:
         for i, batch in enumerate(loader):
@@ -101,7 +87,7 @@ def evaluate(model, loader, tasks: Sequence[str], device: torch.device | str = "
             if usage is not None:
                 usage.update(out.stats)
             for t, pred in out.preds.items():
-                task = get_task(t)
+                task = specs.get(t) or model.get_task(t)
                 target = task.target(batch["targets"][t].to(device))
                 acc.update(t, task.metric_sums(pred.float(), target, batch["masks"][t].to(device)))
     finally:
@@ -112,81 +98,34 @@ def evaluate(model, loader, tasks: Sequence[str], device: torch.device | str = "
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(total)
         counts["images"] = int(total.item())
-    return {t: final.get(get_task(t).name, {}) for t in tasks}
+    return {t: final.get(specs[t].name, {}) for t in tasks}
 
 
-# ------------------------------------------------------------------------------------------------ saved models
+# ------------------------------------------------------------------------------------------------------- models
 
 
-def evaluate_model(model, tasks: Sequence[str], data: str | Path, split: str = "val", batches: int = 0,
-                   batch_size: int = 8, device: str | torch.device = "cpu", workers: int = 0) -> dict:
-    """Metrics of an in-memory `SquadViT` (or a `SingleTaskModel`) on ``tasks`` of a split: task → metric → value."""
-    inner = getattr(model, "model", model)
-    ds = build_dataset(data, list(tasks), split, image_size=inner.cfg.img_size, augment=False)
+def _inner(model: SquadViT | SingleTaskModel) -> SquadViT:
+    """The `SquadViT` that runs (an extracted model's pruned one)."""
+    return model.model if isinstance(model, SingleTaskModel) else model
+
+
+def model_dataset(model: SquadViT | SingleTaskModel, data: str | Path, tasks: Sequence[str], split: str | Sequence[str],
+                  **kwargs):
+    """``model``'s evaluation data: ``tasks`` of a split at its image size, decoded as its tasks decode them
+    (``task_options``), with no augmentation (`squad.data.build_dataset`; ``kwargs`` go there too)."""
+    inner = _inner(model)
+    return build_dataset(data, list(tasks), split, image_size=inner.cfg.img_size, augment=False,
+                         task_options=inner.cfg.task_options, **kwargs)
+
+
+def evaluate_model(model: SquadViT | SingleTaskModel, tasks: Sequence[str], data: str | Path, split: str = "val",
+                   batches: int = 0, batch_size: int = 8, device: str | torch.device = "cpu",
+                   workers: int = 0) -> dict:
+    """Metrics of a `SquadViT` (or a `SingleTaskModel`) on ``tasks`` of a split: task → metric → value."""
+    inner = _inner(model)
+    ds = model_dataset(inner, data, tasks, split)
     inner.to(device)
     return evaluate(inner, eval_loader(ds, batch_size, workers), list(tasks), device, batches)
-
-
-def set_inference(model, mone_capacity: float | None = None, mod_inference: str | None = None) -> dict:
-    """Sets how a loaded model runs at inference: MoNE's effective capacity and MoD's routing mode.
-
-    Args:
-        model: a `SquadViT` or `SingleTaskModel` (changed in place; an extraction of it keeps the settings).
-        mone_capacity: MoNE effective capacity e_c in [1/2^(E-1), 1] (None: leave it).
-        mod_inference: ``"topk"`` (k = ceil(C · N) tokens per MoD block) or ``"threshold"`` (the tokens whose
-            learned router logit is > 0, i.e. sigmoid > 0.5; needs learned MoD routers trained with
-            ``model.mod.aux_loss``) (None: leave it).
-
-    Returns:
-        The settings now in effect (`inference_settings`).
-
-    Raises:
-        ValueError: a setting for a model without such blocks, e_c out of range, an unknown mode, or threshold
-            inference the model's MoD routers were not trained for.
-    """
-    inner = getattr(model, "model", model)
-    mod = [m for m in inner.modules() if isinstance(m, MoDBlock)]
-    if mone_capacity is not None:
-        if not any(isinstance(m, MoNEBlock) for m in inner.modules()):
-            raise ValueError(f"mone_capacity (--mone-capacity) applies to Mixture of Nested Experts models; this "
-                             f"model ({inner.cfg.name}) has no MoNE blocks")
-        inner.set_mone_capacity(float(mone_capacity))
-    if mod_inference is not None:
-        if mod_inference not in ("topk", "threshold"):
-            raise ValueError(f"mod_inference (--mod-inference) must be topk or threshold, got {mod_inference!r}")
-        if not mod:
-            raise ValueError(f"mod_inference (--mod-inference) applies to Mixture-of-Depths models; this model "
-                             f"({inner.cfg.name}) has no MoD blocks")
-        if mod_inference == "threshold":
-            if not any(b.routing == "learned" for b in mod):
-                raise ValueError("threshold MoD inference keeps the tokens whose learned router logit is > 0; this "
-                                 "model's MoD blocks route on attention (A-MoD) and have no router to threshold: "
-                                 "use topk")
-            if not inner.cfg.mod.aux_loss:
-                raise ValueError("threshold MoD inference needs routers trained to threshold (model.mod.aux_loss="
-                                 "true, the BCE against top-k membership); this model was trained without it, so "
-                                 "its router logits carry no threshold: use topk")
-        new = dataclasses.replace(inner.cfg.mod, inference=mod_inference)
-        new.check("model.mod")
-        for block in mod:
-            block.cfg = new
-        inner.cfg = dataclasses.replace(inner.cfg, mod=new)
-    return inference_settings(inner)
-
-
-def inference_settings(model) -> dict:
-    """``{"mone_capacity": e_c}`` for a MoNE model, ``{"mod_inference": mode, "mod_capacity": C}`` for a MoD model
-    (both for a model with both kinds; ``{}`` for neither)."""
-    inner = getattr(model, "model", model)
-    out: dict = {}
-    if any(isinstance(m, MoNEBlock) for m in inner.modules()):
-        out["mone_capacity"] = float(inner.mone_capacity)
-    mod = [m for m in inner.modules() if isinstance(m, MoDBlock)]
-    if mod:
-        learned = any(b.routing == "learned" for b in mod)
-        out["mod_inference"] = mod[0].cfg.inference if learned else "topk"
-        out["mod_capacity"] = float(mod[0].cfg.capacity)
-    return out
 
 
 def compute_summary(model, tasks: Sequence[str], usage: ExpertUsage | None = None) -> dict:
@@ -203,7 +142,7 @@ def compute_summary(model, tasks: Sequence[str], usage: ExpertUsage | None = Non
         blocks at their measured shares), with MoNE statistics ``"mone_tokens"`` (router → task → share per
         nested expert, smallest first).
     """
-    inner = getattr(model, "model", model)
+    inner = _inner(model)
     tasks = list(tasks)
     prof = profile(inner, tasks)
     out: dict = {"inference": inference_settings(inner), "macs": {t: prof["tasks"][t]["macs"] for t in tasks}}
@@ -219,15 +158,25 @@ def compute_summary(model, tasks: Sequence[str], usage: ExpertUsage | None = Non
     return out
 
 
-def evaluate_run(path: str | Path, data: str | Path, split: str = "val", tasks: Sequence[str] | None = None,
-                 batches: int = 0, batch_size: int = 8, device: str | torch.device = "cpu", workers: int = 0, *,
-                 mone_capacity: float | None = None, mod_inference: str | None = None) -> dict:
-    """Metrics and compute of a run folder / ``model.pt`` / extracted model on a split, under inference settings.
+def evaluate_run(model: SquadViT | SingleTaskModel, data: str | Path, split: str = "val",
+                 tasks: Sequence[str] | None = None, batches: int = 0, batch_size: int = 8,
+                 device: str | torch.device = "cpu", workers: int = 0, *, mone_capacity: float | None = None,
+                 mod_inference: str | None = None) -> dict:
+    """Metrics and compute of a model (full or extracted, as `squad.load` returns it) on a split, under inference
+    settings.
 
     Args:
-        path, data, split, tasks, batches, batch_size, device, workers: as `evaluate_file`.
-        mone_capacity: MoNE effective capacity e_c for this evaluation (`set_inference`).
-        mod_inference: MoD inference mode for this evaluation, ``"topk"`` or ``"threshold"`` (`set_inference`).
+        model: the model (its inference settings are changed in place by ``mone_capacity`` / ``mod_inference``).
+        data: dataset root.
+        split: ``train``, ``val``, ``test`` or ``all``.
+        tasks: tasks to score (default: every task of the model; an extracted model has one).
+        batches: batches to use (0 = the whole split).
+        batch_size: images per batch.
+        device: where to run.
+        workers: loader workers.
+        mone_capacity: MoNE effective capacity e_c for this evaluation (`set_inference`; default: the saved one).
+        mod_inference: MoD inference mode for this evaluation, ``"topk"`` or ``"threshold"`` (`set_inference`;
+            default: the saved one).
 
     Returns:
         ``{"metrics": {task: {metric: value}}, "compute": compute_summary, "data": DataReport.as_dict()}``; under
@@ -236,14 +185,13 @@ def evaluate_run(path: str | Path, data: str | Path, split: str = "val", tasks: 
         files the split could not use (`squad.data.accounting`; its summary line is logged too).
 
     Raises:
-        ValueError: a task the model does not have (listing its tasks), not a squad model file, or an inference
-            setting the model cannot take.
+        ValueError: a task the model does not have (listing its tasks), or an inference setting the model cannot
+            take.
     """
-    model = load(path)
-    inner = model.model if isinstance(model, SingleTaskModel) else model
+    inner = _inner(model)
     set_inference(inner, mone_capacity, mod_inference)
     names = inner.task_names if tasks is None else [inner.task_names[i] for i in inner.task_index(list(tasks))]
-    ds = build_dataset(data, list(names), split, image_size=inner.cfg.img_size, augment=False)
+    ds = model_dataset(inner, data, names, split)
     inner.to(device)
     usage = ExpertUsage(inner.task_names)
     counts: dict = {}
@@ -255,46 +203,20 @@ def evaluate_run(path: str | Path, data: str | Path, split: str = "val", tasks: 
     return {"metrics": metrics, "compute": compute_summary(inner, names, usage), "data": data_report.as_dict()}
 
 
-def evaluate_file(path: str | Path, data: str | Path, split: str = "val", tasks: Sequence[str] | None = None,
-                  batches: int = 0, batch_size: int = 8, device: str | torch.device = "cpu",
-                  workers: int = 0, *, mone_capacity: float | None = None,
-                  mod_inference: str | None = None) -> dict[str, dict[str, float]]:
-    """Metrics of a run folder / ``model.pt`` / extracted model on a split.
-
-    Args:
-        path: the model file or run folder.
-        data: dataset root.
-        split: ``train``, ``val``, ``test`` or ``all``.
-        tasks: tasks to score (default: every task of the model; an extracted model has one).
-        batches: batches to use (0 = the whole split).
-        batch_size: images per batch.
-        device: where to run.
-        workers: loader workers.
-        mone_capacity: MoNE effective capacity e_c (`set_inference`; default: the saved one).
-        mod_inference: MoD inference mode, topk or threshold (`set_inference`; default: the saved one).
-
-    Raises:
-        ValueError: a task the model does not have (listing its tasks), not a squad model file, or an inference
-            setting the model cannot take.
-    """
-    return evaluate_run(path, data, split, tasks, batches, batch_size, device, workers, mone_capacity=mone_capacity,
-                        mod_inference=mod_inference)["metrics"]
-
-
-def side_by_side(models: Mapping[str, str | Path], data: str | Path, split: str = "val", batches: int = 0,
-                 batch_size: int = 8, device: str | torch.device = "cpu", workers: int = 0) -> dict:
+def side_by_side(models: Mapping[str, SquadViT | SingleTaskModel], data: str | Path, split: str = "val",
+                 batches: int = 0, batch_size: int = 8, device: str | torch.device = "cpu", workers: int = 0) -> dict:
     """Several models on the same split.
 
     Args:
-        models: column label → run folder / model file (full or extracted).
+        models: column label → model (full or extracted, as `squad.load` returns them).
 
     Returns:
         ``{"split": split, "models": {label: {task: {metric: value}}}}``; a task appears under every model that
         has it (an extracted model only has its own).
     """
     return {"split": split,
-            "models": {label: evaluate_file(path, data, split, None, batches, batch_size, device, workers)
-                       for label, path in models.items()}}
+            "models": {label: evaluate_run(model, data, split, None, batches, batch_size, device, workers)["metrics"]
+                       for label, model in models.items()}}
 
 
 # --------------------------------------------------------------------------------------------- Δt and reports

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from squad.distributed import is_distributed
-from squad.tasks import get_task
+from squad.tasks import Task, canonical_name, get_task
 
 
 def add_sums(total: dict[str, torch.Tensor], sums: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -57,29 +57,33 @@ def all_reduce_sums(sums: dict[str, dict[str, torch.Tensor]]) -> dict[str, dict[
 class MetricAccumulator:
     """Collects `metric_sums` of several tasks over an evaluation loop.
 
+    The tasks finalise their own metrics, so pass the model's configured tasks (``model.get_task(name)``) when its
+    ``task_options`` change how a task scores (e.g. edge's ``max_dist``); names give the defaults.
+
     Example::
 
-        acc = MetricAccumulator(["depth", "normal"])
+        acc = MetricAccumulator([model.get_task("depth"), model.get_task("normal")])
         for batch in loader:
-            for name in acc.tasks:
-                task = get_task(name)
+            for name, task in acc.specs.items():
                 acc.update(name, task.metric_sums(pred[name], task.target(batch["targets"][name]),
                                                   batch["masks"][name]))
         results = acc.compute()  # all-reduced across ranks; {task: {metric: float}}
     """
 
-    def __init__(self, tasks: list[str]) -> None:
-        self.tasks = [get_task(t).name for t in tasks]
+    def __init__(self, tasks: Sequence[str | Task]) -> None:
+        specs = [t if isinstance(t, Task) else get_task(t) for t in tasks]
+        self.specs: dict[str, Task] = {t.name: t for t in specs}
+        self.tasks = list(self.specs)
         self.sums: dict[str, dict[str, torch.Tensor]] = {t: {} for t in self.tasks}
 
     def update(self, task: str, sums: Mapping[str, torch.Tensor]) -> None:
-        """Adds one batch's statistics of `task`."""
-        add_sums(self.sums[get_task(task).name], sums)
+        """Adds one batch's statistics of `task` (its name or an alias)."""
+        add_sums(self.sums[task if task in self.sums else canonical_name(task)], sums)
 
     def compute(self, reduce: bool = True) -> dict[str, dict[str, float]]:
         """Final metrics per task; with `reduce` the statistics are first summed across ranks."""
         sums = all_reduce_sums(self.sums) if reduce else self.sums
-        return {t: get_task(t).metrics(sums[t]) for t in self.tasks if sums.get(t)}
+        return {t: self.specs[t].metrics(sums[t]) for t in self.tasks if sums.get(t)}
 
 
 def delta_t(results: Mapping[str, Mapping[str, float]], baseline: Mapping[str, Mapping[str, float]],

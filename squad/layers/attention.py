@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from squad.kernels import routed_attention
 from squad.layers.context import ForwardContext
 
 
@@ -32,7 +33,6 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, want_scores: bool 
         mask = key_mask[:, None, None, :]  # [B, 1, 1, N]
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return out, None
-    from squad.kernels import routed_attention
 
     if want_scores:
         return routed_attention(q, k, v, return_scores=True)

@@ -1,9 +1,17 @@
-"""Models.
+"""Models: the network, building it, and changing its weights (as timm keeps its builder and pruning beside its
+models).
 
 - vit.py: `SquadViT` (the multi-task ViT with dense and conditional blocks), `SquadOutput`, `build_model`.
 - registry.py: named models, timm style: `list_models`, `create_model` over the paper configs (configs/model/).
-- timm.py: timm interop: `from_timm` (a timm ViT's weights into a SquadViT), reading timm weight files.
 - single_task.py: `SingleTaskModel`, one task's path through a model (what extraction produces).
+- usage.py: `ExpertUsage`, expert-selection statistics per task and layer (saved with a model; pruning reads them).
+- inference.py: how a loaded model runs at inference (MoNE's e_c, MoD's top-k or threshold: `set_inference`).
+- surgery.py: building on the meta device and shape-checked weight assignment (`build_on_meta`, `load_assigned`),
+  keeping a subset of tasks (`select_tasks`).
+- pruning.py: choosing experts from usage frequencies (θ or keep-top) and pruning MoE layers to them.
+- timm.py: timm interop: `from_timm` (a timm ViT's weights into a SquadViT), `load_timm_weights`.
+- transfer.py: weight transfer from a dense ViT (sparse upcycling's maps, `transfer`; training's ``train.init``,
+  `initialize_from`).
 """
 
 from squad.models.registry import create_model, list_models

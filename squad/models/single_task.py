@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from squad.analysis.usage import ExpertUsage
+from squad.models.usage import ExpertUsage
 from squad.models.vit import SquadViT
 
 

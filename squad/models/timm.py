@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -219,19 +218,3 @@ def load_timm_weights(model: SquadViT, state: dict[str, torch.Tensor], head: str
             raise ValueError(f"timm weight {k}: shape {list(v.shape)} does not match the model's {list(own[k].shape)}")
     model.load_state_dict({k: v for k, v in mapped.items() if k in own}, strict=False)
     return sorted(set(own) - set(mapped))
-
-
-def load_timm_file(path: str | Path) -> dict[str, torch.Tensor]:
-    """Reads a timm ViT state dict saved on disk (``.pth``/``.pt`` via torch.load(weights_only) or safetensors)."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"timm weights file not found: {path}")
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        return load_file(str(path))
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    for key in ("model", "state_dict"):
-        if isinstance(state, dict) and key in state and isinstance(state[key], dict):
-            state = state[key]
-    return state

@@ -23,6 +23,7 @@ from squad.layers.heads import build_head
 from squad.layers.mod import MoDBlock
 from squad.layers.mone import MoNEBlock
 from squad.layers.routing import TaskLinear, TaskRouter
+from squad.tasks import Task, canonical_name, get_task
 
 
 @dataclasses.dataclass
@@ -126,16 +127,19 @@ class SquadViT(nn.Module):
         for name in tasks:
             if name not in self.heads:
                 try:
-                    from squad.tasks import get_task
-
-                    canonical = get_task(name).name
-                except (ImportError, ValueError, KeyError):
+                    canonical = canonical_name(name)
+                except ValueError:
                     canonical = None
                 if canonical not in self.heads:
                     raise ValueError(f"unknown task {name!r}: this model has {', '.join(self.task_names)}")
                 name = canonical
             out.append(self.task_names.index(name))
         return out
+
+    def get_task(self, name: str) -> Task:
+        """The task ``name`` (name or alias) as this model decodes, scores and trains it: configured by its
+        ``cfg.task_options`` (e.g. occlusion edges decoded with ``clip``), whatever other models in the process use."""
+        return get_task(name, self.cfg.task_options)
 
     def _check_images(self, images: torch.Tensor) -> None:
         c, s = self.cfg.in_chans, self.cfg.img_size
@@ -303,8 +307,6 @@ class SquadViT(nn.Module):
             ValueError: the model already has this task, or a router of the model has been pruned.
         """
         if isinstance(head, str):
-            from squad.tasks import get_task
-
             task = get_task(head)
             head = HeadConfig(task.name, task.head_kind, task.channels)
         if head.name in self.heads:

@@ -7,8 +7,8 @@ that task uses, as a standalone model file that loads without DeepSpeed.
     depth = ext(images)                                 # [B, 1, H, W]
 
 The task's usage frequencies come from a calibration pass over its data (`collect_usage`, the default in
-tools/extract.py) or from the statistics saved in ``model.pt``; `squad.posttrain.pruning` decides and slices. MoD
-and MoNE parts stay as they are (with the inference settings the model had: `squad.eval.evaluate.set_inference`).
+tools/extract.py) or from the statistics saved in ``model.pt``; `squad.models.pruning` decides and slices. MoD
+and MoNE parts stay as they are (with the inference settings the model had: `squad.models.inference.set_inference`).
 The file holds the single-task config, the kept experts per layer, the routing mode and the weights; `squad.load`
 rebuilds the model from the config, applies the same pruning and loads the weights.
 
@@ -29,13 +29,11 @@ import torch
 import torch.nn as nn
 
 from squad.analysis.flops import profile
-from squad.analysis.usage import ExpertUsage
-from squad.data import EmptyDatasetError, build_dataset
-from squad.eval.evaluate import compute_summary, eval_loader, evaluate, set_inference
-from squad.io import load_model, save_extracted
-from squad.models.single_task import SingleTaskModel
-from squad.models.vit import SquadViT
-from squad.posttrain.pruning import (
+from squad.data import EmptyDatasetError, eval_loader
+from squad.eval.evaluate import compute_summary, evaluate, model_dataset
+from squad.io import save_extracted
+from squad.models.inference import set_inference
+from squad.models.pruning import (
     check_keep_top,
     check_theta,
     choose_experts,
@@ -44,7 +42,10 @@ from squad.posttrain.pruning import (
     pruned_summary,
     task_frequencies,
 )
-from squad.posttrain.surgery import select_tasks
+from squad.models.single_task import SingleTaskModel
+from squad.models.surgery import select_tasks
+from squad.models.usage import ExpertUsage
+from squad.models.vit import SquadViT
 
 log = logging.getLogger(__name__)
 
@@ -135,12 +136,12 @@ def layer_report(ext: SingleTaskModel, full: SquadViT) -> dict[str, dict]:
     return pruned_summary(ext.model, ext.kept, kept_counts(full))
 
 
-def _loader(data: str | Path, task: str, split: str, image_size: int, batch_size: int, workers: int):
-    ds = build_dataset(data, [task], split, image_size=image_size, augment=False)
+def _loader(model: SquadViT, data: str | Path, task: str, split: str, batch_size: int, workers: int):
+    ds = model_dataset(model, data, [task], split)
     return eval_loader(ds, batch_size, workers), len(ds)
 
 
-def extract_to_file(checkpoint: str | Path, task: str, out: str | Path, *, theta: float | None = 0.01,
+def extract_to_file(model: SquadViT, task: str, out: str | Path, *, theta: float | None = 0.01,
                     keep_top: float | None = None, renormalize: bool = False, data: str | Path | None = None,
                     calib_split: str = "train", calib_batches: int = 8, eval_split: str | None = "val",
                     eval_batches: int = 0, batch_size: int = 8, saved_usage: bool = False,
@@ -149,7 +150,10 @@ def extract_to_file(checkpoint: str | Path, task: str, out: str | Path, *, theta
     """Extracts ``task`` from a trained model into ``out`` and returns the report (also written as JSON).
 
     Args:
-        checkpoint: run folder or ``model.pt``.
+        model: the trained model as `squad.load_model` returns it: its ``usage`` (the statistics saved in
+            ``model.pt``) serves when no calibration data is given, and its ``meta`` names the file and the tasks
+            the run trained (a task it never trained is refused). Its inference settings are changed in place by
+            ``mone_capacity`` / ``mod_inference``.
         task: task name or alias.
         out: the extracted model file (the report goes to ``out`` with suffix ``.json``).
         theta: usage threshold in [0, 1) (ignored when ``keep_top`` is given).
@@ -161,7 +165,7 @@ def extract_to_file(checkpoint: str | Path, task: str, out: str | Path, *, theta
         eval_split: held-out split for metrics before/after (None: no metrics).
         eval_batches: evaluation batches (0 = all).
         batch_size: images per batch.
-        saved_usage: use the statistics saved in ``model.pt`` even when ``data`` is given.
+        saved_usage: use the statistics saved with the model even when ``data`` is given.
         device: where to run.
         workers: data loader workers.
         mone_capacity: MoNE effective capacity e_c for calibration, metrics and the extracted model (MoNE models).
@@ -175,16 +179,15 @@ def extract_to_file(checkpoint: str | Path, task: str, out: str | Path, *, theta
 
     Raises:
         ValueError: θ or H out of range, an unknown task (the message lists the model's tasks), a task the run never
-            trained, a file that is not a squad model, no usage available, an inference setting the model cannot
-            take.
-        FileNotFoundError: missing checkpoint or data.
+            trained, no usage available, an inference setting the model cannot take.
+        FileNotFoundError: missing data.
     """
     check_theta(theta if keep_top is None else None)
     check_keep_top(keep_top)
     if keep_top is None and theta is None:
         raise ValueError("give theta (a usage threshold) or keep_top (a share of experts per layer)")
-    model = load_model(checkpoint)
-    saved, meta = model.usage, model.meta
+    saved = getattr(model, "usage", None)
+    meta = getattr(model, "meta", None) or {"path": f"the {model.cfg.name} model in memory"}
     (t,) = model.task_index([task])
     name = model.task_names[t]
     trained = (meta.get("extra") or {}).get("trained_tasks")
@@ -194,14 +197,13 @@ def extract_to_file(checkpoint: str | Path, task: str, out: str | Path, *, theta
                          f"tools/finetune_router.py")
     inference = set_inference(model, mone_capacity, mod_inference)
     model.to(device)
-    size = model.cfg.img_size
     prunable = bool(prunable_layers(model))
     if not prunable:
         usage, source = None, {"kind": "none (no MoE attention / MoE MLP layers to prune)"}
         log.info("%s has no MoE attention / MoE MLP layers: no experts can be pruned; keeping %s's head, router rows "
                  "and embedding only", meta["path"], name)
     elif data is not None and not saved_usage:
-        loader, n_images = _loader(data, name, calib_split, size, batch_size, workers)
+        loader, n_images = _loader(model, data, name, calib_split, batch_size, workers)
         usage = collect_usage(model, name, loader, calib_batches, device)
         images = min(n_images, calib_batches * batch_size) if calib_batches else n_images
         source = {"kind": "calibration", "data": str(data), "split": calib_split, "images": images}
@@ -238,7 +240,7 @@ def extract_to_file(checkpoint: str | Path, task: str, out: str | Path, *, theta
                           f"task embedding")
     if data is not None and eval_split:
         try:
-            loader, n_eval = _loader(data, name, eval_split, size, batch_size, workers)
+            loader, n_eval = _loader(model, data, name, eval_split, batch_size, workers)
         except (EmptyDatasetError, ValueError) as e:
             log.warning("no held-out metrics: %s", e)
         else:

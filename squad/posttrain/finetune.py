@@ -31,11 +31,11 @@ import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader, Subset
 
-from squad.data import build_dataset, collate
-from squad.eval.evaluate import eval_loader, evaluate
-from squad.io import export_model, load_model
+from squad.data import collate, eval_loader
+from squad.eval.evaluate import evaluate, model_dataset
+from squad.io import export_model
+from squad.models.surgery import select_tasks
 from squad.models.vit import SquadViT
-from squad.posttrain.surgery import select_tasks
 from squad.tasks import TASK_NAMES, get_task
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ def class_labels(dataset, task: str) -> torch.Tensor:
 
     Reads only the label files (not the images).
     """
-    spec = get_task(task)
+    spec = get_task(task, getattr(dataset, "task_options", None))
     if spec.head_kind != "class":
         raise ValueError(f"shots per class need a class task; {spec.name} is {spec.head_kind}")
     labels = []
@@ -161,7 +161,7 @@ def make_optimizer(trainable: dict[str, nn.Parameter], cfg: FinetuneConfig) -> t
 def train_new_task(model: SquadViT, task: str, loader: DataLoader, trainable: dict[str, nn.Parameter],
                    cfg: FinetuneConfig) -> list[float]:
     """Trains ``trainable`` on the task's loss for ``cfg.steps`` steps (model in train mode); returns the losses."""
-    spec = get_task(task)
+    spec = model.get_task(task)
     opt = make_optimizer(trainable, cfg)
     losses = []
     model.train()
@@ -200,7 +200,7 @@ def pooled_features(model: SquadViT, task: str, loader: DataLoader, device: str,
 def linear_probe(model: SquadViT, task: str, train_loader: DataLoader, eval_loader: DataLoader,
                  cfg: FinetuneConfig) -> tuple[dict[str, float], float]:
     """Logistic regression (soft-target cross-entropy, L2) on frozen pooled features; returns (metrics, loss)."""
-    spec = get_task(task)
+    spec = model.get_task(task)
     if spec.head_kind != "class":
         raise ValueError(f"linear-probe is logistic regression on pooled features and needs a class task; {task} is "
                          f"{spec.head_kind} (for dense tasks, mode 'head' trains the linear head on frozen features)")
@@ -243,7 +243,7 @@ def finetune_once(base: SquadViT, task: str, mode: str, train_set, indices: Sequ
             p.requires_grad_(False)
         metrics, loss = linear_probe(model, task, loader, eval_loader, cfg)
         row.update(metrics=metrics, final_loss=loss, trainable_params=(model.cfg.embed_dim + 1) *
-                   get_task(task).channels, frozen_unchanged=True)
+                   model.get_task(task).channels, frozen_unchanged=True)
         return row, None
     trainable = select_trainable(model, task, mode)
     frozen = ({n: p.detach().clone() for n, p in model.named_parameters() if n not in trainable}
@@ -293,14 +293,40 @@ def train_without_hint(checkpoint: str | Path, task: str, config: str = "configs
             f"--set 'data.tasks=[{others}]'")
 
 
-def finetune_table(checkpoint: str | Path, task: str, data: str | Path, modes: Sequence[str] = ("router",),
+def check_request(task: str, modes: Sequence[str], fractions: Sequence[float] | None, shots: Sequence[int] | None,
+                  cfg: FinetuneConfig) -> list[tuple[str, float | int]]:
+    """Checks a `finetune_table` request before any work; returns its subset sizes (``("fraction", f)`` or
+    ``("shots", n)``).
+
+    Raises:
+        ValueError: an unknown task (listing the valid ones) or mode, neither or both of fractions and shots, a
+            value out of range, or linear-probe for a task that is not a class task.
+    """
+    cfg.check()
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        raise ValueError(f"unknown mode {bad[0] if bad else None!r}; modes: {', '.join(MODES)}")
+    if (fractions is None) == (shots is None):
+        raise ValueError("give fractions or shots (not both)")
+    spec = get_task(task)  # unknown names fail here, listing the valid ones
+    sizes = [("fraction", float(f)) for f in fractions] if fractions is not None else [("shots", int(s)) for s in shots]
+    for kind, v in sizes:
+        if (kind == "fraction" and not 0.0 < v <= 1.0) or (kind == "shots" and v < 1):
+            raise ValueError(f"{kind} must be {'in (0, 1]' if kind == 'fraction' else '>= 1'}, got {v}")
+    if "linear-probe" in modes and spec.head_kind != "class":
+        raise ValueError(f"mode linear-probe needs a class task; {spec.name} is {spec.head_kind}")
+    return sizes
+
+
+def finetune_table(full: SquadViT, task: str, data: str | Path, modes: Sequence[str] = ("router",),
                    fractions: Sequence[float] | None = None, shots: Sequence[int] | None = None,
                    cfg: FinetuneConfig | None = None, train_split: str = "train", eval_split: str = "val",
                    replace: bool = False, save_dir: str | Path | None = None, out: str | Path | None = None) -> dict:
     """Fine-tunes ``task`` onto a trained model in every mode and subset size, and scores each run.
 
     Args:
-        checkpoint: run folder or ``model.pt`` of a model trained without ``task``.
+        full: the trained model, as `squad.load_model` returns it (its ``meta`` tells which tasks the run trained:
+            a head that never trained may be replaced); it is not changed.
         task: the new task (name or alias from `squad.tasks`).
         data: dataset root holding the task's data.
         modes: any of router, head, full, linear-probe.
@@ -317,31 +343,15 @@ def finetune_table(checkpoint: str | Path, task: str, data: str | Path, modes: S
         ``{"task", "metric", "untrained", "runs": [...], "table": {mode: {size: metric}}, ...}``.
     """
     cfg = cfg or FinetuneConfig()
-    cfg.check()
-    bad = [m for m in modes if m not in MODES]
-    if bad or not modes:
-        raise ValueError(f"unknown mode {bad[0] if bad else None!r}; modes: {', '.join(MODES)}")
-    if (fractions is None) == (shots is None):
-        raise ValueError("give fractions or shots (not both)")
-    spec = get_task(task)  # unknown names fail here, listing the valid ones
+    sizes = check_request(task, modes, fractions, shots, cfg)
+    spec = get_task(task, full.cfg.task_options)
     name = spec.name
-    sizes = [("fraction", float(f)) for f in fractions] if fractions is not None else [("shots", int(s)) for s in shots]
-    for kind, v in sizes:  # validate before any work
-        if (kind == "fraction" and not 0.0 < v <= 1.0) or (kind == "shots" and v < 1):
-            raise ValueError(f"{kind} must be {'in (0, 1]' if kind == 'fraction' else '>= 1'}, got {v}")
-    if "linear-probe" in modes and spec.head_kind != "class":
-        raise ValueError(f"mode linear-probe needs a class task; {name} is {spec.head_kind}")
-    try:
-        full = load_model(checkpoint)
-    except FileNotFoundError as e:
-        raise FileNotFoundError(f"{e}; {train_without_hint(checkpoint, name)}") from e
-    meta = full.meta
+    meta = getattr(full, "meta", None) or {"path": f"the {full.cfg.name} model in memory"}
     trained = (meta.get("extra") or {}).get("trained_tasks")
     base, note = base_without(full, name, trained, replace)
     base.to(cfg.device).eval()
-    size = base.cfg.img_size
-    train_set = build_dataset(data, [name], train_split, image_size=size, augment=False)
-    eval_set = build_dataset(data, [name], eval_split, image_size=size, augment=False)
+    train_set = model_dataset(base, data, [name], train_split)
+    eval_set = model_dataset(base, data, [name], eval_split)
     loader = eval_loader(eval_set, cfg.batch_size, cfg.workers)
     labels = class_labels(train_set, name) if shots is not None else None
     untrained = evaluate(with_new_task(base, name, cfg.init, cfg.seed).to(cfg.device), loader, [name], cfg.device,

@@ -14,7 +14,7 @@ paired per-seed comparisons:
   1, 2, 5 % of its data in the router, head, full and linear-probe modes (`squad.posttrain.finetune.finetune_table`).
   Claim: router fine-tuning wins at every fraction.
 * ``mi-vs-balance`` (Fig. 5): Mod-Squad with its MI loss and with a per-task switch balance loss instead; from the
-  expert selections on the validation split (`squad.analysis.usage.ExpertUsage`): experts covering 90 % of a task's
+  expert selections on the validation split (`squad.models.usage.ExpertUsage`): experts covering 90 % of a task's
   selections, entropy of P(E|T), I(T;E), and Δt. Claim: MI gives sparser, more task-specific expert use at equal or
   better Δt.
 * ``amod-table3`` (A-MoD Table 3): the trained MTL model turned into MoD at capacity 0.5 on every other block
@@ -41,6 +41,16 @@ from pathlib import Path
 
 import torch
 
+from squad.analysis.flops import profile
+from squad.config.base import to_dict
+from squad.data import build_dataset, eval_loader
+from squad.eval.evaluate import evaluate
+from squad.io import load_extracted, load_model, save_extracted
+from squad.models.inference import set_inference
+from squad.models.usage import ExpertUsage
+from squad.posttrain.adapt import fidelity, to_mod
+from squad.posttrain.extract import collect_usage, extract
+from squad.posttrain.finetune import MODES, FinetuneConfig, finetune_table
 from squad.reproduce.runs import FAMILIES, Runner, RunSpec, final_metrics, measure_cost, metrics_history, run_config
 from squad.reproduce.scales import HELD_OUT, PASCAL_THETA, Scale, pascal_scale
 from squad.reproduce.verdicts import RULE, VERDICTS, compare, delta, finite, primary_of, spread, verdict
@@ -86,9 +96,6 @@ class Context:
         return table[key]
 
     def val_loader(self, tasks: Sequence[str], split: str = "val", batch: int | None = None):
-        from squad.data import build_dataset
-        from squad.eval.evaluate import eval_loader
-
         ds = build_dataset(self.data, list(tasks), split, image_size=self.scale.img_size, augment=False)
         return eval_loader(ds, batch or self.scale.batch)
 
@@ -132,9 +139,6 @@ def amod_spec(ctx: Context, seed: int, routing: str) -> RunSpec:
     scale = ctx.scale
 
     def init() -> tuple[dict, dict]:
-        from squad.config.base import to_dict
-        from squad.io import load_model
-        from squad.posttrain.adapt import to_mod
 
         dense = load_model(dense_run)
         with torch.random.fork_rng(devices=[]):
@@ -175,8 +179,6 @@ def _baseline(ctx: Context, seed: int) -> dict[str, dict[str, float]]:
 
 
 def _size(run_dir: Path, tasks: Sequence[str]) -> dict:
-    from squad.analysis.flops import profile
-    from squad.io import load_model
 
     prof = profile(load_model(run_dir), tasks)
     return {"params": prof["params"], "macs": statistics.fmean(prof["tasks"][t]["macs"] for t in tasks)}
@@ -234,11 +236,6 @@ def measure_table2(ctx: Context) -> dict:
 
 def _extraction_table(ctx: Context, run_dir: Path) -> dict:
     """Every task extracted at every criterion, scored on the validation split (cached in the run folder)."""
-    from squad.analysis.flops import profile
-    from squad.data import build_dataset
-    from squad.eval.evaluate import eval_loader, evaluate
-    from squad.io import load_model, save_extracted
-    from squad.posttrain.extract import collect_usage, extract
 
     criteria = [(f"θ={t:g}", {"theta": t}) for t in ctx.scale.thetas] + \
                [(f"top {ctx.scale.keep_top:.0%}", {"theta": None, "keep_top": ctx.scale.keep_top})]
@@ -301,7 +298,6 @@ def measure_pruning(ctx: Context) -> dict:
 
 def measure_router_finetune(ctx: Context) -> dict:
     """Router / head / full / linear-probe fine-tuning of the held-out tasks on little data (Fig. 4)."""
-    from squad.posttrain.finetune import MODES, FinetuneConfig, finetune_table
 
     held = [t for t in HELD_OUT if t in ctx.tasks]
     tables: dict[str, dict] = {t: {"runs": [], "metric": get_task(t).primary_metric,
@@ -315,7 +311,7 @@ def measure_router_finetune(ctx: Context) -> dict:
             if result is None or sorted({r["fraction"] for r in result["runs"]}) != sorted(fractions):
                 cfg = FinetuneConfig(steps=ctx.scale.finetune_steps, batch_size=ctx.scale.finetune_batch,
                                      lr=ctx.scale.finetune_lr, seed=seed, device=ctx.device)
-                result = finetune_table(run_dir, task, ctx.data, modes=MODES, fractions=fractions, cfg=cfg,
+                result = finetune_table(load_model(run_dir), task, ctx.data, modes=MODES, fractions=fractions, cfg=cfg,
                                         save_dir=run_dir / "finetune", out=out)
             tables[task]["runs"].append({"table": result["table"], "untrained": result["untrained"],
                                          "images": {r["size"]: r["train_images"] for r in result["runs"]}})
@@ -373,9 +369,6 @@ def _usage_of(ctx: Context, run_dir: Path) -> dict:
     file = run_dir / "reproduce_usage.json"
     if file.is_file():
         return json.loads(file.read_text())
-    from squad.analysis.usage import ExpertUsage
-    from squad.eval.evaluate import evaluate
-    from squad.io import load_model
 
     model = load_model(run_dir).to(ctx.device)
     usage = ExpertUsage(model.task_names)
@@ -417,8 +410,6 @@ def measure_mi_vs_balance(ctx: Context) -> dict:
 
 @torch.no_grad()
 def _fidelity(ctx: Context, dense_run: Path, routing: str, seed: int) -> dict:
-    from squad.io import load_model
-    from squad.posttrain.adapt import fidelity, to_mod
 
     dense = load_model(dense_run)
     with torch.random.fork_rng(devices=[]):
@@ -484,9 +475,6 @@ def _mone_eval(ctx: Context, run_dir: Path, capacities: Sequence[float]) -> dict
     cached = json.loads(file.read_text()) if file.is_file() else {}
     if all(k in cached for k in keys):
         return cached
-    from squad.analysis.flops import profile
-    from squad.eval.evaluate import evaluate, set_inference
-    from squad.io import load_model
 
     model = load_model(run_dir).to(ctx.device)
     loader = ctx.val_loader(ctx.tasks)
@@ -569,8 +557,6 @@ def _pascal_specs(ctx: Context) -> list[RunSpec]:
 
 def _extracted_macs(ctx: Context, table: dict, label: str) -> float:
     """MACs per image of the extracted models of ``label`` (mean over tasks)."""
-    from squad.analysis.flops import profile
-    from squad.io import load_extracted
 
     macs = []
     for row in table["tasks"].values():
@@ -653,7 +639,7 @@ def measure_pascal(ctx: Context) -> dict:
             "paper": {"params": 50e6, "macs": 5.2e9, "pruned_params": 22e6,
                       "metrics": {"semseg": 74.1, "human_parts": 62.7, "saliency": 66.9, "normals": 13.7,
                                   "edge": 72.0}},
-            "notes": [f"Data: the synthetic PASCAL-Context (squad.data.synthetic_pascal, PASCAL_MT layout read by "
+            "notes": [f"Data: the synthetic PASCAL-Context (squad.data.synthetic.pascal, PASCAL_MT layout read by "
                       f"the real reader), {sc.images} images at {sc.img_size} px (long side; train/val split as "
                       f"PASCAL-Context's, about half each), packed into HDF5 shards ({pctx.data}); every run "
                       f"{sc.steps} steps of {sc.batch} images, the widths of the scale.",

@@ -29,6 +29,7 @@ import numpy as np  # noqa: E402
 from squad.reproduce.claims import CLAIMS  # noqa: E402
 from squad.reproduce.scales import Scale, format_duration  # noqa: E402
 from squad.reproduce.verdicts import RULE, spread, verdict  # noqa: E402
+from squad.tasks import get_task
 
 # ---------------------------------------------------------------------------------------------- formatting
 
@@ -297,7 +298,6 @@ def _section_table2(d: dict) -> list[str]:
     tasks = d["tasks"]
     head = ["task", "STL metric"] + [d["methods"][k]["label"] for k in d["methods"] if k != "stl"]
     rows = []
-    from squad.tasks import get_task
 
     for t in tasks:
         stl = [m.get(t) for m in d["methods"]["stl"]["metrics"]]
@@ -365,8 +365,6 @@ def _section_mone(d: dict) -> list[str]:
 
 
 def _section_pascal(d: dict) -> list[str]:
-    from squad.tasks import get_task
-
     rows = []
     for m in d["methods"].values():
         ratio = _ms(m["ratio"], "{:.3f}") if m.get("ratio") else "–"

@@ -31,10 +31,15 @@ from pathlib import Path
 
 import torch
 
-from squad.config.base import to_dict
+from squad.config.base import config_root, to_dict
 from squad.config.loading import load_config
 from squad.config.run import RunConfig
+from squad.data import build_dataset, collate
+from squad.models.vit import build_model
 from squad.reproduce.scales import Scale, format_duration, width_overrides
+from squad.train.engine import train
+from squad.train.objective import MultiTaskObjective
+from squad.train.optim import param_groups
 
 log = logging.getLogger("squad.reproduce")
 
@@ -167,8 +172,6 @@ def run_config(spec: RunSpec, scale: Scale, data_root: str | Path) -> RunConfig:
 def paper_config_dict(spec: RunSpec, scale: Scale, data_root: str) -> dict:
     """The real-Taskonomy run config of ``spec``: the paper widths and the schedule of
     configs/taskonomy/modsquad_vit_b.yaml (100 epochs, 10 of warm-up, AdamW 2e-4, 12 images × 8 GPUs × 15 nodes)."""
-    from squad.config.base import config_root
-
     fam = FAMILIES[spec.family]
     if fam.paper_run is not None:  # a family with its own real-data run config (pascal-table3: PASCAL-Context)
         return benchmark_paper_config_dict(spec, data_root)
@@ -189,8 +192,6 @@ def benchmark_paper_config_dict(spec: RunSpec, data_root: str) -> dict:
     Raises:
         ValueError: a family without a run config of its own.
     """
-    from squad.config.base import config_root
-
     fam = FAMILIES[spec.family]
     if fam.paper_run is None:
         raise ValueError(f"family {spec.family} has no real-data run config of its own")
@@ -229,36 +230,6 @@ def final_metrics(run_dir: Path) -> dict[str, dict[str, float]]:
     if not history:
         raise ValueError(f"{run_dir / 'metrics.jsonl'} holds no validation")
     return history[-1][1]
-
-
-def _trainer_class():
-    from squad.train.engine import Trainer
-
-    class InitTrainer(Trainer):
-        """The engine's trainer, starting from given weights unless it resumes a checkpoint of its own."""
-
-        init_state: dict[str, torch.Tensor] | None = None
-
-        def _maybe_resume(self) -> None:
-            if self.init_state is not None:
-                with torch.no_grad():
-                    self.model.load_state_dict(self.init_state)
-            super()._maybe_resume()
-
-    return InitTrainer
-
-
-def train_run(cfg: RunConfig, run_dir: Path, init_state: dict[str, torch.Tensor] | None = None) -> Path:
-    """Trains ``cfg`` into ``run_dir`` with squad's engine (resuming its checkpoint, if any); returns model.pt."""
-    trainer = _trainer_class()(cfg, run_dir, "auto")
-    trainer.init_state = init_state
-    try:
-        return trainer.train()
-    finally:
-        trainer.folder.close()
-        if trainer.log_handler is not None:
-            logging.getLogger("squad").removeHandler(trainer.log_handler)
-            trainer.log_handler.close()
 
 
 class Runner:
@@ -302,7 +273,7 @@ class Runner:
         cfg = run_config(spec, self.scale, self.data_root)  # the spec's own scale and data when it has them
         init = spec.init()[1] if spec.init is not None else None
         t0 = time.perf_counter()
-        train_run(cfg, run_dir, init)
+        train(cfg, run_dir, "auto", init_state=init)
         seconds = time.perf_counter() - t0
         self.trained += 1
         (run_dir / "reproduce.json").write_text(json.dumps(
@@ -351,10 +322,6 @@ def measure_cost(cfg: RunConfig, steps: int, device: str | torch.device = "cpu")
         CPU seconds per step of this process (median), "peak_mib": peak memory in MiB or None where it cannot be
         measured, "memory": how it was measured}``.
     """
-    from squad.data import build_dataset, collate
-    from squad.models.vit import build_model
-    from squad.train.objective import MultiTaskObjective
-    from squad.train.optim import param_groups
 
     device = torch.device(device)
     tasks = cfg.train_tasks()

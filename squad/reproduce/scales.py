@@ -117,7 +117,7 @@ SMALL_EXTRA_SECONDS: dict[str, float] = {
 }
 
 
-# pascal-table3 runs on its own data (the synthetic PASCAL-Context, squad.data.synthetic_pascal) with the 5 PASCAL
+# pascal-table3 runs on its own data (the synthetic PASCAL-Context, squad.data.synthetic.pascal) with the 5 PASCAL
 # tasks: per scale, the keys of `Scale` that differ from the Taskonomy scale (the ViT widths stay the scale's). The
 # synthetic render's long side is the model's img_size (the reader pads it to a square); its train/val split is
 # PASCAL-Context's (4,998 / 5,105, so about half of the images validate). Paper: Table 3's ViT-S at the 512 px,

@@ -12,6 +12,7 @@ import math
 import statistics
 from collections.abc import Sequence
 
+from squad.eval.metrics import delta_t
 from squad.tasks import get_task
 
 RULE = (
@@ -97,8 +98,6 @@ def delta(results: dict[str, dict[str, float]], baseline: dict[str, dict[str, fl
     A task whose baseline metric is zero or missing (e.g. an accuracy of 0 after a few tiny steps) has no Δt (NaN)
     and is left out of the mean; ``undefined`` names those tasks.
     """
-    from squad.eval.metrics import delta_t
-
     per, undefined = {}, []
     for task, metrics in results.items():
         try:

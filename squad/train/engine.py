@@ -13,25 +13,31 @@ import logging
 import math
 import shutil
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader
 
-from squad.analysis.usage import ExpertUsage
+from squad.analysis.figures import usage_figure
 from squad.config.base import ConfigError
 from squad.config.run import RunConfig, deepspeed_config, precision
-from squad.data import build_dataset, collate, report
+from squad.data import build_dataset, collate, eval_loader, report
 from squad.data.samplers import ResumableSampler
 from squad.distributed import all_reduce_sum, broadcast_object, cuda_available, init_distributed
-from squad.eval.evaluate import eval_loader, evaluate
+from squad.eval.evaluate import evaluate
 from squad.io import export_model
+from squad.io.checkpoints import COMPLETE, find_resume_tag, resume_candidates, tag_for
+from squad.io.files import atomic_write_text, write_failure
+from squad.io.weights import read_init_source
+from squad.models.transfer import initialize_from
+from squad.models.usage import ExpertUsage
 from squad.models.vit import SquadViT, build_model
 from squad.tasks import get_task
 from squad.train import checkpoint as ckpt
 from squad.train.objective import MultiTaskObjective, TrainingError, nonfinite_stop
 from squad.train.optim import lr_lambda, param_groups
-from squad.train.run_folder import RunFolder, ShmSegments
+from squad.train.run_folder import RunFolder, ShmSegments, resume_source
 
 log = logging.getLogger("squad.train")
 
@@ -45,15 +51,28 @@ class LoopState:
 
 
 class Trainer:
-    """Runs one training job (`tools/train.py` is a thin wrapper around it)."""
+    """Runs one training job (`tools/train.py` is a thin wrapper around it; `train` runs one and cleans up).
+
+    Args:
+        cfg: the run config.
+        run_dir: the run folder (locked while the run lasts).
+        resume: ``"auto"`` (the folder's last complete checkpoint, if any), ``"none"``, or a run/checkpoint folder.
+        overwrite: delete the outputs of a run already in ``run_dir`` and start over.
+        allow_world_size_change: resume on another number of ranks than the checkpoint was written by.
+        init_state: weights for the freshly built model (a state dict of the same model, names and shapes
+            checked), loaded before DeepSpeed takes the model; a run that resumes loads its checkpoint over them.
+            ``train.init`` does the same from a file.
+    """
 
     def __init__(self, cfg: RunConfig, run_dir: str | Path, resume: str | None = "auto", *,
-                 overwrite: bool = False, allow_world_size_change: bool = False):
+                 overwrite: bool = False, allow_world_size_change: bool = False,
+                 init_state: Mapping[str, torch.Tensor] | None = None):
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.resume = resume
         self.overwrite = overwrite
         self.allow_world_size_change = allow_world_size_change
+        self.init_state = init_state
         shm = ShmSegments.from_env()
         shm.record(self.run_dir)  # before DeepSpeed creates them, so a crash at any point leaves a record
         self.rank, self.world, self.device = init_distributed()
@@ -75,7 +94,7 @@ class Trainer:
     def _datasets(self):
         d = self.cfg.data
         common = dict(image_size=self.cfg.model.img_size, resize=d.resize, missing=d.missing, seed=self.cfg.train.seed,
-                      split_csv=d.split_csv, dataset=d.dataset)
+                      split_csv=d.split_csv, dataset=d.dataset, task_options=self.cfg.model.task_options)
         train = build_dataset(d.root, self.tasks, d.split, augment=d.augment, **common)
         try:
             val = build_dataset(d.root, self.tasks, d.val_split, augment=False, **common)
@@ -113,7 +132,6 @@ class Trainer:
         init = self.cfg.train.init
         if not init:
             return None
-        from squad.train.run_folder import resume_source
 
         starts_over = self.overwrite and self.resume == "auto"  # --overwrite deletes the folder's checkpoints
         if not starts_over and resume_source(self.run_dir, self.resume) is not None:
@@ -151,13 +169,13 @@ class Trainer:
 
         model = build_model(self.cfg.model)
         if init is not None:  # before DeepSpeed wraps (and, under bf16, casts) the model
-            from squad.posttrain.upcycle import initialize_from
-
-            info = initialize_from(model, init)
+            info = initialize_from(model, read_init_source(init), str(init))
             log.info("initialised from train.init=%s (%s; %d tensors left at their fresh init)", init, info["how"],
                      len(info["fresh"]))
         elif self.cfg.train.init:
             log.info("train.init=%s not loaded: the run resumes from its checkpoint", self.cfg.train.init)
+        if self.init_state is not None:  # a run that resumes loads its checkpoint over these
+            model.load_state_dict(self.init_state)
         self.objective = MultiTaskObjective(model, self.tasks, self.cfg)
         optimizer = torch.optim.AdamW(param_groups(self.objective, o.weight_decay), lr=o.lr, betas=tuple(o.betas),
                                       eps=o.eps)
@@ -187,17 +205,17 @@ class Trainer:
         if self.resume in (None, "none", "no"):
             return
         if self.resume == "auto":
-            load_dir, tags = ckpt_dir, ckpt.resume_candidates(ckpt_dir)
+            load_dir, tags = ckpt_dir, resume_candidates(ckpt_dir)
             if not tags:
                 return
         else:
             path = Path(self.resume)
             if (path / "checkpoints").is_dir():
                 path = path / "checkpoints"
-            if (path / ckpt.COMPLETE).is_file():
+            if (path / COMPLETE).is_file():
                 load_dir, tags = path.parent, [path.name]
             else:
-                load_dir, tags = path, ckpt.resume_candidates(path)
+                load_dir, tags = path, resume_candidates(path)
             if not tags:
                 raise FileNotFoundError(f"--resume {self.resume}: no complete checkpoint there")
         tag = ckpt.select_resume_tag(load_dir, tags, self.rank, self.world, log.warning if self.rank == 0 else None)
@@ -229,7 +247,7 @@ class Trainer:
 
             kept = [line for line in lines if not later(line)]
             if len(kept) < len(lines):
-                ckpt.atomic_write_text(metrics, "".join(kept))
+                atomic_write_text(metrics, "".join(kept))
                 log.info("dropped %d rows of %s logged after step %d (those steps run again)", len(lines) - len(kept),
                          metrics.name, step)
         if self.writer is not None:  # TensorBoard hides the stopped run's events from step + 1 on
@@ -403,8 +421,6 @@ class Trainer:
         return results
 
     def _log_usage(self, step: int) -> None:
-        from squad.analysis.figures import usage_figure
-
         for layer, share in self.usage.selection_share().items():
             self.writer.add_figure(f"usage/{layer}", usage_figure(share.numpy(), self.usage.tasks, layer), step)
 
@@ -415,7 +431,7 @@ class Trainer:
         file and the space left; the tag's partial files are removed and the previous checkpoint stays the latest.
         """
         ckpt_dir = self.run_dir / "checkpoints"
-        tag = ckpt.tag_for(self.state.step)
+        tag = tag_for(self.state.step)
         global_usage = ExpertUsage.from_state_dict(self.usage.state_dict())
         global_usage.all_reduce()
         client = {"loop": dataclasses.asdict(self.state),
@@ -428,22 +444,22 @@ class Trainer:
                     shutil.rmtree(ckpt_dir / tag)
                 (ckpt_dir / tag).mkdir(parents=True, exist_ok=True)
             except OSError as e:
-                error = ckpt.write_failure(what, ckpt_dir / tag, e)
+                error = write_failure(what, ckpt_dir / tag, e)
         if not broadcast_object(error):
             self.guard.take()
             self.engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client, save_latest=False)
             failed = self.guard.take()  # recorded by the guard, so that every rank got through DeepSpeed's barriers
-            errors = ckpt.gather_objects(ckpt.write_failure(what, *failed) if failed else None)
+            errors = ckpt.gather_objects(write_failure(what, *failed) if failed else None)
             error = next((e for e in errors if e), None)
             if error is None and self.rank == 0:
                 try:
                     ckpt.mark_complete(ckpt_dir, tag, self.state.step, self.cfg.train.keep_checkpoints)
                 except OSError as e:
-                    error = ckpt.write_failure(what, ckpt_dir / tag / ckpt.COMPLETE, e)
+                    error = write_failure(what, ckpt_dir / tag / COMPLETE, e)
         if self.rank == 0:
             if error:
                 shutil.rmtree(ckpt_dir / tag, ignore_errors=True)  # never complete; frees what it held
-                previous = ckpt.find_resume_tag(ckpt_dir)
+                previous = find_resume_tag(ckpt_dir)
                 error += (f"; {what} was not saved (its partial files are removed). The previous checkpoint "
                           f"{ckpt_dir / previous} is intact: make room and rerun the same command to resume from it"
                           if previous else f"; {what} was not saved (its partial files are removed) and the run has "
@@ -505,7 +521,7 @@ class Trainer:
                 export_model(path, self.model, self.usage, extra)
                 log.info("exported %s", path)
             except (OSError, RuntimeError) as e:  # torch reports a full disk as a RuntimeError
-                error = (ckpt.write_failure("the exported model", path, e) + "; the final checkpoint is complete: "
+                error = (write_failure("the exported model", path, e) + "; the final checkpoint is complete: "
                          "make room and rerun the same command to write it")
                 log.error(error)
             if self.writer:
@@ -517,7 +533,7 @@ class Trainer:
 
 
 def train(cfg: RunConfig, run_dir: str | Path, resume: str | None = "auto", *, overwrite: bool = False,
-          allow_world_size_change: bool = False) -> Path:
+          allow_world_size_change: bool = False, init_state: Mapping[str, torch.Tensor] | None = None) -> Path:
     """Trains a run and returns the exported model's path.
 
     Args:
@@ -527,8 +543,10 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: str | None = "auto", *, o
         overwrite: delete the outputs of a run already in ``run_dir`` and start over (else such a folder is refused
             unless the run resumes it).
         allow_world_size_change: resume on another number of ranks than the checkpoint was written by.
+        init_state: weights the fresh model starts from (`Trainer`).
     """
-    trainer = Trainer(cfg, run_dir, resume, overwrite=overwrite, allow_world_size_change=allow_world_size_change)
+    trainer = Trainer(cfg, run_dir, resume, overwrite=overwrite, allow_world_size_change=allow_world_size_change,
+                      init_state=init_state)
     try:
         return trainer.train()
     finally:

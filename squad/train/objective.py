@@ -13,8 +13,8 @@ from pathlib import Path
 import torch.nn as nn
 
 from squad.config.run import RunConfig
+from squad.io.checkpoints import find_resume_tag
 from squad.models.vit import SquadViT
-from squad.tasks import get_task
 from squad.train.losses import TaskWeighting, auxiliary_loss
 
 
@@ -34,9 +34,7 @@ def nonfinite_stop(count: int, step: int, run_dir: Path) -> TrainingError:
         step: the optimiser step the run stopped at.
         run_dir: the run folder (its last complete checkpoint is named, if it has one).
     """
-    from squad.train import checkpoint as ckpt
-
-    tag = ckpt.find_resume_tag(Path(run_dir) / "checkpoints")
+    tag = find_resume_tag(Path(run_dir) / "checkpoints")
     resume = (f"resume this run from its last checkpoint ({tag}, --resume auto) with a lower optim.clip, or with "
               f"a higher train.max_nonfinite if only a few batches are bad" if tag else
               "this run has no checkpoint to resume")
@@ -55,7 +53,7 @@ class MultiTaskObjective(nn.Module):
         self.tasks = list(tasks)
         self.loss_cfg = cfg.loss
         self.weighting = TaskWeighting(self.tasks, cfg.loss.weighting, cfg.loss.clamp)
-        self._specs = {t: get_task(t) for t in self.tasks}
+        self._specs = {t: model.get_task(t) for t in self.tasks}  # as the model configures them (task_options)
 
     def forward(self, images, targets, masks, assignment=None):
         out = self.model(images, self.tasks, assignment)

@@ -48,7 +48,11 @@ from typing import Any
 import yaml
 
 from squad.config.base import ConfigError, to_dict, write_yaml
-from squad.train import checkpoint as ckpt
+from squad.config.loading import load_config
+from squad.config.run import RunConfig
+from squad.distributed import barrier, broadcast_object
+from squad.io.checkpoints import COMPLETE, complete_tags, find_resume_tag
+from squad.io.files import atomic_write_text
 
 log = logging.getLogger("squad.train")
 
@@ -218,7 +222,7 @@ class ShmSegments:
             return
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
-            ckpt.atomic_write_text(self._record_path(run_dir), json.dumps(
+            atomic_write_text(self._record_path(run_dir), json.dumps(
                 {"host": socket.gethostname(), "pid": os.getpid(), "addr": self.addr, "port": self.port,
                  "names": self.names}))
         except OSError:
@@ -315,8 +319,6 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 def read_run_config(path: Path) -> dict[str, Any]:
     """A run's ``config.yaml`` as a plain dict, resolved with today's defaults where it still loads."""
-    from squad.config.loading import load_config
-    from squad.config.run import RunConfig
 
     try:
         return to_dict(load_config(path, cls=RunConfig))
@@ -356,7 +358,7 @@ def _fmt(changes: dict) -> str:
 # ------------------------------------------------------------------------------------------------ the folder
 def has_run(run_dir: Path) -> bool:
     """Whether ``run_dir`` holds a run worth keeping: a complete checkpoint or an exported ``model.pt``."""
-    return bool(ckpt.complete_tags(run_dir / "checkpoints")) or (run_dir / "model.pt").exists()
+    return bool(complete_tags(run_dir / "checkpoints")) or (run_dir / "model.pt").exists()
 
 
 def clear_outputs(run_dir: Path, names: tuple[str, ...] = OUTPUTS) -> list[str]:
@@ -376,7 +378,7 @@ def clear_outputs(run_dir: Path, names: tuple[str, ...] = OUTPUTS) -> list[str]:
 
 def _tag_step(tag_dir: Path) -> int:
     try:
-        return int(json.loads((tag_dir / ckpt.COMPLETE).read_text())["step"])
+        return int(json.loads((tag_dir / COMPLETE).read_text())["step"])
     except (OSError, ValueError, KeyError, TypeError):
         digits = "".join(c for c in tag_dir.name if c.isdigit())
         return int(digits) if digits else 0
@@ -390,14 +392,14 @@ def resume_source(run_dir: Path, resume: str | None) -> tuple[Path, Path] | None
     if resume in (None, "none", "no"):
         return None
     if resume == "auto":
-        tag = ckpt.find_resume_tag(run_dir / "checkpoints")
+        tag = find_resume_tag(run_dir / "checkpoints")
         return (run_dir, run_dir / "checkpoints" / tag) if tag else None
     path = Path(resume)
     if (path / "checkpoints").is_dir():
         path = path / "checkpoints"
-    if (path / ckpt.COMPLETE).is_file():
+    if (path / COMPLETE).is_file():
         return path.parent.parent, path
-    tag = ckpt.find_resume_tag(path)
+    tag = find_resume_tag(path)
     return (path.parent, path / tag) if tag else None
 
 
@@ -450,8 +452,6 @@ class RunFolder:
             RunFolderError: the folder is locked, or the resume would change what must not change (the message says
                 what and how to proceed).
         """
-        from squad.distributed import barrier, broadcast_object
-
         error = None
         if self.rank == 0:
             try:
@@ -521,7 +521,7 @@ class RunFolder:
         self._write(cfg, changes, source, start_step, same_run)
 
     def _holdings(self) -> str:
-        tags = ckpt.complete_tags(self.run_dir / "checkpoints")
+        tags = complete_tags(self.run_dir / "checkpoints")
         parts = [f"checkpoint {tags[-1]}"] if tags else []
         if (self.run_dir / "model.pt").exists():
             parts.append("model.pt")

@@ -1,7 +1,7 @@
 """Expert pruning: which experts a task uses, which to keep, and slicing MoE layers down to the kept ones.
 
 Usage frequency of expert e for task t in one layer = share of the task's tokens that selected e (so a top-k
-layer's frequencies sum to k; `squad.analysis.usage.ExpertUsage.frequencies`). An expert is kept when its frequency is
+layer's frequencies sum to k; `squad.models.usage.ExpertUsage.frequencies`). An expert is kept when its frequency is
 above θ (θ = 0 keeps every expert used at least once), or when it is among the top H % of the layer; at least one
 expert per layer always stays (the most used). Only real experts are pruned: MoDE's no-op experts cost nothing
 and stay selectable.
@@ -20,10 +20,10 @@ import math
 import torch
 import torch.nn as nn
 
-from squad.analysis.usage import ExpertUsage
 from squad.layers.base import EXPERT_KINDS
 from squad.layers.moe_attention import MoEAttention
 from squad.layers.moe_mlp import ExpertMLP, MoEMlp
+from squad.models.usage import ExpertUsage
 from squad.models.vit import SquadViT
 
 

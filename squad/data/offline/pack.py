@@ -23,6 +23,8 @@ import numpy as np
 from torch.utils.data import DataLoader, Dataset
 
 from squad.data.benchmark import DATASETS, BenchmarkBase, check_dataset_tasks
+from squad.data.nyud import NYUDDataset
+from squad.data.pascal import PascalContextDataset
 from squad.data.shards import FORMAT, HW_KEY, INDEX_NAME, VERSION, detect_dataset, logger
 from squad.data.taskonomy import (
     SPLITS,
@@ -311,8 +313,6 @@ def pack_benchmark(src: str | Path, out: str | Path, dataset: str, splits: Seque
     Raises:
         ValueError: no `image_size`, or an unknown dataset or task.
     """
-    from squad.data.nyud import NYUDDataset
-    from squad.data.pascal import PascalContextDataset
 
     readers = {"pascal_context": PascalContextDataset, "nyud": NYUDDataset}
     if dataset not in readers:

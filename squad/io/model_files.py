@@ -1,4 +1,4 @@
-"""Saving and loading every file squad writes; `load` opens any of them.
+"""Model files: ``model.pt``, extracted single-task models and checkpoint tags as models; `load` opens any of them.
 
 ``squad.load(path)`` takes a run folder, a ``model.pt``, an extracted single-task file or a DeepSpeed checkpoint and
 returns the model, in eval mode, without DeepSpeed. Every file is read with ``torch.load(weights_only=True)``: a file
@@ -20,7 +20,7 @@ extracted single-task model (``<task>_theta<θ>.pt``) — format ``"squad.extrac
     with `load` or `load_extracted` → `SingleTaskModel`.
 ``<run>/checkpoints/<tag>/`` — DeepSpeed checkpoints
     DeepSpeed's own files plus squad's ``COMPLETE`` marker, and ``checkpoints/latest`` naming the newest tag (layout
-    in `squad.train.checkpoint`). tools/train.py resumes from them. `load` reads a complete tag's
+    in `squad.io.checkpoints`). tools/train.py resumes from them. `load` reads a complete tag's
     ``mp_rank_00_model_states.pt`` (its ``module`` weights, the expert usage and the loop counters) and takes the
     model config from the run's ``config.yaml``; ``checkpoints/`` itself means its latest complete tag.
 Other files of a run folder
@@ -37,37 +37,16 @@ from typing import Any
 
 import torch
 
-from squad.analysis.usage import ExpertUsage
 from squad.config.base import ConfigError, to_dict
 from squad.config.loading import load_config
 from squad.config.run import RunConfig
+from squad.io.checkpoints import COMPLETE, MODEL_STATES, find_resume_tag, load_checkpoint_file, refusal_reason
+from squad.io.files import atomic_torch_save
+from squad.models.pruning import prune_model
 from squad.models.single_task import SingleTaskModel
+from squad.models.surgery import build_on_meta, load_assigned
+from squad.models.usage import ExpertUsage
 from squad.models.vit import SquadViT
-from squad.posttrain.pruning import prune_model
-from squad.posttrain.surgery import build_on_meta, load_assigned
-from squad.train.checkpoint import (
-    COMPLETE,
-    MODEL_STATES,
-    atomic_torch_save,
-    atomic_write_text,
-    find_resume_tag,
-    load_checkpoint_file,
-    refusal_reason,
-)
-
-__all__ = [
-    "CHECKPOINT_FORMAT",
-    "EXTRACTED_FORMAT",
-    "MODEL_FORMAT",
-    "atomic_torch_save",
-    "atomic_write_text",
-    "export_model",
-    "load",
-    "load_extracted",
-    "load_model",
-    "read_payload",
-    "save_extracted",
-]
 
 MODEL_FORMAT = "squad.model/1"
 EXTRACTED_FORMAT = "squad.extracted/1"
@@ -293,7 +272,7 @@ def _load_checkpoint(tag: Path) -> SquadViT:
 
 def _load_model_states(file: Path) -> Any:
     """``torch.load(weights_only=True)`` of a DeepSpeed model-states file, with exactly DeepSpeed's plain records
-    allowed beside the weights (`squad.train.checkpoint.load_checkpoint_file`, which training's resume uses too)."""
+    allowed beside the weights (`squad.io.checkpoints.load_checkpoint_file`, which training's resume uses too)."""
     return load_checkpoint_file(file)
 
 

@@ -1,7 +1,7 @@
 """Shared pieces of the synthetic PASCAL-Context and NYUD-v2 generators (``synthetic_pascal``, ``synthetic_nyud``).
 
-Scenes are built from ``squad.data.render``'s public primitives (boxes turned about the vertical, spheres, upright
-cylinders) and ray-cast with ``render_view``; every shape carries, in ``category``, the index of the object
+Scenes are built from ``squad.data.synthetic.render``'s public primitives (boxes turned about the vertical, spheres,
+upright cylinders) and ray-cast with ``render_view``; every shape carries, in ``category``, the index of the object
 *instance* it belongs to, so one render gives per-pixel instance ids (``View.category``) and per-pixel primitive ids
 (``View.surface``), from which the generators derive class maps, person-part maps, saliency and edges.
 
@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from squad.data.render import Box, Camera, Cylinder, Material, Room, Scene, Sphere, View, render_view
+from squad.data.synthetic.render import Box, Camera, Cylinder, Material, Room, Scene, Sphere, View, render_view
 
 RGB = tuple[float, float, float]
 Shape = Box | Sphere | Cylinder

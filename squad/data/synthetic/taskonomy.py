@@ -2,8 +2,9 @@
 
 ``render_dataset`` samples rooms (walls, floor, ceiling, windows, doorways and holes in the "scan"), furnishes them
 with boxes, spheres and cylinders whose shape, size and colour identify an object category, ray-casts several views
-of fixated points with ``squad.data.render`` and writes every image in Taskonomy's own layout and encodings, with the
-2-D domains computed the way Taskonomy's generator computes them (``squad.data.annotate``)::
+of fixated points with ``squad.data.synthetic.render`` and writes every image in Taskonomy's own layout and
+encodings, with the 2-D domains computed the way Taskonomy's generator computes them
+(``squad.data.synthetic.annotate``)::
 
     {out}/{domain}/taskonomy/{building}/point_{p}_view_{v}_domain_{domain}.png   (.npy for the class domains)
     {out}/train_val_test_synthetic.csv    id,train,val,test with CR-only line endings, one row per building
@@ -34,9 +35,9 @@ Encodings (S x S images; "invalid" = no geometry: the ray left the scene through
     class_scene         float32 (365,), a Places365 softmax whose argmax is the room type.
 
 Calibration. The file statistics are held to real Taskonomy's (``python tools/make_data.py stats ROOT``, references
-in ``squad.data.stats``) at the default 64 px. Geometry-driven domains come out of the scenes as rendered (depth,
-normals, curvature with its crease radii, roughness and clutter, masked share, keypoints3d's support), except for
-these constants, each for something a 64-px procedural room lacks against a 512-px photo of a furnished scan:
+in ``squad.data.offline.stats``) at the default 64 px. Geometry-driven domains come out of the scenes as rendered
+(depth, normals, curvature with its crease radii, roughness and clutter, masked share, keypoints3d's support), except
+for these constants, each for something a 64-px procedural room lacks against a 512-px photo of a furnished scan:
 ``EDGE_TEXTURE_GAIN`` (fine texture: even a real view emulated at 64 px keeps only 2/3 of its edge_texture mean and
 no pixel at the 0.08 clip), ``KEYPOINTS2D_GAIN`` and ``KEYPOINTS2D_POWER`` (the small SURF scales a 64-px image
 cannot resolve: the 64-px response is flatter, mean up and tail down), ``EDGE_OCCLUSION_GAINS`` (fewer and more
@@ -61,8 +62,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from squad.data import annotate
-from squad.data.render import (
+from squad.data.synthetic import annotate
+from squad.data.synthetic.render import (
     NUM_ROOM_FACES,
     Box,
     Camera,

@@ -3,7 +3,7 @@
 ``render_nyud`` samples furnished rooms holding the NYU-40 classes (beds, chairs, sofas, tables, cabinets, shelves,
 fridges, televisions, toilets, lamps, ...; doors, windows, pictures, blinds, curtains, mirrors and whiteboards on the
 walls; articulated people in some rooms, ``synthetic_dense``), ray-casts a Kinect-like view of each
-(``squad.data.render``) and writes, per image id::
+(``squad.data.synthetic.render``) and writes, per image id::
 
     {out}/images/{id}.jpg           RGB JPEG (quality 90), W x H (4:3)
     {out}/segmentation/{id}.png     uint8 grey: 1..40 NYU-40 classes (NYU40_CLASSES order), 0 = unlabelled (rays
@@ -31,8 +31,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from squad.data.render import Box, Camera, Material, Opening, Room
-from squad.data.synthetic_dense import (
+from squad.data.synthetic.dense import (
     Piece,
     Shape,
     jitter,
@@ -47,7 +46,8 @@ from squad.data.synthetic_dense import (
     start_render,
     write_lines,
 )
-from squad.data.synthetic_pascal import CLASSES as PASCAL_CLASSES
+from squad.data.synthetic.pascal import CLASSES as PASCAL_CLASSES
+from squad.data.synthetic.render import Box, Camera, Material, Opening, Room
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,8 @@
 ``render_pascal`` samples indoor rooms and outdoor lots (a large "room" whose ceiling is open sky), places the 20
 VOC classes built from primitives (cars with cabins and wheels, four-legged animals, chairs, tables, planes, ...),
 context-only objects (trees, poles, cabinets, beds, ...) and articulated people (``synthetic_dense``; in about half
-of the images), aims a camera at a main subject, ray-casts it (``squad.data.render``) and writes, per image id::
+of the images), aims a camera at a main subject, ray-casts it (``squad.data.synthetic.render``) and writes, per image
+id::
 
     {out}/JPEGImages/{id}.jpg                 RGB JPEG (quality 90), W x H, non-square (see "Sizes")
     {out}/semseg/pascal-context/{id}.png      uint8 grey: 0 background, 1..20 VOC classes (VOC_CLASSES order),
@@ -45,8 +46,7 @@ import numpy as np
 import scipy.io
 from PIL import Image
 
-from squad.data.render import Camera, Material, Opening, Room
-from squad.data.synthetic_dense import (
+from squad.data.synthetic.dense import (
     PART_NAMES,
     PARTS_6,
     Piece,
@@ -63,6 +63,7 @@ from squad.data.synthetic_dense import (
     start_render,
     write_lines,
 )
+from squad.data.synthetic.render import Camera, Material, Opening, Room
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,213 @@
+"""One invocation of tools/reproduce.py: the data (rendered and packed unless given), the runs every chosen claim
+needs (trained unless done), the claims measured, and the report written (`reproduce`).
+
+`squad.cli.reproduce` parses the command line and calls `reproduce`; everything it does is here, importable and
+tested.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from squad.data.offline.pack import pack_shards
+from squad.data.synthetic.pascal import render_pascal
+from squad.data.synthetic.taskonomy import render_dataset
+from squad.reproduce.claims import CLAIMS, Context, resolve_claims
+from squad.reproduce.paper import write_paper_plan
+from squad.reproduce.report import write_report
+from squad.reproduce.runs import Runner, is_done
+from squad.reproduce.scales import Scale, estimate_seconds, format_duration, get_scale, pascal_scale
+
+
+def say_to(stream=None) -> Callable[[str], None]:
+    """A progress printer: ``[reproduce] text`` lines on ``stream`` (default stdout), flushed."""
+
+    def say(text: str) -> None:
+        print(f"[reproduce] {text}", file=stream or sys.stdout, flush=True)
+
+    return say
+
+
+def reproduce(claims: Sequence[str], scale: str = "small", out: str | Path = "reports/small", *,
+              seeds: int | None = None, steps: int | None = None, data: str | Path | None = None,
+              pascal: str | Path | None = None, hostfile: str = "hostfile", command: str = "",
+              say: Callable[[str], None] | None = None) -> Path:
+    """Measures ``claims`` at ``scale`` into ``out`` and writes the report; returns its path.
+
+    Args:
+        claims: claim names (`squad.reproduce.claims.CLAIMS`) or ``"all"``.
+        scale: ``tiny``, ``small`` or ``paper`` (paper writes configs and commands and runs nothing).
+        out: the output folder (report.md, results.json, figures/, runs/, data/).
+        seeds: seeds per run (default: the scale's).
+        steps: training steps per run instead of the scale's.
+        data: a Taskonomy tree or shards (default: the synthetic Taskonomy rendered and packed into ``out/data``).
+        pascal: pascal-table3's PASCAL-Context root (default: the synthetic one, rendered likewise).
+        hostfile: paper scale: the DeepSpeed hostfile its commands name.
+        command: the command line, recorded in the report.
+        say: where progress lines go (default: stdout).
+
+    Returns:
+        ``out/report.md`` (paper scale: the commands file).
+
+    Raises:
+        ValueError: an unknown claim (listing them), seeds or steps below 1, or an ``out`` holding another scale.
+        FileNotFoundError: ``data`` or ``pascal`` given but missing.
+    """
+    say = say or say_to()
+    claims = resolve_claims(claims)  # an unknown name: ValueError listing the claims
+    if seeds is not None and seeds < 1:
+        raise ValueError(f"--seeds must be >= 1, got {seeds}")
+    if steps is not None and steps < 1:
+        raise ValueError(f"--steps must be >= 1, got {steps}")
+    scale = get_scale(scale)
+    if steps is not None:
+        scale = dataclasses.replace(scale, steps=steps)
+    seeds = list(range(seeds or scale.seeds))
+    out = Path(out)
+    if scale.paper:
+        plan = write_paper_plan(claims, out, len(seeds), data, hostfile, pascal)
+        say(f"paper scale: {len(plan['configs'])} run configs in {out / 'configs'}, commands in {plan['commands']} "
+            f"(nothing was run)")
+        return Path(plan["commands"])
+    t0 = time.perf_counter()
+    out.mkdir(parents=True, exist_ok=True)
+    previous = previous_results(out, scale.name, seeds)
+    pscale = pascal_scale(scale, steps)
+    pascal_only = claims == ["pascal-table3"]
+    if pascal_only and not data:  # no Taskonomy run: nothing to render
+        root, info = out / "data" / "shards", {}
+    else:
+        root, info = taskonomy_data(data, scale, out, say)
+    pdata, pinfo = pascal_data(pascal, pscale, out, say) if "pascal-table3" in claims else (None, {})
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ctx = Context(scale, seeds, root, out, Runner(out, scale, root), device, pascal=pscale, pascal_data=pdata)
+    specs = list({s.name: s for c in claims for s in CLAIMS[c].specs(ctx)}.values())
+    todo = [s for s in specs if not is_done(ctx.runner.path(s))]
+    ctx.runner.total = len(specs)
+    say(f"{len(claims)} claim{'s' if len(claims) > 1 else ''} at scale {scale.name}, seeds {seeds}: {len(specs)} runs "
+        f"({len(specs) - len(todo)} done already)")
+    if todo:
+        measured = {}
+        for s in todo:  # measure one step time per family (the cost table re-uses these)
+            fam = s.family if s.family != "mod" else "mtl"
+            key = fam if fam != "stl" else "stl"
+            if key not in measured:
+                probe = s if s.init is None else next((x for x in specs if x.family == "mtl"), None)
+                if probe is not None:
+                    measured[key] = ctx.cost(probe)["step_s"]
+        plan = [("mtl" if s.family == "mod" else s.family, s.steps, len(s.train_tasks or s.tasks)) for s in todo]
+        estimate = estimate_seconds(plan, measured, scale, claims, len(seeds))
+        say(f"estimated time {format_duration(estimate)}: {len(todo)} runs to train (seconds per step measured just "
+            f"now: {', '.join(f'{k} {v:.2f}' for k, v in measured.items())}) and the claims' evaluations")
+    results = dict(previous)
+    for name in claims:
+        say(f"claim {name}")
+        t_claim = time.perf_counter()
+        results[name] = CLAIMS[name].measure(ctx)
+        say(f"claim {name} measured in {format_duration(time.perf_counter() - t_claim)} (with the runs it trained)")
+    seconds = time.perf_counter() - t0
+    cache = out / "cache" / "claims.json"
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    cache.write_text(json.dumps({"scale": scale.name, "seeds": seeds, "claims": results}) + "\n")
+    meta = {"command": command, "scale": scale, "scale_settings": dataclasses.asdict(scale), "seeds": seeds,
+            "data": {"root": str(root), "manifest": info}, "seconds": seconds,
+            "data_line": data_line(pdata, pinfo) if pascal_only else data_line(root, info),
+            "duration": format_duration(seconds),
+            "runs": {"total": len(specs), "trained": ctx.runner.trained, "skipped": ctx.runner.skipped}}
+    if pdata is not None:
+        meta["data"]["pascal"] = {"root": str(pdata), "manifest": pinfo}
+        if not pascal_only:
+            meta["data_line"] += f"; pascal-table3: {data_line(pdata, pinfo)}"
+    meta["train_seconds"] = sum(json.loads(f.read_text()).get("train_seconds", 0.0)
+                                for f in (out / "runs").glob("*/reproduce.json"))
+    report = write_report(out, results, meta)
+    verdicts = ", ".join(f"{n}: {results[n]['verdict']}" for n in results)
+    say(f"report {report} ({verdicts}) in {format_duration(seconds)}")
+    return report
+
+
+def taskonomy_data(data: str | Path | None, scale: Scale, out: Path,
+                  say: Callable[[str], None]) -> tuple[Path, dict]:
+    """The dataset root: ``data`` (--data), or the synthetic Taskonomy rendered into OUT/data/synthetic and packed
+    into HDF5 shards in OUT/data/shards (reads several times faster; both kept between invocations)."""
+    if data:
+        root = Path(data)
+        if not root.exists():
+            raise FileNotFoundError(f"--data {root} does not exist (render one with tools/make_data.py synthetic, "
+                                    f"or leave --data out to render it into {out / 'data'})")
+        manifest = root / "synthetic.json"
+        return root, json.loads(manifest.read_text()) if manifest.is_file() else {}
+    tree, shards = out / "data" / "synthetic", out / "data" / "shards"
+    if not (tree / "synthetic.json").is_file():
+        say(f"rendering {scale.images} synthetic images at {scale.img_size} px into {tree} "
+            f"(tools/make_data.py synthetic)")
+        t0 = time.perf_counter()
+        render_dataset(tree, n=scale.images, image_size=scale.img_size, seed=0, buildings=scale.buildings,
+                       overwrite=tree.exists())
+        say(f"data rendered in {time.perf_counter() - t0:.0f} s")
+    if not (shards / "shards.json").is_file():
+        t0 = time.perf_counter()
+        pack_shards(tree, shards, image_size=scale.img_size, workers=scale.workers)
+        say(f"data packed into HDF5 shards in {shards} in {time.perf_counter() - t0:.0f} s (tools/make_data.py pack)")
+    return shards, json.loads((tree / "synthetic.json").read_text())
+
+
+def pascal_data(data: str | Path | None, pscale: Scale, out: Path,
+                say: Callable[[str], None]) -> tuple[Path, dict]:
+    """pascal-table3's dataset root: ``data`` (--pascal-data), or the synthetic PASCAL-Context rendered into
+    OUT/data/pascal (`make_data.py synthetic --dataset pascal_context`) and packed into OUT/data/pascal_shards
+    (`make_data.py pack`)."""
+    if data:
+        root = Path(data)
+        if not root.exists():
+            raise FileNotFoundError(f"--pascal-data {root} does not exist (render one with tools/make_data.py "
+                                    f"synthetic --dataset pascal_context, or leave --pascal-data out to render it "
+                                    f"into {out / 'data'})")
+        manifest = root / "synthetic.json"
+        return root, json.loads(manifest.read_text()) if manifest.is_file() else {}
+    tree, shards = out / "data" / "pascal", out / "data" / "pascal_shards"
+    if not (tree / "synthetic.json").is_file():
+        say(f"rendering {pscale.images} synthetic PASCAL-Context images at {pscale.img_size} px into {tree} "
+            f"(tools/make_data.py synthetic --dataset pascal_context)")
+        t0 = time.perf_counter()
+        render_pascal(tree, n=pscale.images, image_size=pscale.img_size, seed=0, overwrite=tree.exists(),
+                      workers=1 if pscale.images < 100 else None)  # a few images: not worth starting processes
+        say(f"PASCAL-Context data rendered in {time.perf_counter() - t0:.0f} s")
+    if not (shards / "shards.json").is_file():
+        t0 = time.perf_counter()
+        pack_shards(tree, shards, image_size=pscale.img_size, workers=pscale.workers, dataset="pascal_context")
+        say(f"PASCAL-Context data packed into HDF5 shards in {shards} in {time.perf_counter() - t0:.0f} s "
+            f"(tools/make_data.py pack --dataset pascal_context)")
+    return shards, json.loads((tree / "synthetic.json").read_text())
+
+
+def data_line(root: Path, info: dict) -> str:
+    if not info:
+        return f"`{root}`"
+    if info.get("dataset") == "pascal_context":
+        splits = info.get("splits") or {}
+        return (f"synthetic PASCAL-Context `{root}`, {info.get('n', '?')} images at {info.get('image_size', '?')} px "
+                f"long side ({', '.join(f'{k} {v}' for k, v in splits.items())})")
+    splits = info.get("buildings") or {}
+    text = ", ".join(f"{k} {len(v)} buildings" for k, v in splits.items() if isinstance(v, list))
+    return (f"synthetic Taskonomy `{root}`, {info.get('n', '?')} images at {info.get('image_size', '?')} px"
+            + (f" ({text})" if text else ""))
+
+
+def previous_results(out: Path, scale: str, seeds: list[int]) -> dict:
+    """The claims an earlier invocation measured in ``out`` (kept in the report), if at the same scale and seeds."""
+    cache = out / "cache" / "claims.json"
+    if not cache.is_file():
+        return {}
+    data = json.loads(cache.read_text())
+    if data.get("scale") != scale:
+        raise ValueError(f"--out {out} holds a report at scale {data.get('scale')}; use another --out for scale "
+                         f"{scale}")
+    return data["claims"] if data.get("seeds") == seeds else {}

@@ -55,8 +55,9 @@ def evaluate(model, loader, tasks: Sequence[str], device: torch.device | str = "
     """Every task's metrics over ``loader`` (all ranks' shares combined).
 
     Args:
-        model: a `SquadViT`; its tasks (``model.get_task``: configured by its ``task_options``) decode the targets'
-            units and score the predictions.
+        model: a `SquadViT` (or anything with the same call signature); its tasks (``model.get_task``: configured by
+            its ``task_options``; the defaults for a model without one) decode the targets' units and score the
+            predictions.
         loader: batches from `squad.data.collate` (a dataset built with the model's ``task_options``).
         tasks: the tasks to score (all run in one fused pass per batch).
         device: where to run.
@@ -72,7 +73,8 @@ def evaluate(model, loader, tasks: Sequence[str], device: torch.device | str = "
     """
     was_training = model.training
     model.eval()
-    specs = {t: model.get_task(t) for t in tasks}
+    task_of = getattr(model, "get_task", None) or get_task  # a SquadViT's configured tasks; defaults otherwise
+    specs = {t: task_of(t) for t in tasks}
     acc = MetricAccumulator(list(specs.values()))
     scored = 0
     try:
@@ -87,7 +89,7 @@ def evaluate(model, loader, tasks: Sequence[str], device: torch.device | str = "
             if usage is not None:
                 usage.update(out.stats)
             for t, pred in out.preds.items():
-                task = specs.get(t) or model.get_task(t)
+                task = specs.get(t) or task_of(t)
                 target = task.target(batch["targets"][t].to(device))
                 acc.update(t, task.metric_sums(pred.float(), target, batch["masks"][t].to(device)))
     finally:

@@ -11,15 +11,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from squad.data import (
-    INDEX_NAME,
-    ShardDataset,
-    TaskonomyDataset,
-    build_dataset,
-    collate,
-    pack_shards,
-    write_random_tree,
-)
+from squad.data import INDEX_NAME, ShardDataset, TaskonomyDataset, build_dataset, collate
+from squad.data.offline.pack import pack_shards
+from squad.data.offline.random_tree import write_random_tree
 from squad.tasks import TASK_NAMES
 
 REPO = Path(__file__).resolve().parents[1]

@@ -12,7 +12,9 @@ Exit codes, the same for every tool (`run`):
 - 1: the tool ran but reports a failure of its own (a benchmark case errored, the demo did not learn);
 - 2: bad input: a wrong argument, config key, missing or unreadable file (``error: ...`` on stderr; argparse's
   usage errors exit 2 too);
-- 3: training stopped (`squad.train.objective.TrainingError`, e.g. too many non-finite losses in a row);
+- 3: training stopped (`squad.train.objective.TrainingError`, e.g. too many non-finite losses in a row), or a file
+  could not be written (`squad.io.files.WriteError`: a full disk; the message names the file and the free space,
+  and no partial file is left);
 - 130: interrupted (Ctrl-C).
 
 `run` also prints, at the end of every tool, one line per dataset the tool read and did not report itself: the
@@ -30,6 +32,7 @@ from collections.abc import Callable
 
 EXIT_BAD_INPUT = 2
 EXIT_TRAINING_FAILED = 3
+EXIT_WRITE_FAILED = 3  # the same code: the job stopped, and rerunning it once the cause is fixed goes on
 EXIT_INTERRUPTED = 130
 
 # What a user can fix: a wrong value or config key (`squad.config.base.ConfigError` is a ValueError), a path that is
@@ -69,6 +72,7 @@ def run(body: Callable[[list[str] | None], int], argv: list[str] | None = None, 
 def _run(body: Callable[[list[str] | None], int], argv: list[str] | None,
          bad_input: tuple[type[BaseException], ...]) -> int:
     from squad.data.accounting import track
+    from squad.io.files import WriteError
     from squad.train.objective import TrainingError  # light: no deepspeed
 
     try:
@@ -80,6 +84,9 @@ def _run(body: Callable[[list[str] | None], int], argv: list[str] | None,
     except TrainingError as e:
         print(f"error: {_message(e)}", file=sys.stderr)
         return EXIT_TRAINING_FAILED
+    except WriteError as e:
+        print(f"error: {_message(e)}", file=sys.stderr)
+        return EXIT_WRITE_FAILED
     except BAD_INPUT + bad_input as e:
         print(f"error: {_message(e)}", file=sys.stderr)
         return EXIT_BAD_INPUT

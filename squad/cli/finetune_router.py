@@ -76,7 +76,6 @@ def _finetune(argv: list[str] | None) -> int:
     logging.basicConfig(level=logging.INFO, format="[squad] %(message)s")
 
     from squad.io import load_model
-    from squad.tasks import get_task
     from squad.posttrain.finetune import (
         MODES,
         FinetuneConfig,
@@ -85,6 +84,7 @@ def _finetune(argv: list[str] | None) -> int:
         format_table,
         train_without_hint,
     )
+    from squad.tasks import get_task
 
     modes = list(MODES) if args.mode == "all" else [m.strip() for m in args.mode.split(",") if m.strip()]
     fractions = args.fractions if args.fractions is not None or args.shots is not None else [0.01]

@@ -13,7 +13,6 @@ applied when packing (the reader applies them), so one shard set serves every de
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -37,6 +36,7 @@ from squad.data.taskonomy import (
     read_raw,
 )
 from squad.data.transforms import GEOMETRY_DOMAIN, SamplePipeline, WrongSizeError, check_size
+from squad.io.files import atomic_path, atomic_write_text, check_writable, removed_on_failure
 from squad.tasks import TASK_NAMES, DecodeError, get_task
 
 
@@ -152,46 +152,57 @@ def pack_shards(src: str | Path, out: str | Path, split_csv: str | Path | None =
     tasks = [d for d in domains if d != "rgb"]
     csv = find_split_csv(src, split_csv)
     parts = list(splits) if csv is not None else ["all"]
-    out.mkdir(parents=True, exist_ok=True)
+    _start(out)
+    written: list[Path] = []
     index: dict[str, Any] = {"format": FORMAT, "version": VERSION, "dataset": "taskonomy", "tasks": tasks,
                              "image_size": image_size, "domains": domains,
                              "source": str(src), "split_csv": str(csv) if csv else None, "shards": [],
                              "shapes": {}, "corrupt": 0, "wrong_size": 0, "missing": 0}
-    for part in parts:
-        try:
-            tree = TaskonomyDataset(src, tasks, split=part, split_csv=csv, missing="mask", geometry_mask=False)
-        except EmptyDatasetError as e:
-            logger.warning("pack: split %s is empty, nothing packed (%s)", part, e)
-            continue
-        loader = DataLoader(_PackSource(tree, domains, image_size), batch_size=1, num_workers=workers,
-                            collate_fn=_first)
-        writer = _ShardWriter(out, part, domains, shard_size, compression, index)
-        index["missing"] += tree.missing_files
-        for sample_id, arrays, errors in loader:
-            for kind, e in errors:
-                index[kind] += 1
-                first = index[kind] == 1
-                (logger.warning if first else logger.debug)("pack: skipping %s %s", kind.replace("_", "-"), e)
-            if arrays["rgb"] is None:
+    with removed_on_failure(written, f"the pack into {out}"):  # a full disk leaves no partial shard set
+        for part in parts:
+            try:
+                tree = TaskonomyDataset(src, tasks, split=part, split_csv=csv, missing="mask", geometry_mask=False)
+            except EmptyDatasetError as e:
+                logger.warning("pack: split %s is empty, nothing packed (%s)", part, e)
                 continue
-            writer.add(sample_id, arrays)
-        writer.close()
-        logger.info("packed %s: %d samples in %d shards", part, writer.total, writer.count)
-    path = out / INDEX_NAME
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(index, indent=1))
-    os.replace(tmp, path)
-    return path
+            loader = DataLoader(_PackSource(tree, domains, image_size), batch_size=1, num_workers=workers,
+                                collate_fn=_first)
+            writer = _ShardWriter(out, part, domains, shard_size, compression, index, written)
+            index["missing"] += tree.missing_files
+            for sample_id, arrays, errors in loader:
+                for kind, e in errors:
+                    index[kind] += 1
+                    first = index[kind] == 1
+                    (logger.warning if first else logger.debug)("pack: skipping %s %s", kind.replace("_", "-"), e)
+                if arrays["rgb"] is None:
+                    continue
+                writer.add(sample_id, arrays)
+            writer.close()
+            logger.info("packed %s: %d samples in %d shards", part, writer.total, writer.count)
+        return _write_index(out, index)
+
+
+def _start(out: Path) -> None:
+    """Creates the output folder and removes an earlier index there: until the new one is written, the folder is
+    not a shard set (a pack that fails half-way never leaves an index describing other shards)."""
+    check_writable(out, "--out", folder=True)
+    (out / INDEX_NAME).unlink(missing_ok=True)
+
+
+def _write_index(out: Path, index: dict[str, Any]) -> Path:
+    """Writes ``shards.json`` last, atomically: the shards it lists are on disk (each was synced when written)."""
+    return atomic_write_text(out / INDEX_NAME, json.dumps(index, indent=1), "the shard index")
 
 
 class _ShardWriter:
     """Buffers samples and writes one shard file per `shard_size` samples."""
 
     def __init__(self, out: Path, split: str, domains: list[str], shard_size: int, compression: str | None,
-                 index: dict[str, Any]) -> None:
+                 index: dict[str, Any], written: list[Path]) -> None:
         self.out, self.split, self.domains = out, split, domains
         self.shard_size, self.compression, self.index = shard_size, compression, index
         self.buffer: list[tuple[str, dict[str, np.ndarray | None]]] = []
+        self.written = written  # every shard file of this pack (removed if the pack fails)
         self.count = 0
         self.total = 0
 
@@ -217,7 +228,10 @@ class _ShardWriter:
             return
         name = f"{self.split}_{self.count:05d}.h5"
         n = len(self.buffer)
-        with h5py.File(self.out / name, "w") as f:
+        self.written.append(self.out / name)
+        # whole or absent (squad.io.files); no chunk cache: HDF5 then reports a full disk as an OSError at the write
+        # that failed, where with its cache a failed flush crashes the process when the file is closed
+        with atomic_path(self.out / name, f"shard {name}") as tmp, h5py.File(tmp, "w", rdcc_nbytes=0) as f:
             f.attrs["format"] = FORMAT
             f.create_dataset("id", data=[s for s, _ in self.buffer], dtype=h5py.string_dtype())
             present = np.array([[a[d] is not None for d in self.domains] for _, a in self.buffer], dtype=bool)
@@ -325,34 +339,32 @@ def pack_benchmark(src: str | Path, out: str | Path, dataset: str, splits: Seque
     skipped = [s for s in splits if s not in readers[dataset].splits]
     if skipped:
         logger.info("pack: %s has no split %s; packing %s", dataset, ", ".join(skipped), ", ".join(parts))
-    out.mkdir(parents=True, exist_ok=True)
+    _start(out)
+    written: list[Path] = []
     domains: list[str] = []
     index: dict[str, Any] = {"format": FORMAT, "version": VERSION, "dataset": dataset, "tasks": names,
                              "image_size": image_size, "domains": domains, "source": str(src), "split_csv": None,
                              "shards": [], "shapes": {}, "corrupt": 0, "wrong_size": 0, "missing": 0}
-    for part in parts:
-        try:
-            tree = readers[dataset](src, names, split=part, missing="mask")
-        except (EmptyDatasetError, FileNotFoundError) as e:
-            logger.warning("pack: split %s is empty or absent, nothing packed (%s)", part, e)
-            continue
-        domains[:] = tree.domains
-        loader = DataLoader(_BenchmarkPackSource(tree, int(image_size)), batch_size=1, num_workers=workers,
-                            collate_fn=_first)
-        writer = _ShardWriter(out, part, tree.domains, shard_size, compression, index)
-        index["missing"] += tree.missing_files
-        for sample_id, arrays, errors in loader:
-            for kind, e in errors:
-                index[kind] += 1
-                (logger.warning if index[kind] == 1 else logger.debug)("pack: skipping %s %s",
-                                                                       kind.replace("_", "-"), e)
-            if arrays["rgb"] is None:
+    with removed_on_failure(written, f"the pack into {out}"):  # a full disk leaves no partial shard set
+        for part in parts:
+            try:
+                tree = readers[dataset](src, names, split=part, missing="mask")
+            except (EmptyDatasetError, FileNotFoundError) as e:
+                logger.warning("pack: split %s is empty or absent, nothing packed (%s)", part, e)
                 continue
-            writer.add(sample_id, arrays)
-        writer.close()
-        logger.info("packed %s %s: %d samples in %d shards", dataset, part, writer.total, writer.count)
-    path = out / INDEX_NAME
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(index, indent=1))
-    os.replace(tmp, path)
-    return path
+            domains[:] = tree.domains
+            loader = DataLoader(_BenchmarkPackSource(tree, int(image_size)), batch_size=1, num_workers=workers,
+                                collate_fn=_first)
+            writer = _ShardWriter(out, part, tree.domains, shard_size, compression, index, written)
+            index["missing"] += tree.missing_files
+            for sample_id, arrays, errors in loader:
+                for kind, e in errors:
+                    index[kind] += 1
+                    (logger.warning if index[kind] == 1 else logger.debug)("pack: skipping %s %s",
+                                                                           kind.replace("_", "-"), e)
+                if arrays["rgb"] is None:
+                    continue
+                writer.add(sample_id, arrays)
+            writer.close()
+            logger.info("packed %s %s: %d samples in %d shards", dataset, part, writer.total, writer.count)
+        return _write_index(out, index)

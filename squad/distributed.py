@@ -8,9 +8,11 @@ MASTER_PORT) so it never looks for MPI.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -28,8 +30,42 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def extensions_dir() -> Path:
+    """The folder of this installation's JIT-built torch extensions (DeepSpeed's CPU communication op).
+
+    torch keys its extension cache (``~/.cache/torch_extensions/py311_cu130/<op>``) by the Python and CUDA versions
+    only, but the op's build command holds the include paths of the installation that builds it (its
+    ``site-packages/torch/include``, ``deepspeed/ops/csrc``). Two checkouts with their own virtual environments
+    sharing that cache rebuild each other's op every time (ninja sees another command: two command hashes in its
+    ``.ninja_log``), and every rank of every run waits on the cache's lock meanwhile (60–120 s on 2 cores). So each
+    installation keeps its own: ``<venv>/torch_extensions`` inside a virtual environment, else a folder of the
+    default cache named by the installation's paths. ``TORCH_EXTENSIONS_DIR`` set by the user is kept.
+    """
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    if sys.prefix != sys.base_prefix and os.access(sys.prefix, os.W_OK):
+        return Path(sys.prefix) / "torch_extensions"
+    where = f"{sys.prefix}|{Path(torch.__file__).parent}"
+    digest = hashlib.sha1(where.encode()).hexdigest()[:12]
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torch_extensions"
+    return base / f"squad-{digest}"
+
+
+def use_own_extensions() -> Path:
+    """Points ``TORCH_EXTENSIONS_DIR`` at `extensions_dir` (before DeepSpeed builds or loads an op); returns it.
+
+    ``make``'s set-up (tools/prepare_deepspeed.py) builds the op there once, and every run of the same
+    installation loads that build instead of rebuilding it.
+    """
+    path = extensions_dir()
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(path)
+    return path
+
+
 def prepare_environment() -> None:
-    """Sets the accelerator and rendezvous variables a launcher would have set. Call before importing deepspeed."""
+    """Sets the accelerator and rendezvous variables a launcher would have set, and this installation's extension
+    folder (`use_own_extensions`). Call before importing deepspeed."""
+    use_own_extensions()
     if not cuda_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     check_accelerate_launch()

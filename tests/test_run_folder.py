@@ -8,6 +8,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -162,10 +163,12 @@ def run_config(tmp_path_factory, tiny_data):
     return path
 
 
-def _train(config: Path, out: Path, *args: str, ranks: int = 0, port: int | None = None):
+def _train(config: Path, out: Path, *args: str, ranks: int = 0, port: int | None = None, env: dict | None = None,
+           timeout: int = 600):
     launch = [DEEPSPEED, "--num_gpus", str(ranks), "--master_port", str(port or free_port())] if ranks else [PY]
     cmd = [*launch, "tools/train.py", "--config", str(config), "--out", str(out), *args]
-    return subprocess.run(cmd, env=tool_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    return subprocess.run(cmd, env=tool_env(**(env or {})), cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -190,6 +193,67 @@ def test_second_run_into_a_locked_folder_exits_2_naming_the_holder(holder, run_c
     assert res.returncode == 2, res.stderr[-3000:]
     assert f"in use by another training run: pid {proc.pid} on host {socket.gethostname()}" in res.stderr
     assert not (run / "config.yaml").exists() and not (run / "train.log").exists()
+
+
+@pytest.mark.parametrize("ranks", [0, pytest.param(2, marks=pytest.mark.slow)])
+def test_a_locked_folder_is_refused_before_the_heavy_start_up(holder, run_config, tmp_path, ranks):
+    """Rank 0 takes the lock before the process group and DeepSpeed start (issue 22, item 7): with an empty extension
+    folder, a refused one-process run never loads (or builds) DeepSpeed's communication op; a 2-rank launch ends with
+    rank 0's refusal."""
+    run, proc = holder
+    env = {}
+    if not ranks:
+        env["TORCH_EXTENSIONS_DIR"] = str(tmp_path / "ext")
+        (tmp_path / "ext").mkdir()
+    res = _train(run_config, run, ranks=ranks, env=env, timeout=120)
+    assert res.returncode == 2, res.stdout[-3000:] + res.stderr[-3000:]
+    assert f"in use by another training run: pid {proc.pid}" in res.stdout + res.stderr
+    if not ranks:
+        assert list((tmp_path / "ext").iterdir()) == []  # DeepSpeed never started
+        assert "built successfully" not in res.stdout + res.stderr
+    assert not (run / "config.yaml").exists() and not (run / "train.log").exists()
+
+
+def test_extension_builds_belong_to_their_installation(monkeypatch, tmp_path):
+    """torch keys ~/.cache/torch_extensions by the Python and CUDA versions only, while the op's build command holds
+    the installation's include paths: two checkouts sharing it rebuilt each other's op at every start. Each
+    installation gets its own folder; a user's TORCH_EXTENSIONS_DIR is kept."""
+    from squad.distributed import extensions_dir, prepare_environment
+
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    assert extensions_dir() == Path(sys.prefix) / "torch_extensions"  # the tests run in make's .venv
+    seen = set()
+    for prefix in ("/work/a/.venv", "/work/b/.venv"):
+        monkeypatch.setattr(sys, "prefix", prefix)
+        monkeypatch.setattr(os, "access", lambda path, mode: False)  # not writable: a folder of the shared cache
+        seen.add(extensions_dir())
+    assert len(seen) == 2 and all(p.parent.name == "torch_extensions" and p.name.startswith("squad-") for p in seen)
+    monkeypatch.undo()
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert extensions_dir() == tmp_path
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
+    prepare_environment()
+    assert os.environ["TORCH_EXTENSIONS_DIR"] == str(Path(sys.prefix) / "torch_extensions")
+
+
+@pytest.mark.slow
+def test_runs_load_the_op_that_set_up_built(run_config, tmp_path):
+    """`make` runs tools/prepare_deepspeed.py; a run then loads that build (the ninja log and the library are
+    untouched), also when started from another folder."""
+    from squad.distributed import extensions_dir
+
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"}
+    res = subprocess.run([PY, str(ROOT / "tools" / "prepare_deepspeed.py")], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert f"ready in {Path(sys.prefix) / 'torch_extensions'}" in res.stdout
+    op = extensions_dir() / "deepspeed_shm_comm"
+    log, lib = (op / ".ninja_log").read_text(), (op / "deepspeed_shm_comm.so").stat().st_mtime_ns
+    res = subprocess.run([PY, str(ROOT / "tools" / "train.py"), "--config", str(run_config), "--out",
+                          str(tmp_path / "run"), "--set", "optim.steps=1"], env=tool_env(), cwd=tmp_path,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert (op / ".ninja_log").read_text() == log and (op / "deepspeed_shm_comm.so").stat().st_mtime_ns == lib
 
 
 def test_resume_with_a_changed_config_is_refused_before_anything_is_written(stopped_run, run_config, tmp_path):

@@ -24,7 +24,13 @@ from squad.config.base import ConfigError
 from squad.config.run import RunConfig, deepspeed_config, precision
 from squad.data import build_dataset, collate, eval_loader, report
 from squad.data.samplers import ResumableSampler
-from squad.distributed import all_reduce_sum, broadcast_object, cuda_available, init_distributed
+from squad.distributed import (
+    all_reduce_sum,
+    broadcast_object,
+    cuda_available,
+    init_distributed,
+    prepare_environment,
+)
 from squad.eval.evaluate import evaluate
 from squad.io import export_model
 from squad.io.checkpoints import COMPLETE, find_resume_tag, resume_candidates, tag_for
@@ -37,7 +43,7 @@ from squad.tasks import get_task
 from squad.train import checkpoint as ckpt
 from squad.train.objective import MultiTaskObjective, TrainingError, nonfinite_stop
 from squad.train.optim import lr_lambda, param_groups
-from squad.train.run_folder import RunFolder, ShmSegments, resume_source
+from squad.train.run_folder import RunFolder, ShmSegments, lock_before_start, resume_source
 
 log = logging.getLogger("squad.train")
 
@@ -73,10 +79,17 @@ class Trainer:
         self.overwrite = overwrite
         self.allow_world_size_change = allow_world_size_change
         self.init_state = init_state
-        shm = ShmSegments.from_env()
-        shm.record(self.run_dir)  # before DeepSpeed creates them, so a crash at any point leaves a record
-        self.rank, self.world, self.device = init_distributed()
-        self.folder = RunFolder(self.run_dir, self.rank, self.world, shm)
+        prepare_environment()
+        lock = lock_before_start(self.run_dir)  # a folder in use is refused before the heavy start-up below
+        try:
+            shm = ShmSegments.from_env()
+            shm.record(self.run_dir)  # before DeepSpeed creates them, so a crash at any point leaves a record
+            self.rank, self.world, self.device = init_distributed()
+        except BaseException:
+            if lock is not None:
+                lock.release()
+            raise
+        self.folder = RunFolder(self.run_dir, self.rank, self.world, shm, lock)
         self.cuda = cuda_available()
         self.prec = precision(cfg.train, self.cuda)
         self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.prec)

@@ -189,6 +189,43 @@ def _locked_message(run_dir: str | Path, holder: dict | None) -> str:
             f"another --out (if that process is gone, e.g. its node crashed, delete {Path(run_dir) / LOCK_FILE})")
 
 
+def launch_rank() -> int | None:
+    """This process's global rank as its launcher set it (deepspeed, torchrun, MPI), before any process group
+    exists; None when no launcher variable says."""
+    for key in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        value = os.environ.get(key, "")
+        if value.isdigit():
+            return int(value)
+    return None
+
+
+def lock_before_start(run_dir: str | Path) -> RunLock | None:
+    """Global rank 0 takes the run folder's lock before anything heavy starts (the process group, DeepSpeed's
+    communication op, the model): a second run into a folder in use is refused at once, not after start-up.
+
+    The other ranks return None at once; rank 0's refusal ends the launch (the launchers stop the other ranks when
+    one exits). Where the launcher's rank is unknown the lock is taken later, by `RunFolder.prepare`.
+
+    Returns:
+        The held lock (rank 0), or None.
+
+    Raises:
+        RunFolderLocked: another live run holds the folder (the message names it; exit 2).
+        PermissionError: the folder cannot be created or written.
+    """
+    if launch_rank() != 0:
+        return None
+    d = Path(run_dir)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        world = os.environ.get("WORLD_SIZE", "")
+        return RunLock.acquire(d, {"world_size": int(world)} if world.isdigit() else None)
+    except RunFolderError:
+        raise
+    except OSError as e:
+        raise PermissionError(f"run folder {d} is not writable: {e.strerror or e}") from e
+
+
 # ------------------------------------------------------------------------------------------- shared memory
 @dataclasses.dataclass
 class ShmSegments:
@@ -433,13 +470,14 @@ class RunFolder:
         shm: this run's shared-memory segments (`ShmSegments.from_env`, recorded before the process group started).
     """
 
-    def __init__(self, run_dir: Path, rank: int, world: int, shm: ShmSegments | None = None):
+    def __init__(self, run_dir: Path, rank: int, world: int, shm: ShmSegments | None = None,
+                 lock: RunLock | None = None):
         self.run_dir = Path(run_dir)
         self.rank = rank
         self.world = world
         self.shm = shm or ShmSegments([], rank)
         self.shm.rank = rank  # the launcher's RANK may be unset before the group starts (MPI launchers)
-        self.lock: RunLock | None = None
+        self.lock: RunLock | None = lock
         self.notes: list[str] = []  # rank 0: what to log once train.log is open
 
     def prepare(self, cfg, resume: str | None, *, overwrite: bool = False,
@@ -477,7 +515,8 @@ class RunFolder:
         probe = d / ".write_test"
         probe.write_text("ok")
         probe.unlink()
-        self.lock = RunLock.acquire(d, {"world_size": self.world})
+        if self.lock is None:  # else taken before the process group started (`lock_before_start`)
+            self.lock = RunLock.acquire(d, {"world_size": self.world})
         if self.lock.previous:
             self.notes.append(f"took over the lock of a run that is no longer running: {_describe(self.lock.previous)}")
 

@@ -185,6 +185,9 @@ def test_damaged_checkpoint_falls_back_to_the_previous_one(config, one_rank_run,
     assert f"checkpoint {run / 'checkpoints' / STEP4} is damaged" in log and str(bad) in log
     assert f"falling back to {run / 'checkpoints' / STEP2}" in log and str(bad) in res.stderr
     assert f"resumed from {run / 'checkpoints' / STEP2} at step 2" in log
+    start = json.loads((run / "run_history.jsonl").read_text().splitlines()[-1])  # what was loaded (issue 22, item 5)
+    assert start["resumed_from"] == str(run / "checkpoints" / STEP2) and start["start_step"] == 2
+    assert start["skipped_damaged"] == [str(run / "checkpoints" / STEP4)]
     _same_model(original, _model(run))  # steps 3 and 4 again, exactly
     assert ckpt.verify_tag(run / "checkpoints" / STEP4) is None  # saved again, whole
     assert (run / "metrics.jsonl").read_text() == rows  # the final validation once, not twice

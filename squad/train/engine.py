@@ -205,7 +205,10 @@ class Trainer:
         self.model: SquadViT = self.engine.module.model
         self.usage = ExpertUsage(model.task_names)
         self.state = LoopState()
+        self.resumed_from: Path | None = None
+        self.skipped_tags: list[Path] = []
         self._maybe_resume()
+        self.folder.record_start(self.resumed_from, self.state.step, self.skipped_tags)  # what was loaded
         log.info("run %s: %d ranks on %s (%s), %d tasks, %d images/epoch, %d steps of %d images",
                  self.run_dir, self.world, self.device.type, self.prec, len(self.tasks), len(self.train_set),
                  self.total_steps, o.batch_per_rank * o.grad_accum * self.world)
@@ -232,6 +235,7 @@ class Trainer:
             if not tags:
                 raise FileNotFoundError(f"--resume {self.resume}: no complete checkpoint there")
         tag = ckpt.select_resume_tag(load_dir, tags, self.rank, self.world, log.warning if self.rank == 0 else None)
+        self.skipped_tags = [load_dir / t for t in tags[: tags.index(tag)]]  # damaged, passed over
         _, client = self.engine.load_checkpoint(str(load_dir), tag=tag)
         if client is None:
             raise RuntimeError(f"checkpoint {load_dir / tag} could not be loaded")
@@ -239,6 +243,7 @@ class Trainer:
         if client.get("usage"):  # every rank holds the layers; rank 0 the sums (already over every rank)
             self.usage = ExpertUsage.from_state_dict(client["usage"], zeroed=self.rank != 0)
         self._forget_after(self.state.step)
+        self.resumed_from = load_dir / tag
         log.info("resumed from %s at step %d", load_dir / tag, self.state.step)
 
     def _forget_after(self, step: int) -> None:

@@ -15,7 +15,8 @@ outcome, so a refusal exits every rank with the same message (exit 2):
   wrongly sized weights) and is refused, listing each key as old → new and how to start afresh. Changes to the keys
   in `RESUMABLE_KEYS` are applied; they are logged in ``train.log``, the previous config is kept as
   ``config.prev.yaml``, and ``run_history.jsonl`` gets one line per start of the run (host, pid, world size, the
-  step it started from, what changed).
+  checkpoint actually loaded and the step it started from, damaged checkpoints passed over, what changed),
+  written once the checkpoint has loaded (`RunFolder.record_start`).
 - **World size.** Resuming on another number of ranks changes the global batch (and the per-rank data position), so
   it is refused unless ``--allow-world-size-change``.
 - **Fresh starts.** ``--resume none`` into a folder that holds a run (a complete checkpoint or ``model.pt``), or
@@ -47,7 +48,7 @@ from typing import Any
 
 import yaml
 
-from squad.config.base import ConfigError, to_dict, write_yaml
+from squad.config.base import ConfigError, to_dict
 from squad.config.loading import load_config
 from squad.config.run import RunConfig
 from squad.distributed import barrier, broadcast_object
@@ -479,6 +480,7 @@ class RunFolder:
         self.shm.rank = rank  # the launcher's RANK may be unset before the group starts (MPI launchers)
         self.lock: RunLock | None = lock
         self.notes: list[str] = []  # rank 0: what to log once train.log is open
+        self._start: dict | None = None  # rank 0: this start's history entry, recorded once the checkpoint loads
 
     def prepare(self, cfg, resume: str | None, *, overwrite: bool = False,
                 allow_world_size_change: bool = False) -> None:
@@ -601,13 +603,28 @@ class RunFolder:
         d = self.run_dir
         if changes and same_run and (d / "config.yaml").is_file():
             shutil.copyfile(d / "config.yaml", d / "config.prev.yaml")
-        write_yaml(cfg, d / "config.yaml")
-        entry = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "host": socket.gethostname(), "pid": os.getpid(),
-                 "world_size": self.world, "start_step": start_step,
-                 "resumed_from": str(source[1]) if source else None,
-                 "config_changes": {k: [old, new] for k, (old, new) in changes.items()}}
-        with open(d / HISTORY_FILE, "a") as f:
+        atomic_write_text(d / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False), "the run's config")
+        self._start = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "host": socket.gethostname(),
+                       "pid": os.getpid(), "world_size": self.world,
+                       "config_changes": {k: [old, new] for k, (old, new) in changes.items()}}
+
+    def record_start(self, loaded: Path | None, step: int, skipped: list[Path] | None = None) -> None:
+        """Rank 0, once the checkpoint is loaded: appends this start to ``run_history.jsonl`` with what was actually
+        loaded (a damaged latest checkpoint is skipped for the one before it: `squad.train.checkpoint`).
+
+        Args:
+            loaded: the checkpoint tag loaded, or None for a start at step 0.
+            step: the step the run starts from.
+            skipped: damaged tags passed over before ``loaded``.
+        """
+        if self.rank != 0 or self._start is None:
+            return
+        entry = {**self._start, "start_step": int(step), "resumed_from": str(loaded) if loaded else None}
+        if skipped:
+            entry["skipped_damaged"] = [str(p) for p in skipped]
+        with open(self.run_dir / HISTORY_FILE, "a") as f:
             f.write(json.dumps(entry) + "\n")
+        self._start = None
 
     def close(self) -> None:
         """Frees what the run holds: its shared-memory segments, its record of them, the lock."""

@@ -23,10 +23,10 @@ from squad.data import (  # noqa: E402
     PascalContextDataset,
     build_dataset,
     detect_dataset,
-    pack_shards,
     report,
 )
 from squad.data.benchmark import label_edges, thin  # noqa: E402
+from squad.data.offline.pack import pack_shards  # noqa: E402
 from squad.data.pascal import NORMALS_VALID_CLASSES, PART_IDS  # noqa: E402
 
 WALL, SKY, PERSON_CTX = 440, 360, 284  # context ids: wall and person are NYU-mappable, sky is not

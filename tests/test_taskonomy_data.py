@@ -18,8 +18,8 @@ from squad.data import (
     find_split_csv,
     read_split_csv,
     set_epoch,
-    write_random_tree,
 )
+from squad.data.offline.random_tree import write_random_tree
 from squad.data.transforms import resize_raw
 from squad.tasks import TASK_NAMES, get_task
 

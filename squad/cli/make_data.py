@@ -73,6 +73,10 @@ def _pack(args: argparse.Namespace) -> None:
     print(f"data {args.src}: " + (", ".join(f"{n} {k.replace('_', '-')} file{'s' if n != 1 else ''}"
                                             for k, n in left.items() if n) + " left out (stored as absent)"
                                   if any(left.values()) else "every file read"))
+    if info.get("no_target"):
+        n = info["no_target"]
+        print(f"data {args.src}: {n} sample{'s' if n != 1 else ''} left out: none of {'their' if n != 1 else 'its'} "
+              f"target files was usable")
     print(f"{'split':<8}{'shards':>8}{'samples':>10}")
     for part in dict.fromkeys(s["split"] for s in info["shards"]):
         shards = [s for s in info["shards"] if s["split"] == part]

@@ -82,17 +82,40 @@ def _run(body: Callable[[list[str] | None], int], argv: list[str] | None,
             print(f"[squad] {line}", file=sys.stderr)  # (the same split read twice is one line)
         return code
     except TrainingError as e:
-        print(f"error: {_message(e)}", file=sys.stderr)
+        _error(e)
         return EXIT_TRAINING_FAILED
     except WriteError as e:
-        print(f"error: {_message(e)}", file=sys.stderr)
+        _error(e)
         return EXIT_WRITE_FAILED
     except BAD_INPUT + bad_input as e:
-        print(f"error: {_message(e)}", file=sys.stderr)
+        _error(e)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+
+
+def _group_started() -> bool:
+    if "torch.distributed" not in sys.modules:
+        return False
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def _error(e: BaseException) -> None:
+    """Prints ``error: ...`` once per launch: on rank 0, and on another rank only when the error is its own — not
+    one every rank raises alike (marked ``every_rank``: `squad.distributed.on_every_rank`), nor one met before the
+    process group started (every rank parsed the same arguments and config), which rank 0 prints."""
+    from squad.runtime import launch_rank
+
+    rank = launch_rank() or 0
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 and rank != 0:
+        if getattr(e, "every_rank", False) or not _group_started():
+            return
+        print(f"error (rank {rank}): {_message(e)}", file=sys.stderr)
+        return
+    print(f"error: {_message(e)}", file=sys.stderr)
 
 
 def _leave_rank(code: int) -> None:

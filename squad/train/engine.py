@@ -42,7 +42,7 @@ from squad.models.vit import SquadViT, build_model
 from squad.tasks import get_task
 from squad.train import checkpoint as ckpt
 from squad.train.objective import MultiTaskObjective, TrainingError, nonfinite_stop
-from squad.train.optim import lr_lambda, param_groups
+from squad.train.optim import lr_lambda, param_groups, warmup_note
 from squad.train.run_folder import RunFolder, ShmSegments, lock_before_start, resume_source
 
 log = logging.getLogger("squad.train")
@@ -179,6 +179,9 @@ class Trainer:
         steps_per_epoch = max(1, self.batches_per_epoch // o.grad_accum)
         self.total_steps = o.steps if o.steps > 0 else max(1, math.ceil(o.epochs * steps_per_epoch))
         warmup = o.warmup_steps or int(o.warmup_epochs * steps_per_epoch)
+        note = warmup_note(warmup, self.total_steps, o.lr)
+        if note and self.rank == 0:
+            log.warning(note)
 
         model = build_model(self.cfg.model)
         if init is not None:  # before DeepSpeed wraps (and, under bf16, casts) the model

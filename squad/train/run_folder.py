@@ -51,9 +51,10 @@ import yaml
 from squad.config.base import ConfigError, to_dict
 from squad.config.loading import load_config
 from squad.config.run import RunConfig
-from squad.distributed import barrier, broadcast_object
+from squad.distributed import barrier, broadcast_object, on_every_rank
 from squad.io.checkpoints import COMPLETE, complete_tags, find_resume_tag
 from squad.io.files import atomic_write_text
+from squad.runtime import launch_rank
 
 log = logging.getLogger("squad.train")
 
@@ -78,6 +79,8 @@ OUTPUTS = ("config.yaml", "config.prev.yaml", "ds_config.json", "train.log", "me
 
 class RunFolderError(ValueError):
     """The run folder cannot be used as asked (locked, changed config, other world size, a run already there)."""
+
+    every_rank = True  # rank 0 decides and every rank raises it (`RunFolder.prepare`): the tools print it once
 
 
 class RunFolderLocked(RunFolderError):
@@ -188,16 +191,6 @@ def _locked_message(run_dir: str | Path, holder: dict | None) -> str:
     who = _describe(holder) if holder else "another process"
     return (f"run folder {run_dir} is in use by another training run: {who}. Wait for it to finish or pass "
             f"another --out (if that process is gone, e.g. its node crashed, delete {Path(run_dir) / LOCK_FILE})")
-
-
-def launch_rank() -> int | None:
-    """This process's global rank as its launcher set it (deepspeed, torchrun, MPI), before any process group
-    exists; None when no launcher variable says."""
-    for key in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
-        value = os.environ.get(key, "")
-        if value.isdigit():
-            return int(value)
-    return None
 
 
 def lock_before_start(run_dir: str | Path) -> RunLock | None:
@@ -509,7 +502,7 @@ class RunFolder:
             self.notes += remove_stale_shm(self.run_dir)
         if error:
             kind = {"permission": PermissionError, "run_folder": RunFolderError}.get(error[0], RuntimeError)
-            raise kind(error[1])
+            raise on_every_rank(kind(error[1]))
 
     def _open(self, cfg, resume: str | None, overwrite: bool, allow_world_size_change: bool) -> None:
         d = self.run_dir

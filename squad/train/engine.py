@@ -201,7 +201,7 @@ class Trainer:
         if self.rank == 0:
             import json
 
-            (self.run_dir / "ds_config.json").write_text(json.dumps(ds_cfg, indent=2))
+            atomic_write_text(self.run_dir / "ds_config.json", json.dumps(ds_cfg, indent=2), "the DeepSpeed config")
         self.engine, _, _, _ = deepspeed.initialize(model=self.objective, optimizer=optimizer,
                                                     lr_scheduler=scheduler, config=ds_cfg)
         self.guard = ckpt.guard_engine(self.engine)  # weights_only reads; failed writes reach every rank

@@ -53,7 +53,7 @@ from squad.config.loading import load_config
 from squad.config.run import RunConfig
 from squad.distributed import barrier, broadcast_object, on_every_rank
 from squad.io.checkpoints import COMPLETE, complete_tags, find_resume_tag
-from squad.io.files import atomic_write_text
+from squad.io.files import atomic_write_text, fail
 from squad.runtime import launch_rank
 
 log = logging.getLogger("squad.train")
@@ -615,8 +615,12 @@ class RunFolder:
         entry = {**self._start, "start_step": int(step), "resumed_from": str(loaded) if loaded else None}
         if skipped:
             entry["skipped_damaged"] = [str(p) for p in skipped]
-        with open(self.run_dir / HISTORY_FILE, "a") as f:
-            f.write(json.dumps(entry) + "\n")
+        path = self.run_dir / HISTORY_FILE
+        try:
+            with open(path, "a") as f:  # appended: the earlier lines stay whatever happens to this one
+                f.write(json.dumps(entry) + "\n")
+        except OSError as e:
+            raise fail("the run history", path, e) from e
         self._start = None
 
     def close(self) -> None:

@@ -19,6 +19,8 @@ in place, never renamed over.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import errno
 import io
 import os
@@ -253,20 +255,27 @@ def removed_on_failure(paths: Sequence[str | Path], what: str) -> Iterator[None]
 
 
 def sync_tree(path: str | Path) -> None:
-    """Flushes everything written under ``path`` to disk (``syncfs`` of its filesystem, or ``sync``)."""
-    path = Path(path)
+    """Flushes everything written under ``path`` to disk: ``syncfs`` of its filesystem (Linux; only that
+    filesystem), else ``sync``."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        fd = os.open(Path(path), os.O_RDONLY | os.O_DIRECTORY)
     except OSError:
         os.sync()
         return
     try:
-        if hasattr(os, "syncfs"):
-            os.syncfs(fd)
-        else:
+        if _syncfs(fd) != 0:
             os.sync()
     finally:
         os.close(fd)
+
+
+def _syncfs(fd: int) -> int:
+    """libc's ``syncfs(fd)`` (Python has no binding): 0 on success, -1 where it is missing or fails."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        return int(libc.syncfs(fd))
+    except (OSError, AttributeError):
+        return -1
 
 
 def check_writable(path: str | Path, what: str, *, folder: bool = False) -> Path:

@@ -198,7 +198,8 @@ def lock_before_start(run_dir: str | Path) -> RunLock | None:
     communication op, the model): a second run into a folder in use is refused at once, not after start-up.
 
     The other ranks return None at once; rank 0's refusal ends the launch (the launchers stop the other ranks when
-    one exits). Where the launcher's rank is unknown the lock is taken later, by `RunFolder.prepare`.
+    one exits). Where the launcher's rank is unknown, or the folder has no lock file yet (no run has used it, so
+    none can hold it; nothing is created here), the lock is taken later, by `RunFolder.prepare`.
 
     Returns:
         The held lock (rank 0), or None.
@@ -207,11 +208,10 @@ def lock_before_start(run_dir: str | Path) -> RunLock | None:
         RunFolderLocked: another live run holds the folder (the message names it; exit 2).
         PermissionError: the folder cannot be created or written.
     """
-    if launch_rank() != 0:
-        return None
     d = Path(run_dir)
+    if launch_rank() != 0 or not (d / LOCK_FILE).is_file():  # no lock file: no run to refuse; nothing is created
+        return None
     try:
-        d.mkdir(parents=True, exist_ok=True)
         world = os.environ.get("WORLD_SIZE", "")
         return RunLock.acquire(d, {"world_size": int(world)} if world.isdigit() else None)
     except RunFolderError:

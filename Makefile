@@ -7,10 +7,11 @@ STAMP := $(VENV)/.installed-stamp
 
 .PHONY: demo test test-fast lint lint-imports bench clean-venv
 
-$(STAMP): pyproject.toml
+# constraints.txt pins the exact torch make and CI test (pyproject.toml declares the supported range).
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[test]' -c constraints.txt
 	$(PY) tools/prepare_deepspeed.py
 	touch $(STAMP)
 

@@ -126,6 +126,18 @@ def init_distributed() -> tuple[int, int, torch.device]:
     return dist.get_rank(), dist.get_world_size(), device
 
 
+def on_every_rank(error: BaseException) -> BaseException:
+    """Marks an error that every rank raises alike (an outcome rank 0 broadcast): the tools print it once, on rank 0
+    (`squad.cli.run`); an error a rank meets alone is printed by that rank. Exception classes that are always raised
+    that way say so with a class attribute ``every_rank = True``.
+
+    Returns:
+        ``error``.
+    """
+    error.every_rank = True  # type: ignore[attr-defined]
+    return error
+
+
 def has_process_group() -> bool:
     """True when a process group is initialised, even one with a single rank (a one-process DeepSpeed run).
 

@@ -15,6 +15,16 @@ import sys
 _MALLOC_TUNED = False
 
 
+def launch_rank() -> int | None:
+    """This process's global rank as its launcher set it (deepspeed, torchrun, MPI), readable before any process
+    group exists; None when no launcher variable says (a plain ``python`` run)."""
+    for key in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        value = os.environ.get(key, "")
+        if value.isdigit():
+            return int(value)
+    return None
+
+
 def cpu_threads_per_rank() -> int | None:
     """Intra-op threads for one of this node's ranks on a CPU-only run: cores / local ranks (None = leave as is).
 

@@ -13,6 +13,7 @@ import pytest
 
 from squad.cli import run
 from squad.config.base import ConfigError
+from squad.io.files import WriteError
 from squad.train.objective import TrainingError
 from tests.helpers import ROOT, tool_env
 
@@ -65,6 +66,7 @@ def test_run_maps_errors_to_exit_codes(capsys):
     assert run(raises(FileNotFoundError("data/x not found"))) == 2
     assert run(raises(PermissionError("runs/x is not writable"))) == 2
     assert run(raises(TrainingError("3 non-finite losses in a row"))) == 3
+    assert run(raises(WriteError("could not write x to y: No space left on device", "y", 28))) == 3
     assert run(raises(KeyboardInterrupt())) == 130
     assert run(raises(KeyError("no baseline for depth")), bad_input=(KeyError,)) == 2
     err = capsys.readouterr().err

@@ -118,11 +118,12 @@ def test_shards_count_missing_and_pack_counts_each_kind(damaged, tmp_path):
     index = json.loads(pack_shards(root, tmp_path / "s", split_csv=None, image_size=16,
                                    domains=["rgb", "depth_euclidean"]).read_text())
     assert (index["corrupt"], index["wrong_size"], index["missing"]) == (1, 1, 1)
+    assert index["no_target"] == 1  # the sample whose one target (depth) is missing: nothing to learn, left out
     shards = build_dataset(tmp_path / "s", ["depth"], "all")
-    assert len(shards) == 5 and shards.unindexed == 1  # the bad rgb files were not packed; the missing depth is
-    assert shards.missing_files == 1  # stored as absent: counted, and the sample left out (missing="skip")
+    assert len(shards) == 5 and shards.unindexed == 0  # the bad rgb files and the sample without a target were
+    assert shards.missing_files == 0  # not packed (counted by pack)
     r = report(shards, "all")
-    assert r.missing == 1 and r.corrupt == 0
+    assert r.missing == 0 and r.corrupt == 0
 
 
 def test_tools_print_the_summary_line(damaged, capsys):
@@ -177,3 +178,71 @@ def test_training_run_logs_the_summary(tiny_data, tmp_path):
     acc = EventAccumulator(str(out / "tensorboard"))
     acc.Reload()
     assert [e.value for e in acc.Scalars("data/train/corrupt")] == [1.0]
+
+
+# ---------------------------------------------------------------- issue 22, items 4 and 6: shards and pack accounting
+def test_pack_blames_the_odd_rgb_once_and_leaves_out_samples_without_targets(tmp_path):
+    """A sample whose rgb is another size than all 13 of its targets is one wrong-size file (the image), not 13; a
+    sample whose every target is missing is left out and counted, not packed with nothing to learn."""
+    root = write_random_tree(tmp_path / "t", n=6, size=16, buildings=1, seed=0)
+    ds = TaskonomyDataset(root, "all")
+    odd = ds.path(0, "rgb")
+    Image.fromarray(np.zeros((24, 24, 3), np.uint8)).save(odd)  # square, but not the targets' 16 × 16
+    for domain in ds.domains:
+        if domain != "rgb":
+            ds.path(1, domain).unlink()
+    index = json.loads(pack_shards(root, tmp_path / "s", split_csv=None, image_size=16).read_text())
+    assert (index["wrong_size"], index["corrupt"], index["no_target"]) == (1, 0, 1)
+    assert index["missing"] == len(ds.domains) - 1  # the second sample's files, counted where they are missing
+    packed = build_dataset(tmp_path / "s", ["depth"], "all", missing="mask")
+    assert sorted(packed.ids) == sorted(ds.ids[2:])
+
+
+@pytest.fixture()
+def truncated_shards(tmp_path):
+    """8 samples packed 4 per shard; the first shard cut short (as a full disk or an interrupted copy leaves it)."""
+    root = write_random_tree(tmp_path / "t", n=8, size=16, buildings=2, seed=0)
+    out = tmp_path / "s"
+    pack_shards(root, out, split_csv=None, image_size=16, shard_size=4)
+    shard = out / "train_00000.h5"
+    shard.write_bytes(shard.read_bytes()[:5000])
+    return out, shard
+
+
+def test_a_truncated_shard_is_named_skipped_and_counted(truncated_shards, caplog, load_tool, capsys):
+    out, shard = truncated_shards
+    with caplog.at_level(logging.WARNING, logger="squad.data"):
+        ds = build_dataset(out, ["depth"], "all")
+    assert len(ds) == 4 and ds.unreadable_files == ["train_00000.h5"] and ds.lost_samples == 4
+    warned = [r.getMessage() for r in caplog.records if str(shard) in r.getMessage()]
+    assert len(warned) == 1 and "its 4 samples are skipped" in warned[0] and "truncated" in warned[0], warned
+    [ds[i] for i in range(len(ds))]
+    r = report(ds, "all")
+    assert (r.corrupt, r.lost, r.samples) == (1, 4, 4)
+    assert "1 corrupt file, 4 samples lost in unreadable shard files" in r.line()
+    # make_data.py stats: names the file and the samples lost, reads the rest
+    assert load_tool("tools/make_data.py").main(["stats", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert f"unreadable shard file, skipped: {shard}" in text and "(4 samples lost)" in text
+    assert "4 views from" in text and "1 corrupt file (named above)" in text
+
+
+@pytest.mark.slow
+def test_training_on_a_truncated_shard_names_it_and_goes_on(truncated_shards, tmp_path):
+    import subprocess
+    import sys
+
+    from tests.helpers import tool_env
+
+    out, shard = truncated_shards
+    cmd = [sys.executable, "tools/train.py", "--config", "configs/demo.yaml", "--out", str(tmp_path / "run"),
+           "--set", f"data.root={out}", "--set", "data.val_split=train",
+           "--set", "data.tasks=[depth]", "--set", "optim.steps=1", "--set", "optim.batch_per_rank=2",
+           "--set", "model.img_size=16", "--set", "model.patch_size=8", "--set", "model.depth=2",
+           "--set", "model.embed_dim=32", "--set", "model.num_heads=2", "--set", "data.workers=0",
+           "--set", "train.progress=false"]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=tool_env(), timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "Traceback" not in res.stderr and f"unreadable shard file {shard}" in res.stderr
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert "4 samples lost in unreadable shard files" in log, log[-2000:]

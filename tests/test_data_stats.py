@@ -208,7 +208,8 @@ def test_real_like_tree_is_inside_every_range(real_tree):
     assert result.views == len(BUILDINGS) * VIEWS and result.buildings == len(BUILDINGS)
     assert not result.absent and not result.corrupt
     assert not result.outside, result.table()
-    assert set(result.domains) == {VALID, *TASK_NAMES}
+    assert set(result.domains) == {"rgb", VALID, *TASK_NAMES}
+    assert result.domains["rgb"].files == len(BUILDINGS) * VIEWS  # every image opened (issue 22, item 6)
     referenced = [s for ds in result.domains.values() for s in ds.stats if s.reference is not None]
     assert len(referenced) == sum(len(r) for r in REFERENCES.values())  # every reference was measured
     assert result.domains[VALID].get("masked_pct_mean") == pytest.approx(100 * 72 / 1024)
@@ -309,3 +310,19 @@ def test_synthetic_renderer_is_inside_the_real_ranges(tmp_path):
     result = dataset_stats(root, max_images=None)
     assert result.views == 80 and not result.corrupt and not result.absent
     assert not result.outside, "synthetic statistics outside the real ranges:\n" + result.table()
+
+
+def test_stats_open_every_rgb_image(tmp_path, load_tool, capsys):
+    """A truncated or empty rgb image is named (issue 22, item 6): the reader and pack would refuse it."""
+    root = write_real_like_tree(tmp_path / "tree", flat=True)
+    cut = root / "rgb" / "alpha" / "point_0_view_0_domain_rgb.png"
+    cut.write_bytes(cut.read_bytes()[:60])
+    empty = root / "rgb" / "bravo" / "point_1_view_0_domain_rgb.png"
+    empty.write_bytes(b"")
+    result = dataset_stats(root, max_images=None)
+    rgb = result.domains["rgb"]
+    assert rgb.files == len(BUILDINGS) * VIEWS - 2 and len(rgb.corrupt) == 2
+    assert str(cut) in rgb.corrupt[0] and str(empty) in rgb.corrupt[1]
+    assert load_tool("tools/make_data.py").main(["stats", str(root), "--max-images", "0"]) == 0
+    text = capsys.readouterr().out
+    assert "== rgb (10 files, 2 corrupt)" in text and f"corrupt: {cut}" in text and f"corrupt: {empty}" in text

@@ -18,6 +18,7 @@ import torch
 import squad
 from squad.deploy.export import ExportError, export_program, program_info
 from squad.io import export_model, save_extracted
+from squad.io.checkpoints import load_checkpoint_file
 from squad.posttrain.extract import collect_usage, extract
 from tests.helpers import ROOT, tiny_model
 
@@ -186,49 +187,116 @@ def test_bad_requests_are_refused(tmp_path, load_tool, capsys):
 
 
 # ------------------------------------------- DeepSpeed's zero_to_fp32.py and --format model.pt on ZeRO checkpoints
-@pytest.fixture(scope="module")
-def zero_run(tmp_path_factory) -> Path:
-    """A one-rank bf16 ZeRO-2 run of 2 steps (its fp32 master weights differ from the bf16 module weights)."""
+WEIGHTINGS = ("uncertainty", "uncertainty_log1p", "equal")  # every loss.weighting (squad.config.model.LossConfig)
+
+
+def _train_tiny(base: Path, weighting: str, zero_stage: int, precision: str) -> Path:
+    """A one-rank run of 2 steps on tiny data (its config's loss weighting, ZeRO stage and precision given)."""
     from squad.data.synthetic.taskonomy import render_dataset
     from tests.helpers import PY, tool_env, write_run_config
 
-    base = tmp_path_factory.mktemp("zero")
     render_dataset(base / "data", n=12, image_size=32, seed=0, buildings=3)
     config = write_run_config(base / "tiny.yaml", base / "data", ["depth_euclidean", "class_scene"],
+                              loss={"weighting": weighting},
                               optim={"warmup_steps": 1, "steps": 2},
-                              train={"ckpt_every": 2, "zero_stage": 2, "precision": "bf16"})
+                              train={"ckpt_every": 2, "zero_stage": zero_stage, "precision": precision})
     res = subprocess.run([PY, "tools/train.py", "--config", str(config), "--out", str(base / "run")], cwd=ROOT,
                          env=tool_env(), capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     return base / "run"
 
 
-def test_zero_to_fp32_output_loads_into_squad(zero_run, tmp_path, load_tool):
-    """DeepSpeed's own script, as it sits in every run's checkpoints/, recovers the fp32 master weights of every
-    parameter (experts included) under the engine's names ('model.' + squad's); --weights makes them a model.pt."""
+@pytest.fixture(scope="module")
+def zero_runs(tmp_path_factory):
+    """``zero_runs(weighting)``: a one-rank bf16 ZeRO-2 run of 2 steps with that loss weighting (its fp32 master
+    weights differ from the bf16 module weights), trained once per module."""
+    made: dict[str, Path] = {}
+
+    def get(weighting: str) -> Path:
+        if weighting not in made:
+            made[weighting] = _train_tiny(tmp_path_factory.mktemp(f"zero_{weighting}"), weighting, 2, "bf16")
+        return made[weighting]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def zero_run(zero_runs) -> Path:
+    return zero_runs("uncertainty")  # what the shipped Mod-Squad / MTL configs and the demo use
+
+
+def test_every_shipped_config_uses_a_tested_loss_weighting():
+    """`test_zero_to_fp32_output_loads_into_squad` covers each weighting; every shipped config uses one of them."""
+    from squad.config.base import read_yaml
+    from squad.config.loading import load_config
+    from squad.config.run import RunConfig
+
+    configs = sorted(p for p in (ROOT / "configs").rglob("*.yaml") if not p.name.startswith("_"))
+    used = {p.name: load_config(p, ["optim.steps=1"], cls=RunConfig).loss.weighting for p in configs
+            if "model" in (read_yaml(p) or {})}
+    assert len(used) >= 15 and set(used.values()) <= set(WEIGHTINGS), used
+    assert {"uncertainty", "equal"} <= set(used.values())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("weighting", WEIGHTINGS)
+def test_zero_to_fp32_output_loads_into_squad(weighting, zero_runs, tmp_path, load_tool):
+    """DeepSpeed's own script, as it sits in every ZeRO run's checkpoints/, recovers the fp32 master weights of every
+    parameter (experts included) under the engine's names ('model.' + squad's, and the uncertainty weighting's
+    'weighting.log_vars'); --weights makes them a model.pt, the task log-variances kept in its extra."""
     from tests.helpers import PY, tool_env
 
-    script = zero_run / "checkpoints" / "zero_to_fp32.py"
+    run = zero_runs(weighting)
+    script = run / "checkpoints" / "zero_to_fp32.py"
     assert script.is_file()
-    res = subprocess.run([PY, str(script), str(zero_run / "checkpoints"), str(tmp_path / "fp32")], cwd=tmp_path,
+    res = subprocess.run([PY, str(script), str(run / "checkpoints"), str(tmp_path / "fp32")], cwd=tmp_path,
                          env=tool_env(), capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     master = torch.load(tmp_path / "fp32" / "pytorch_model.bin", weights_only=True)  # tensors requiring grad
     master = {k: v.detach() for k, v in master.items()}
-    module = squad.load(zero_run / "checkpoints")  # the latest tag's bf16 module weights, as fp32
+    module = squad.load(run / "checkpoints")  # the latest tag's bf16 module weights, as fp32
     names = module.state_dict()
-    assert {k.removeprefix("model.") for k in master} == set(names)
-    assert all(k.startswith("model.") for k in master)
+    weighted = weighting != "equal"
+    assert ("weighting.log_vars" in master) == weighted
+    assert {k.removeprefix("model.") for k in master if k != "weighting.log_vars"} == set(names)
+    assert all(k.startswith("model.") for k in master if k != "weighting.log_vars")
     assert any("experts.w1" in k for k in master) and any("attn.q" in k for k in master)
     assert all(v.dtype == torch.float32 for v in master.values())
     assert max(float((master["model." + k] - v).abs().max()) for k, v in names.items()) > 0  # ≠ bf16 copy
 
     tool = load_tool("tools/export.py")
-    assert tool.main(["--checkpoint", str(zero_run / "checkpoints"), "--format", "model.pt",
+    assert tool.main(["--checkpoint", str(run / "checkpoints"), "--format", "model.pt",
                       "--weights", str(tmp_path / "fp32"), "--out", str(tmp_path / "fp32.pt")]) == 0
     loaded = squad.load(tmp_path / "fp32.pt")
     assert all(torch.equal(loaded.state_dict()[k], master["model." + k]) for k in names)
-    assert loaded.meta["extra"]["step"] == 2 and loaded.usage is not None
+    extra = loaded.meta["extra"]
+    assert extra["step"] == 2 and loaded.usage is not None
+    if weighted:  # the fp32 master copy, not the tag's bf16 one
+        assert torch.equal(extra["task_log_vars"], master["weighting.log_vars"])
+        assert not torch.equal(master["weighting.log_vars"], torch.zeros(2))  # trained
+    else:
+        assert extra["task_log_vars"] is None
+    # a tensor of neither the model nor the objective is refused, naming it
+    torch.save({**master, "optimizer.step": torch.ones(1)}, tmp_path / "odd.bin")
+    assert tool.main(["--checkpoint", str(run / "checkpoints"), "--format", "model.pt",
+                      "--weights", str(tmp_path / "odd.bin"), "--out", str(tmp_path / "odd.pt")]) == 2
+
+
+@pytest.mark.slow
+def test_zero_stage_0_fp32_runs_need_no_zero_to_fp32(tmp_path, load_tool):
+    """As the README says: at ZeRO stage 0 in fp32 (the demo on CPUs) DeepSpeed copies no zero_to_fp32.py (there are
+    no optimizer shards to merge): each tag's module weights are the fp32 weights, and --format model.pt writes them
+    with the task log-variances."""
+    run = _train_tiny(tmp_path, "uncertainty", 0, "fp32")
+    assert not (run / "checkpoints" / "zero_to_fp32.py").exists()
+    tag = run / "checkpoints" / "step00000002"
+    states = load_checkpoint_file(tag / "mp_rank_00_model_states.pt")["module"]
+    assert load_tool("tools/export.py").main(["--checkpoint", str(run / "checkpoints"), "--format", "model.pt",
+                                              "--out", str(tmp_path / "m.pt")]) == 0
+    loaded = squad.load(tmp_path / "m.pt")
+    assert all(torch.equal(v, states["model." + k]) for k, v in loaded.state_dict().items())
+    assert torch.equal(loaded.meta["extra"]["task_log_vars"], states["weighting.log_vars"])
+    assert all(v.dtype == torch.float32 for v in states.values())
 
 
 def test_model_pt_from_any_checkpoint_tag(zero_run, tmp_path, load_tool):

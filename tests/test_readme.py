@@ -19,7 +19,8 @@ How a command is run (the only changes, all here):
   ``runs/demo``, ``depth.pt``), with ``tools/`` and ``configs/`` linked from the checkout; ``python`` is this
   interpreter, ``deepspeed``/``torchrun``/``accelerate``/``squad-*`` the virtualenv's, on CPU DeepSpeed
   (`tests.helpers.tool_env`);
-- sizes (`SIZES`): ``make_data`` renders/packs 32 images of 32 px; ``torchrun --nproc_per_node`` runs 2 processes;
+- sizes (`SIZES`): ``make_data`` renders/packs 32 images of 32 px; ``--num-heads`` is the small ViT's 4;
+  ``torchrun --nproc_per_node`` runs 2 processes;
   launchers get a free ``--master_port`` (accelerate: ``--main_process_port``); a training gets `TRAIN_SETS`
   appended as ``--set`` overrides (the `tests.helpers.TINY` widths, 2 steps of 4 images, no workers, 1 validation
   batch); finetune_router gets ``--steps 2`` and upcycle the TINY widths (`TOOL_ARGS`);
@@ -74,7 +75,7 @@ SKIPPED = {
     "test_reproduce.py runs every claim at --scale tiny, and the tiny command below runs here",
 }
 
-SIZES = {"--n": "32", "--image-size": "32", "--nproc_per_node": "2"}
+SIZES = {"--n": "32", "--image-size": "32", "--nproc_per_node": "2", "--num-heads": "4"}  # vit_small.pth: 4 heads
 TRAIN_SETS = [*TINY, "model.head_dim=null", "optim.steps=2", "optim.batch_per_rank=4", "data.workers=0",
               "data.val_batches=1", "train.progress=false"]
 TOOL_ARGS = {"finetune_router": ["--steps", "2"],

@@ -185,6 +185,9 @@ def test_damaged_checkpoint_falls_back_to_the_previous_one(config, one_rank_run,
     assert f"checkpoint {run / 'checkpoints' / STEP4} is damaged" in log and str(bad) in log
     assert f"falling back to {run / 'checkpoints' / STEP2}" in log and str(bad) in res.stderr
     assert f"resumed from {run / 'checkpoints' / STEP2} at step 2" in log
+    start = json.loads((run / "run_history.jsonl").read_text().splitlines()[-1])  # what was loaded (issue 22, item 5)
+    assert start["resumed_from"] == str(run / "checkpoints" / STEP2) and start["start_step"] == 2
+    assert start["skipped_damaged"] == [str(run / "checkpoints" / STEP4)]
     _same_model(original, _model(run))  # steps 3 and 4 again, exactly
     assert ckpt.verify_tag(run / "checkpoints" / STEP4) is None  # saved again, whole
     assert (run / "metrics.jsonl").read_text() == rows  # the final validation once, not twice
@@ -232,6 +235,13 @@ def save(obj, f, *args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(f))
     return real(obj, f, *args, **kwargs)
 torch.save = save
+import squad.io.files as files  # squad's own files: serialised in memory, their bytes written here
+real_write = files.write_all
+def write_all(f, data):
+    if where in str(getattr(f, "name", "")) and os.environ.get("RANK", "0") == rank:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(f.name))
+    return real_write(f, data)
+files.write_all = write_all
 from squad.cli.train import main
 sys.exit(main(sys.argv[1:]))
 '''
@@ -262,12 +272,12 @@ def test_disk_full_writing_model_pt(config, one_rank_run, tmp_path):
     script = tmp_path / "inject.py"
     script.write_text(INJECT)
     run = tmp_path / "run"
-    res = _train(config, run, script=str(script), env={"SQUAD_TEST_FAIL": ".model.pt.tmp:0:oserror"})
+    res = _train(config, run, script=str(script), env={"SQUAD_TEST_FAIL": ".model.tmp:0:oserror"})
     assert res.returncode == 3, res.stderr[-3000:]
     message = f"could not write the exported model to {run / 'model.pt'}: No space left on device"
     assert message in res.stderr and message in (run / "train.log").read_text()
     assert "rerun the same command" in res.stderr
-    assert not (run / "model.pt").exists() and not list(run.glob(".model.pt.tmp*"))
+    assert not (run / "model.pt").exists() and not list(run.glob(".model.tmp*"))
     assert find_resume_tag(run / "checkpoints") == STEP4
     _ok(_train(config, run))  # the rerun writes it, without training or logging again
     _same_model(_model(one_rank_run), _model(run))

@@ -10,7 +10,15 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, DistributedSampler
 
-from squad.data import TaskonomyDataset, build_dataset, build_loader, collate, find_split_csv, read_split_csv, set_epoch
+from squad.data import (
+    TaskonomyDataset,
+    build_dataset,
+    build_loader,
+    collate,
+    find_split_csv,
+    read_split_csv,
+    set_epoch,
+)
 from squad.data.offline.random_tree import write_random_tree
 from squad.data.transforms import resize_raw
 from squad.tasks import TASK_NAMES, get_task

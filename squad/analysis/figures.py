@@ -23,6 +23,7 @@ import torch
 
 from squad.analysis.relations import TaskRelations, task_relations
 from squad.data import build_dataset, eval_loader
+from squad.io.files import atomic_save, atomic_write_text
 from squad.layers.base import EXPERT_KINDS, RoutedLayer
 from squad.models.inference import set_inference
 from squad.models.usage import ExpertUsage
@@ -93,8 +94,10 @@ def relation_figure(matrix: np.ndarray, tasks: Sequence[str], title: str):
 
 def save_figure(fig, path) -> None:
     """Writes a figure as PNG and closes it."""
-    fig.savefig(path, dpi=130, bbox_inches="tight")
-    plt.close(fig)
+    try:
+        atomic_save(path, lambda f: fig.savefig(f, format="png", dpi=130, bbox_inches="tight"), "a figure")
+    finally:
+        plt.close(fig)
 
 
 log = logging.getLogger(__name__)
@@ -248,7 +251,7 @@ def draw_figures(model: SquadViT, out_dir: str | Path, *, data: str | Path | Non
             writer.close()
     numbers["tasks"] = list(usage.tasks)
     json_path = out_dir / "figures.json"
-    json_path.write_text(json.dumps(numbers, indent=1) + "\n")
+    atomic_write_text(json_path, json.dumps(numbers, indent=1) + "\n", "the figures' numbers")
     log.info("wrote %d figures to %s", len(files), out_dir)
     return {"files": files, "json": str(json_path), "usage_source": usage_source,
             "tensorboard": str(tb_dir) if tb_dir else None}

@@ -12,7 +12,9 @@ Exit codes, the same for every tool (`run`):
 - 1: the tool ran but reports a failure of its own (a benchmark case errored, the demo did not learn);
 - 2: bad input: a wrong argument, config key, missing or unreadable file (``error: ...`` on stderr; argparse's
   usage errors exit 2 too);
-- 3: training stopped (`squad.train.objective.TrainingError`, e.g. too many non-finite losses in a row);
+- 3: training stopped (`squad.train.objective.TrainingError`, e.g. too many non-finite losses in a row), or a file
+  could not be written (`squad.io.files.WriteError`: a full disk; the message names the file and the free space,
+  and no partial file is left);
 - 130: interrupted (Ctrl-C).
 
 `run` also prints, at the end of every tool, one line per dataset the tool read and did not report itself: the
@@ -30,6 +32,7 @@ from collections.abc import Callable
 
 EXIT_BAD_INPUT = 2
 EXIT_TRAINING_FAILED = 3
+EXIT_WRITE_FAILED = 3  # the same code: the job stopped, and rerunning it once the cause is fixed goes on
 EXIT_INTERRUPTED = 130
 
 # What a user can fix: a wrong value or config key (`squad.config.base.ConfigError` is a ValueError), a path that is
@@ -69,6 +72,7 @@ def run(body: Callable[[list[str] | None], int], argv: list[str] | None = None, 
 def _run(body: Callable[[list[str] | None], int], argv: list[str] | None,
          bad_input: tuple[type[BaseException], ...]) -> int:
     from squad.data.accounting import track
+    from squad.io.files import WriteError
     from squad.train.objective import TrainingError  # light: no deepspeed
 
     try:
@@ -78,14 +82,40 @@ def _run(body: Callable[[list[str] | None], int], argv: list[str] | None,
             print(f"[squad] {line}", file=sys.stderr)  # (the same split read twice is one line)
         return code
     except TrainingError as e:
-        print(f"error: {_message(e)}", file=sys.stderr)
+        _error(e)
         return EXIT_TRAINING_FAILED
+    except WriteError as e:
+        _error(e)
+        return EXIT_WRITE_FAILED
     except BAD_INPUT + bad_input as e:
-        print(f"error: {_message(e)}", file=sys.stderr)
+        _error(e)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+
+
+def _group_started() -> bool:
+    if "torch.distributed" not in sys.modules:
+        return False
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def _error(e: BaseException) -> None:
+    """Prints ``error: ...`` once per launch: on rank 0, and on another rank only when the error is its own — not
+    one every rank raises alike (marked ``every_rank``: `squad.distributed.on_every_rank`), nor one met before the
+    process group started (every rank parsed the same arguments and config), which rank 0 prints."""
+    from squad.runtime import launch_rank
+
+    rank = launch_rank() or 0
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 and rank != 0:
+        if getattr(e, "every_rank", False) or not _group_started():
+            return
+        print(f"error (rank {rank}): {_message(e)}", file=sys.stderr)
+        return
+    print(f"error: {_message(e)}", file=sys.stderr)
 
 
 def _leave_rank(code: int) -> None:

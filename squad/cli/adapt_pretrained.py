@@ -2,20 +2,25 @@
 
     python tools/adapt_pretrained.py --checkpoint runs/dense/model.pt --capacity 0.5 --routing attention \\
         --data data/synthetic --out runs/dense/amod.pt
-    python tools/adapt_pretrained.py --checkpoint vit_small.pth --capacity 0.5 --data data/synthetic --out amod.pt
+    python tools/adapt_pretrained.py --checkpoint vit_small.pth --num-heads 6 --capacity 0.5 --data data/synthetic \\
+        --out amod.pt
 
 The checkpoint is a squad model (``model.pt`` or a run folder) or a timm VisionTransformer state dict on disk
-(.pth/.pt/.safetensors; architecture read from the weight shapes, heads = width / 64 unless --num-heads; a file
-with ``fc_norm`` is an average-pooled ViT, its classifier on the mean patch token). Every other block becomes a
-MoD block at --capacity. Both routings are evaluated on --data without any training (A-MoD
-Table 3): task metrics for squad models, and for any model the agreement with the dense model (top-1 of a class
-or token head, cosine of the final features). The model for --routing is written to --out.
+(.pth/.pt/.safetensors; architecture read from the weight shapes; a file with ``fc_norm`` is an average-pooled
+ViT, its classifier on the mean patch token). The number of attention heads is not in the weights' shapes: it is
+read from the file where it can be (a ``num_heads`` or a timm architecture name in the checkpoint or in a
+``config.json`` beside it), else --num-heads must give it (exit 2 naming the flag; it is never
+guessed). Every other block becomes a MoD block at --capacity. Both routings are evaluated on --data without any
+training (A-MoD Table 3): task metrics for squad models, and for any model the agreement with the dense model
+(top-1 of a class or token head, cosine of the final features; ``-`` where a measure does not apply). The model for
+--routing is written to --out.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -29,7 +34,7 @@ def load_dense(path: str, num_heads: int | None):
 
     from squad import io
     from squad.config.loading import load_config
-    from squad.io.weights import read_timm_file
+    from squad.io.weights import read_weights, unwrap_state
     from squad.models.timm import load_timm_weights
     from squad.models.vit import build_model
 
@@ -40,7 +45,8 @@ def load_dense(path: str, num_heads: int | None):
         raise FileNotFoundError(f"--checkpoint {p} not found (a squad model.pt / run folder, or a timm ViT state "
                                 f"dict .pth/.pt/.safetensors)")
     try:
-        state = read_timm_file(p)
+        outer = read_weights(p)
+        state = dict(unwrap_state(outer))
     except (FileNotFoundError, ValueError):
         raise
     except Exception as e:  # noqa: BLE001 - pickle, zip and safetensors readers each raise their own kinds
@@ -59,7 +65,7 @@ def load_dense(path: str, num_heads: int | None):
     class_token = "cls_token" in state
     grid = int(round((state["pos_embed"].shape[1] - int(class_token)) ** 0.5))
     depth = 1 + max(int(k.split(".")[1]) for k in state if k.startswith("blocks."))
-    heads = num_heads or max(1, dim // 64)
+    heads = _num_heads(p, outer, dim, num_heads)
     final_norm = "norm.weight" in state  # an average-pooled ViT has none: its fc_norm comes after pooling
     data = {"img_size": grid * patch, "patch_size": patch, "in_chans": chans, "embed_dim": dim, "depth": depth,
             "num_heads": heads, "mlp_ratio": state["blocks.0.mlp.fc1.weight"].shape[0] / dim,
@@ -81,6 +87,83 @@ def load_dense(path: str, num_heads: int | None):
     except (KeyError, RuntimeError) as e:  # a tensor missing or of the wrong shape for the inferred architecture
         raise ValueError(f"{p}: the state dict does not fit the ViT its shapes describe ({_message(e)})") from e
     return model.eval()
+
+
+def _num_heads(path: Path, outer: Mapping, dim: int, given: int | None) -> int:
+    """The attention heads of a timm ViT file: what the file tells (`heads_in_file`), or ``--num-heads``, never a
+    guess (a timm state dict does not store the head count, and ``D / 64`` is wrong for many ViTs).
+
+    Raises:
+        ValueError: the file does not tell and --num-heads is not given, --num-heads disagrees with the file, or
+            it does not divide the width (exit 2, naming the flag).
+    """
+    known, how = heads_in_file(path, outer, dim)
+    if given is not None:
+        if given < 1 or dim % given:
+            raise ValueError(f"--num-heads {given} does not divide the width {dim} of {path}")
+        if known is not None and known != given:
+            raise ValueError(f"--num-heads {given} disagrees with {path}, whose {how} gives {known} heads")
+        return given
+    if known is None:
+        raise ValueError(f"{path}: the number of attention heads cannot be read from this file (a timm state dict "
+                         f"does not store it; width {dim}): pass --num-heads (e.g. 6 for vit_small, 12 for "
+                         f"vit_base: the model's num_heads)")
+    return known
+
+
+def heads_in_file(path: Path, outer: Mapping, dim: int) -> tuple[int | None, str]:
+    """The head count a timm ViT file records, and where it was read; ``(None, "")`` when it records none.
+
+    Read from a ``num_heads`` / ``model_args.num_heads`` entry beside the weights (a checkpoint dict) or in the
+    ``config.json`` beside the file (the layout timm models have on model hubs), else from the timm architecture
+    named there (``arch`` / ``architecture``, e.g. ``vit_small_patch16_224.augreg_in21k``), whose definition in the
+    installed timm gives the count. The checkpoint is read first.
+
+    Raises:
+        ValueError: what the file records contradicts its weights (a width the heads do not divide, an architecture
+            of another width, an unknown architecture).
+    """
+    records: list[tuple[Mapping, str]] = [(outer, "checkpoint")]
+    config = path.parent / "config.json"
+    if config.is_file():
+        try:
+            data = json.loads(config.read_text())
+        except ValueError as e:
+            raise ValueError(f"{config}: not valid JSON ({e})") from e
+        if isinstance(data, Mapping):
+            records.append((data, str(config)))
+    for record, where in records:
+        args = record.get("model_args") if isinstance(record.get("model_args"), Mapping) else {}
+        for value in (record.get("num_heads"), args.get("num_heads")):
+            if isinstance(value, int) and not isinstance(value, bool):
+                if value < 1 or dim % value:
+                    raise ValueError(f"{path}: {where} records num_heads={value}, which does not divide the width "
+                                     f"{dim}")
+                return value, f"{where}'s num_heads"
+        arch = record.get("arch") or record.get("architecture")
+        if isinstance(arch, str) and arch:
+            return _timm_arch_heads(path, arch, dim), f"{where}'s architecture {arch}"
+    return None, ""
+
+
+def _timm_arch_heads(path: Path, arch: str, dim: int) -> int:
+    """The head count of timm architecture ``arch`` (built on the meta device: no weights, no download)."""
+    import timm
+    import torch
+
+    try:
+        with torch.device("meta"):
+            vit = timm.create_model(arch, pretrained=False)
+    except Exception as e:  # noqa: BLE001 - timm raises RuntimeError / KeyError for unknown names
+        raise ValueError(f"{path} names the timm architecture {arch!r}, which this timm ({timm.__version__}) does "
+                         f"not know ({type(e).__name__}: {_message(e)}); pass --num-heads") from e
+    blocks = getattr(vit, "blocks", None)
+    attn = getattr(blocks[0], "attn", None) if blocks is not None and len(blocks) else None
+    heads = getattr(attn, "num_heads", None)
+    if not isinstance(heads, int) or getattr(vit, "embed_dim", None) != dim:
+        raise ValueError(f"{path} names the timm architecture {arch!r} (width {getattr(vit, 'embed_dim', '?')}), "
+                         f"but its weights are {dim} wide; pass --num-heads")
+    return heads
 
 
 def _message(e: BaseException) -> str:
@@ -109,7 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--split", default="val")
     ap.add_argument("--batches", type=int, default=8, help="evaluation batches (0 = the whole split)")
     ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--num-heads", type=int, default=None, help="attention heads of a timm file (default D/64)")
+    ap.add_argument("--num-heads", type=int, default=None, help="attention heads of a timm file (needed when the "
+                    "file does not record them; checked against it when it does)")
     ap.add_argument("--out", required=True, help="where to write the adapted model (squad model file)")
     return ap
 
@@ -121,8 +205,10 @@ def _adapt(argv: list[str] | None) -> int:
     import torch
 
     from squad import io
+    from squad.io.files import atomic_write_text, check_writable
     from squad.posttrain.adapt import fidelity, to_mod
 
+    check_writable(args.out, "--out")
     torch.manual_seed(0)
     dense = load_dense(args.checkpoint, args.num_heads)
     models = {"dense": dense}
@@ -143,23 +229,33 @@ def _adapt(argv: list[str] | None) -> int:
         for name, m in models.items():
             if tasks:
                 rows[name].update(primary(evaluate(m, loader, tasks, max_batches=args.batches)))
-            if name != "dense":
+            if name != "dense":  # agreement with the dense model (the reference: its own row has none)
                 f = fidelity(m, dense, images, probe)
-                rows[name].update({"top1_agreement": f.top1_agreement, "feature_cosine": f.feature_cosine})
-    keys = sorted({k for r in rows.values() for k in r})
-    print(f"MoD adaptation of {args.checkpoint}: capacity {args.capacity}, every {args.every} blocks, no training")
-    print(f"{'model':<10}" + "".join(f"{k[:18]:>20}" for k in keys))
-    for name, r in rows.items():
-        print(f"{name:<10}" + "".join(f"{r.get(k, float('nan')):>20.4f}" for k in keys))
+                rows[name]["feature_cosine"] = f.feature_cosine
+                if not math.isnan(f.top1_agreement):  # a class or token head: top-1 is defined
+                    rows[name]["top1_agreement"] = f.top1_agreement
+    print(f"MoD adaptation of {args.checkpoint} ({dense.cfg.num_heads} heads of width "
+          f"{dense.cfg.embed_dim // dense.cfg.num_heads}): capacity {args.capacity}, every {args.every} blocks, "
+          f"no training")
+    print(_table(rows))
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     chosen = models[args.routing]
     io.export_model(out, chosen, None, {"adapted_from": str(args.checkpoint), "capacity": args.capacity,
                                           "routing": args.routing, "evaluation": rows})
-    out.with_suffix(".json").write_text(json.dumps({"capacity": args.capacity, "every": args.every,
-                                                    "results": rows}, indent=2))
+    atomic_write_text(out.with_suffix(".json"), json.dumps({"capacity": args.capacity, "every": args.every,
+                                                            "results": rows}, indent=2), "the evaluation")
     print(f"wrote {out} ({args.routing} routing) and {out.with_suffix('.json')}")
     return 0
+
+
+def _table(rows: dict[str, dict[str, float]]) -> str:
+    """The summary: one row per model, one column per measure; ``-`` where a measure does not apply (the dense
+    model is the reference of the agreement columns; top-1 needs a class head)."""
+    keys = sorted({k for r in rows.values() for k in r})
+    lines = [f"{'model':<10}" + "".join(f"{k[:18]:>20}" for k in keys)]
+    for name, r in rows.items():
+        lines.append(f"{name:<10}" + "".join(f"{r[k]:>20.4f}" if k in r else f"{'-':>20}" for k in keys))
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

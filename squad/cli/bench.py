@@ -64,11 +64,13 @@ def _bench(argv: list[str] | None) -> int:
 
     from squad import runtime
     from squad.bench import cases as bench_cases
+    from squad.io.files import atomic_write_text, check_writable
 
     if args.list:
         for c in bench_cases.CASES:
             print(f"{c.name:<18}{c.ref:<48}{c.help}")
         return 0
+    check_writable(args.json, "--json")  # before minutes of timing
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     if not args.no_tuning:
@@ -92,8 +94,7 @@ def _bench(argv: list[str] | None) -> int:
         print(bench_cases.format_table(rows))
         report["environment_after"] = env
         report["results"] = [bench_cases.result_dict(r) for r in rows]
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=2) + "\n")
+    atomic_write_text(args.json, json.dumps(report, indent=2) + "\n", "the benchmark results")
     print(f"wrote {args.json}")
     return 1 if any(r.unit == "error" for r in rows) else 0
 

@@ -97,6 +97,7 @@ def _evaluate(argv: list[str] | None) -> int:
 
     from squad.eval.evaluate import delta_against, evaluate_run, format_results, load_baseline
     from squad.io import load
+    from squad.io.files import atomic_write_text
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else None
     taken: set[str] = set()
@@ -133,7 +134,7 @@ def _evaluate(argv: list[str] | None) -> int:
         result.update(next(iter(models.values())))
     else:
         result["models"] = models
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    atomic_write_text(out, json.dumps(result, indent=2) + "\n", "the evaluation results")
     print(f"results: {out}")
     return 0
 

@@ -16,13 +16,17 @@ PyTorch alone:
 
 Every layer kind exports (dense, MoE attention, MoE MLP, MoD, A-MoD, MoNE at --mone-capacity); MoD threshold
 inference is refused (exit 2, saying why). After writing, the tool reloads the file and compares it with squad's own
-outputs on random images (max |diff| per task printed; exit 1 if above 1e-4).
+outputs on random images (max |diff| per task printed; exit 1 if above 1e-4). The file is written atomically: an
+--out that cannot be written is refused before the model is loaded (exit 2); a write that fails (a full disk, or
+/dev/full) exits 3 naming the file and the free space, and leaves no partial file.
 
 --format model.pt: the model of any checkpoint tag (or run folder, or model.pt) as squad's model.pt: squad's
 parameter names, every expert, the expert-usage statistics, the step; loadable with ``squad.load``. ZeRO-1/2 keep
 the full module weights in every tag's model-states file, so nothing is merged; under bf16 training those are the
-bf16 copies (as in the run's own model.pt). For the fp32 master weights of a bf16 ZeRO run, run DeepSpeed's script
-that sits in every run's checkpoints/ folder and pass its output with --weights:
+bf16 copies (as in the run's own model.pt). For the fp32 master weights of a bf16 or ZeRO run, run DeepSpeed's
+script that such a run's checkpoints/ folder holds (an fp32 run at ZeRO stage 0 has none and needs none: its tags
+hold the fp32 weights) and pass its output with --weights (the uncertainty weighting's task log-variances it also
+holds go to the model.pt's extra.task_log_vars):
 
     python runs/x/checkpoints/zero_to_fp32.py runs/x/checkpoints runs/x/fp32      # the latest tag (-t TAG: another)
     python tools/export.py --checkpoint runs/x/checkpoints --format model.pt --weights runs/x/fp32 --out fp32.pt
@@ -67,11 +71,12 @@ def _export(argv: list[str] | None) -> int:
     import torch
 
     import squad
-    from squad.deploy.export import check_program, export_program, load_program, program_info, save_program
+    from squad.deploy.export import check_program, export_program, load_program, program_bytes, program_info
+    from squad.io.files import atomic_write_bytes, check_writable
     from squad.models.inference import set_inference
 
+    out = check_writable(Path(args.out), "--out")  # refused before the model is loaded and traced
     model = squad.load(args.checkpoint)
-    out = Path(args.out)
     if args.format == "model.pt":
         return _write_model_pt(model, args, out)
     if args.static_batch is not None and args.static_batch < 2:
@@ -83,16 +88,18 @@ def _export(argv: list[str] | None) -> int:
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else None
     program = export_program(model, tasks, dynamic_batch=args.static_batch is None,
                              example_batch=args.static_batch or 2)
-    save_program(program, out)
+    data = program_bytes(program)
+    atomic_write_bytes(out, data, "the exported program")
     info = program_info(program)
-    print(f"program: {out} ({out.stat().st_size / 2**20:.1f} MiB)")
+    print(f"program: {out} ({len(data) / 2**20:.1f} MiB)")
     print(f"input: images {info['input']} {info['dtype']} (CPU); output: dict of {', '.join(info['tasks'])}")
     if args.check_images == 0:
         return 0
     cfg = getattr(model, "model", model).cfg  # an extracted model's inner SquadViT
     b = args.static_batch or args.check_images
     images = torch.randn(b, cfg.in_chans, cfg.img_size, cfg.img_size, generator=torch.Generator().manual_seed(1))
-    diffs = check_program(load_program(out), model, images, info["tasks"])
+    written = load_program(out if out.is_file() else data)  # the file itself (a device such as /dev/stdout: the bytes)
+    diffs = check_program(written, model, images, info["tasks"])
     worst = max(diffs.values())
     print(f"check on {b} random images, max |program - squad|: "
           + ", ".join(f"{t} {d:.2e}" for t, d in diffs.items()))
@@ -116,16 +123,24 @@ def _write_model_pt(model, args: argparse.Namespace, out: Path) -> int:
     extra = dict(model.meta.get("extra") or {})
     extra["exported_from"] = str(model.meta.get("path", args.checkpoint))
     if args.weights is not None:
-        model = _with_weights(model, Path(args.weights))
+        model, log_vars = _with_weights(model, Path(args.weights))
         extra["weights_from"] = str(args.weights)
+        if log_vars is not None:  # the fp32 master copy of the learned task weights
+            extra["task_log_vars"] = log_vars
     export_model(out, model, model.usage, extra=extra)
     n = sum(p.numel() for p in model.parameters())
     print(f"model: {out} ({n:,} parameters, fp32; from {extra['exported_from']}, step {extra.get('step')})")
     return 0
 
 
+# What the engine's module (squad's training objective, `squad.train.objective.MultiTaskObjective`) holds beside the
+# model: the learned log-variances of uncertainty weighting (loss.weighting: uncertainty / uncertainty_log1p).
+OBJECTIVE_TENSORS = ("weighting.log_vars",)
+
+
 def _with_weights(model, source: Path):
-    """``model`` with the weights of a state dict file or folder (zero_to_fp32.py's output), shape-checked."""
+    """``model`` with the weights of a state dict file or folder (zero_to_fp32.py's output), shape-checked, and the
+    objective's task log-variances when the file has them (else None)."""
     import json
 
     import torch
@@ -161,12 +176,22 @@ def _with_weights(model, source: Path):
         if not isinstance(part, dict):
             raise ValueError(f"--weights {file}: not a state dict (a {type(part).__name__})")
         state.update(part)
-    # zero_to_fp32 names the engine's module: squad's training objective, whose model is "model."
+    # zero_to_fp32 names the engine's module: squad's training objective, whose model is "model." and whose task
+    # weighting (uncertainty weighting's log-variances) is "weighting."
+    log_vars = None
+    if any(k.startswith("model.") for k in state):
+        objective = {k: state.pop(k) for k in OBJECTIVE_TENSORS if k in state}
+        others = [k for k in state if not k.startswith("model.")]
+        if others:
+            raise ValueError(f"--weights {source}: tensors that are neither the model's ('model.') nor the training "
+                             f"objective's ({', '.join(OBJECTIVE_TENSORS)}): {', '.join(others[:5])}")
+        if "weighting.log_vars" in objective:
+            log_vars = objective["weighting.log_vars"].detach().float().cpu()
     state = {k.removeprefix("model."): v.detach().to(torch.float32) if v.is_floating_point() else v.detach()
              for k, v in state.items()}
     fresh = load_assigned(build_on_meta(model.cfg), state, str(source)).eval()
     fresh.usage, fresh.meta = model.usage, model.meta
-    return fresh
+    return fresh, log_vars
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,7 +11,9 @@ tree (either layout), the synthetic tree or shards and prints, per domain, code 
 the ranges real Taskonomy files show, flagging values outside them (`squad.data.offline.stats`): how to check a
 download.
 Exit codes: 0 done (flags are reported, not failures), 1 with --strict when a statistic is outside its real range,
-2 bad input (no such root, no domain folder, unknown split or domain).
+2 bad input (no such root, no domain folder, unknown split or domain, an --out that cannot be written), 3 a file
+could not be written (a full disk: the file and the free space are named, and what synthetic or pack had written
+is removed, so rerunning the same command starts clean).
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ def _synthetic(args: argparse.Namespace) -> None:
     except ModuleNotFoundError as e:
         raise ValueError(f"the synthetic renderer is not available ({e})") from e
 
+    from squad.io.files import check_writable
+
+    check_writable(args.out, "--out", folder=True)
     t0 = time.perf_counter()
     if args.dataset == "taskonomy":
         root = render_dataset(args.out, n=args.n, image_size=size, seed=args.seed, buildings=args.buildings)
@@ -68,6 +73,10 @@ def _pack(args: argparse.Namespace) -> None:
     print(f"data {args.src}: " + (", ".join(f"{n} {k.replace('_', '-')} file{'s' if n != 1 else ''}"
                                             for k, n in left.items() if n) + " left out (stored as absent)"
                                   if any(left.values()) else "every file read"))
+    if info.get("no_target"):
+        n = info["no_target"]
+        print(f"data {args.src}: {n} sample{'s' if n != 1 else ''} left out: none of {'their' if n != 1 else 'its'} "
+              f"target files was usable")
     print(f"{'split':<8}{'shards':>8}{'samples':>10}")
     for part in dict.fromkeys(s["split"] for s in info["shards"]):
         shards = [s for s in info["shards"] if s["split"] == part]
@@ -77,6 +86,7 @@ def _pack(args: argparse.Namespace) -> None:
 
 def _stats(args: argparse.Namespace) -> int:
     from squad.data.offline.stats import dataset_stats
+    from squad.io.files import atomic_write_text
 
     t0 = time.perf_counter()
     result = dataset_stats(args.root, max_images=args.max_images or None, split=args.split,
@@ -84,8 +94,7 @@ def _stats(args: argparse.Namespace) -> int:
     print(result.table(full=args.full))
     print(f"read {result.views} views in {time.perf_counter() - t0:.1f} s")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result.to_dict(), indent=1))
+        atomic_write_text(args.json, json.dumps(result.to_dict(), indent=1), "the statistics")
         print(f"wrote {args.json}")
     if args.strict and result.outside:
         print(f"error: {len(result.outside)} statistics outside the real ranges (--strict)", file=sys.stderr)

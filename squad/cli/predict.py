@@ -22,7 +22,9 @@ dataset's own encoding (16-bit depth in 1/512 m, 8-bit normals, ...). OUT/predic
 
 A file that cannot be read (corrupt, not an image) is reported on stderr and in predictions.json and skipped; the
 run goes on. Exit status: 0 every image written; 1 some were skipped; 2 bad input (a missing path, no images, a
-task the model lacks, a bad checkpoint or setting). The progress bar (stderr) shows on a terminal unless --quiet.
+task the model lacks, a bad checkpoint or setting, an --out that cannot be written); 3 a file could not be written
+(a full disk: the file and the free space are named; every file is whole or absent, and predictions.json, written
+last, lists only complete runs). The progress bar (stderr) shows on a terminal unless --quiet.
 """
 
 from __future__ import annotations
@@ -79,7 +81,9 @@ def _predict(argv: list[str] | None) -> int:
 
     from squad.deploy.predict import SUMMARY, predict
     from squad.io import load
+    from squad.io.files import check_writable
 
+    check_writable(args.out, "--out", folder=True)  # before the model is loaded
     names = _class_names(args.class_names)
     model = load(args.checkpoint)
     with logging_redirect_tqdm():

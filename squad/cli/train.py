@@ -61,7 +61,10 @@ def _train(argv: list[str] | None) -> int:
     out = Path(args.out or Path("runs") / Path(args.config).stem)
     path = train(cfg, out, args.resume, overwrite=args.overwrite,
                  allow_world_size_change=args.allow_world_size_change)
-    print(f"model: {path}")
+    from squad.runtime import launch_rank
+
+    if not launch_rank():  # once per launch, not once per rank (None: one plain process)
+        print(f"model: {path}")
     return 0
 
 

@@ -32,6 +32,8 @@ _SCIENTIFIC = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 class ConfigError(ValueError):
     """A configuration value is wrong; the message names the dotted key."""
 
+    every_rank = True  # every rank reads the same config: the tools print it once (`squad.cli.run`)
+
 
 def _type_name(tp: Any) -> str:
     origin = get_origin(tp)

@@ -9,6 +9,10 @@ Three kinds of problem are kept apart:
 * ``missing``: a domain file a sample lacks, found while indexing. With ``missing="skip"`` the sample is left
   out of the index (``unindexed`` counts those samples); with ``missing="mask"`` its target is masked.
 
+A shard file that cannot be opened at all (truncated, not HDF5) is found while indexing: it counts as one corrupt
+file, it is named in a warning, and its samples are skipped and counted as ``lost`` (the index records how many a
+shard holds).
+
 `FileIssues` records corrupt and wrong-size files per (sample, domain) in a bit set in shared memory, so every
 DataLoader worker of the process sees the same record, a file is counted (and warned about) once however often it
 is visited, and a known-bad file is not read again. `report` unites the records of all ranks (a collective when a
@@ -135,6 +139,7 @@ class DataReport:
     wrong_size: int = 0  # distinct files refused for their size
     missing: int = 0  # domain files the indexed or left-out samples lack
     unindexed: int = 0  # samples left out of the index because a required domain file is missing
+    lost: int = 0  # samples of shard files that could not be opened (each such file is one corrupt file)
     images: int | None = None  # images an evaluation pass scored (unusable samples are left out, never replaced)
 
     def as_dict(self) -> dict[str, Any]:
@@ -142,7 +147,7 @@ class DataReport:
 
     @property
     def clean(self) -> bool:
-        return not (self.corrupt or self.wrong_size or self.missing or self.unindexed)
+        return not (self.corrupt or self.wrong_size or self.missing or self.unindexed or self.lost)
 
     def line(self) -> str:
         """The one-line summary, e.g. ``data val (data/x): 240 samples; 2 corrupt files, 1 wrong-size file``."""
@@ -157,6 +162,8 @@ class DataReport:
                 parts.append(f"{n} {what} file{'s' if n != 1 else ''}")
         if self.unindexed:
             parts.append(f"{self.unindexed} sample{'s' if self.unindexed != 1 else ''} left out of the index")
+        if self.lost:
+            parts.append(f"{self.lost} sample{'s' if self.lost != 1 else ''} lost in unreadable shard files")
         return f"{head}; {', '.join(parts)} (the first of each kind is logged as a warning)"
 
 
@@ -175,8 +182,10 @@ def report(dataset, name: str, images: int | None = None) -> DataReport:
         dist.all_gather_object(gathered, mine)
         counts = {k: int(np.unique(np.concatenate([g[k] for g in gathered])).size) for k in KINDS}
     dataset.reported = True
+    counts["corrupt"] += len(dataset.unreadable_files)  # the same on every rank (found while indexing)
     return DataReport(name=name, root=str(getattr(dataset, "root", "")), samples=len(dataset),
-                      missing=int(dataset.missing_files), unindexed=int(dataset.unindexed), images=images, **counts)
+                      missing=int(dataset.missing_files), unindexed=int(dataset.unindexed),
+                      lost=int(dataset.lost_samples), images=images, **counts)
 
 
 # ------------------------------------------------------------------------------------ what the tools print
@@ -218,6 +227,8 @@ def _safe_collective() -> bool:
 
 def _local(dataset, name: str) -> DataReport:
     dataset.reported = True
+    counts = {k: dataset.issues.count(k) for k in KINDS}
+    counts["corrupt"] += len(dataset.unreadable_files)
     return DataReport(name=f"{name} (this rank)", root=str(getattr(dataset, "root", "")), samples=len(dataset),
                       missing=int(dataset.missing_files), unindexed=int(dataset.unindexed),
-                      **{k: dataset.issues.count(k) for k in KINDS})
+                      lost=int(dataset.lost_samples), **counts)

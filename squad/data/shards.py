@@ -108,8 +108,10 @@ class ShardDataset(TaskonomyBase):
         self._index(packed, set(buildings) if buildings is not None else None)
         if len(self) == 0:
             have = sorted({s["split"] for s in self.index["shards"]})
+            lost = (f"; unreadable shard files: {', '.join(self.unreadable_files)} ({self.lost_samples} samples)"
+                    if self.unreadable_files else "")
             raise EmptyDatasetError(f"no samples in {self.root} for split {split!r} (packed splits: {have}) with tasks "
-                             f"{self.tasks} and missing={self.missing!r}")
+                                    f"{self.tasks} and missing={self.missing!r}{lost}")
         self._handles: dict[int, h5py.File] = {}
         self._dsets: dict[tuple[int, str], h5py.Dataset] = {}
         self._pid = -1
@@ -120,10 +122,15 @@ class ShardDataset(TaskonomyBase):
         counted = sum(1 << k for k, d in enumerate(self.domains) if d in self.task_domains and d in packed)
         ids, present, loc = [], [], []
         missing_files, unindexed, examples = 0, 0, []
+        sizes = {s["file"]: int(s.get("n", 0)) for s in self.index["shards"]}
         for fi, name in enumerate(self.files):
-            with h5py.File(self.root / name, "r") as f:
-                sid = f["id"].asstr()[...]
-                pres = f["present"][...]
+            try:
+                with h5py.File(self.root / name, "r") as f:
+                    sid = f["id"].asstr()[...]
+                    pres = f["present"][...]
+            except (OSError, KeyError, ValueError) as e:  # truncated, not HDF5, or without squad's datasets
+                self._unreadable(name, sizes.get(name, 0), e)
+                continue
             bits = np.zeros(len(sid), dtype=np.int64)
             for k, c in enumerate(cols):
                 if c >= 0:
@@ -145,6 +152,14 @@ class ShardDataset(TaskonomyBase):
         self._present = np.concatenate(present) if present else np.zeros(0, dtype=np.int64)
         self._loc = np.concatenate(loc) if loc else np.zeros((0, 2), dtype=np.int64)
         self._indexed(missing_files, unindexed, examples)
+
+    def _unreadable(self, name: str, samples: int, error: BaseException) -> None:
+        """A shard file that cannot be opened: named in a warning, counted as a corrupt file, its samples lost."""
+        self.unreadable_files.append(name)
+        self.lost_samples += samples
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        logger.warning("%s: unreadable shard file %s (%s): its %d samples are skipped", self.root,
+                       self.root / name, reason[:300], samples)
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()

@@ -232,6 +232,8 @@ class TaskonomyBase(Dataset):
         self.split: str | Sequence[str] = "all"
         self.missing_files = 0  # domain files the indexed (and left-out) samples lack
         self.unindexed = 0  # samples left out of the index (a required domain file is missing)
+        self.unreadable_files: list[str] = []  # whole files that could not be opened (a truncated HDF5 shard)
+        self.lost_samples = 0  # the samples those files held
         self._ids = np.array([], dtype=str)
         self._present = np.zeros(0, dtype=np.int64)
         self.issues = FileIssues(0, len(self.domains))

@@ -32,19 +32,22 @@ Refused, with `ExportError` (a `ValueError`: tools/export.py exits 2) naming the
 
 from __future__ import annotations
 
+import io
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn as nn
 
+from squad.io.files import atomic_write_bytes
 from squad.layers.mod import MoDBlock
 from squad.models.single_task import SingleTaskModel
 from squad.models.vit import SquadViT
 
-__all__ = ["ExportError", "ExportedSquad", "check_program", "export_program", "load_program", "program_info",
-           "save_program"]
+__all__ = ["ExportError", "ExportedSquad", "check_program", "export_program", "load_program", "program_bytes",
+           "program_info", "save_program"]
 
 FORMAT = "squad.export/1"  # the .pt2's extra file ``squad.json`` records it with the tasks and input shape
 
@@ -154,21 +157,28 @@ def export_program(model: nn.Module, tasks: Sequence[str] | None = None, *, dyna
                           f"{', '.join(kinds) or 'none'}): {type(e).__name__}: {first}") from e
 
 
+def program_bytes(program: torch.export.ExportedProgram) -> bytes:
+    """The ``.pt2`` file of ``program`` (`torch.export.save` into memory), with ``squad.json`` (`program_info`)."""
+    buf = io.BytesIO()
+    torch.export.save(program, buf, extra_files={"squad.json": json.dumps(program_info(program))})
+    return buf.getvalue()
+
+
 def save_program(program: torch.export.ExportedProgram, path: str | Path) -> Path:
-    """Writes ``program`` as a ``.pt2`` file (`torch.export.save`, atomically), its folder created.
+    """Writes ``program`` as a ``.pt2`` file, atomically (`squad.io.files.atomic_write_bytes`), its folder created.
 
     The file also holds ``squad.json`` (`program_info`: format, tasks, input shape), readable without squad with
-    ``torch.export.load(path, extra_files={"squad.json": ""})``.
+    ``torch.export.load(path, extra_files={"squad.json": ""})``. It is serialised in memory first: torch's zip writer
+    aborts the process when the disk fills under it.
 
     Returns:
         ``path``.
+
+    Raises:
+        squad.io.files.WriteError: the file could not be written (a full disk: the message names the path and the
+            free space; no partial file is left).
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.partial.pt2")  # torch.export.save wants the .pt2 suffix
-    torch.export.save(program, tmp, extra_files={"squad.json": json.dumps(program_info(program))})
-    tmp.replace(path)
-    return path
+    return atomic_write_bytes(path, program_bytes(program), "the exported program")
 
 
 def program_info(program: torch.export.ExportedProgram) -> dict:
@@ -185,18 +195,25 @@ def program_info(program: torch.export.ExportedProgram) -> dict:
             "input": ["B" if dynamic else batch, *images.shape[1:]], "dtype": str(images.dtype).removeprefix("torch.")}
 
 
-def load_program(path: str | Path) -> nn.Module:
+def load_program(path: str | Path | bytes) -> nn.Module:
     """The callable module of a ``.pt2`` file (`torch.export.load(path).module()`): images → {task: prediction}.
+
+    Args:
+        path: the file, or its bytes (`program_bytes`).
 
     Raises:
         FileNotFoundError: no such file.
         ValueError: not a torch.export program.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"exported program not found: {path}")
+    if isinstance(path, bytes):
+        source: Any = io.BytesIO(path)
+        path = "<program bytes>"
+    else:
+        path = source = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"exported program not found: {path}")
     try:
-        return torch.export.load(path).module()
+        return torch.export.load(source).module()
     except Exception as e:  # noqa: BLE001 - a zip that is not an ExportedProgram, a truncated file, ...
         raise ValueError(f"{path}: not a torch.export program ({type(e).__name__}: {e})") from e
 

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from squad.io.files import atomic_save
 from squad.tasks import ScalarTask, get_task
 from squad.tasks.depth import DepthTask
 from squad.tasks.normal import NormalTask
@@ -173,8 +174,12 @@ def top_k(probabilities: np.ndarray, k: int = 5, names: list[str] | None = None)
     return out
 
 
-def save_png(path: str | Path, image: np.ndarray) -> Path:
-    """Writes an ``uint8`` / ``uint16`` image ``[H, W]`` or ``[H, W, 3]`` as PNG (16-bit grey stays 16-bit)."""
-    path = Path(path)
-    Image.fromarray(np.ascontiguousarray(image)).save(path, format="PNG")
-    return path
+def save_png(path: str | Path, image: np.ndarray, *, sync: bool = True) -> Path:
+    """Writes an ``uint8`` / ``uint16`` image ``[H, W]`` or ``[H, W, 3]`` as PNG (16-bit grey stays 16-bit),
+    atomically (`squad.io.files.atomic_save`; ``sync=False``: no fsync, the caller syncs once at the end).
+
+    Raises:
+        squad.io.files.WriteError: the file could not be written.
+    """
+    picture = Image.fromarray(np.ascontiguousarray(image))
+    return atomic_save(path, lambda f: picture.save(f, format="PNG"), sync=sync)

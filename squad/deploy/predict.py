@@ -55,7 +55,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from squad.data.transforms import decode_rgb, resize_raw
 from squad.deploy.encode import encode_taskonomy, has_taskonomy_encoding
 from squad.deploy.pictures import picture, save_png, top_k
-from squad.io import atomic_write_text
+from squad.io.files import atomic_save, atomic_write_text, check_writable, sync_tree
 from squad.layers.heads import DenseHead
 from squad.models.inference import inference_settings, set_inference
 from squad.models.single_task import SingleTaskModel
@@ -230,21 +230,23 @@ def _write(folder: Path, task: str, kind: str, value: np.ndarray, encode: Encodi
     """Writes one task's outputs for one image; returns ``{what: file name}`` and the top-5 for class heads."""
     files: dict[str, str] = {}
     spec = _task(task)
+    raw = value.astype(np.float32)
+    # each file whole or absent (squad.io.files); synced once, before predictions.json is written
     if kind == "dense":
-        save_png(folder / f"{task}.png", picture(task, value))
+        save_png(folder / f"{task}.png", picture(task, value), sync=False)
         files["picture"] = f"{task}.png"
         if encode == "taskonomy" and spec is not None and has_taskonomy_encoding(spec.name):
-            save_png(folder / f"{task}_taskonomy.png", encode_taskonomy(spec.name, value))
+            save_png(folder / f"{task}_taskonomy.png", encode_taskonomy(spec.name, value), sync=False)
             files["taskonomy"] = f"{task}_taskonomy.png"
         else:
-            np.save(folder / f"{task}.npy", value.astype(np.float32))
+            atomic_save(folder / f"{task}.npy", lambda f: np.save(f, raw), sync=False)
             files["npy"] = f"{task}.npy"
         return files, None
     probs = value if spec is not None else _softmax(value)
     top = top_k(probs, 5, names)
-    (folder / f"{task}.json").write_text(json.dumps({"task": task, "top5": top}, indent=2) + "\n")
+    atomic_write_text(folder / f"{task}.json", json.dumps({"task": task, "top5": top}, indent=2) + "\n", sync=False)
     files["top5"] = f"{task}.json"
-    np.save(folder / f"{task}.npy", value.astype(np.float32))
+    atomic_save(folder / f"{task}.npy", lambda f: np.save(f, raw), sync=False)
     files["npy"] = f"{task}.npy"
     return files, top
 
@@ -308,6 +310,9 @@ def predict(model: nn.Module, images: str | Path | Iterable[str | Path], out: st
         ValueError: an unknown task (listing the model's tasks), a bad setting, an encoding other than npy /
             taskonomy, class names of the wrong length, or no images.
         FileNotFoundError: a missing image path.
+        PermissionError: ``out`` cannot be created or written (checked before any image is read).
+        squad.io.files.WriteError: a file could not be written (a full disk): the images written before it are
+            whole, the file being written is removed, and no ``predictions.json`` is written.
     """
     if encode not in ("npy", "taskonomy"):
         raise ValueError(f"encode must be 'npy' or 'taskonomy', got {encode!r}")
@@ -321,8 +326,7 @@ def predict(model: nn.Module, images: str | Path | Iterable[str | Path], out: st
     class_names = _check_class_names(inner, class_names or {}, names)
     paths = list_images(images)
     device = torch.device(device if device is not None else default_device())
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = check_writable(out, "output folder", folder=True)
     model.eval().to(device)
     size = inner.cfg.img_size
     folders = dict(zip(paths, _out_names(paths), strict=True))
@@ -349,8 +353,7 @@ def predict(model: nn.Module, images: str | Path | Iterable[str | Path], out: st
             preds = run_model(model, torch.stack(batch).to(device), names)
             preds = {t: v.float().cpu().numpy() for t, v in preds.items()}
             for i, (p, info) in enumerate(infos):
-                folder = out / folders[p]
-                folder.mkdir(exist_ok=True)
+                folder = out / folders[p]  # created by the first file written into it
                 entry = {"path": str(p), "out": folders[p], **{k: info[k] for k in ("size", "crop")}, "files": {}}
                 for t in names:
                     files, top = _write(folder, t, kinds[t], preds[t][i], encode, class_names.get(t))
@@ -372,6 +375,7 @@ def predict(model: nn.Module, images: str | Path | Iterable[str | Path], out: st
         "images": done,
         "skipped": skipped,
     }
+    sync_tree(out)  # every image's files on disk before the summary that lists them
     atomic_write_text(out / SUMMARY, json.dumps(summary, indent=2) + "\n")
     return summary
 

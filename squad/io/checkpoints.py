@@ -73,6 +73,8 @@ def resume_candidates(ckpt_dir: Path) -> list[str]:
 class CheckpointError(ValueError):
     """A checkpoint file squad will not load; ``file`` names it."""
 
+    every_rank = True  # a resume agrees on it across ranks (squad.train.checkpoint): the tools print it once
+
     def __init__(self, message: str, file: str | Path):
         super().__init__(message)
         self.file = str(file)

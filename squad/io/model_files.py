@@ -262,11 +262,13 @@ def _load_checkpoint(tag: Path) -> SquadViT:
             state[key] = value
     load_assigned(model, state, str(file)).eval()
     loop = states.get("loop") or {}
+    log_vars = module.get("weighting.log_vars")  # the objective's learned task weights (uncertainty weighting)
     model.usage = ExpertUsage.from_state_dict(states["usage"]) if states.get("usage") else None
     model.meta = {"format": CHECKPOINT_FORMAT, "path": str(tag), "config": to_dict(run_cfg.model),
                   "tasks": list(model.task_names),
                   "extra": {"step": loop.get("step", states.get("global_steps")), "tag": tag.name,
-                            "trained_tasks": run_cfg.train_tasks(), "loop": dict(loop)}}
+                            "trained_tasks": run_cfg.train_tasks(), "loop": dict(loop),
+                            "task_log_vars": log_vars.detach().float().cpu() if log_vars is not None else None}}
     return model
 
 
@@ -305,7 +307,7 @@ def export_model(path: str | Path, model: SquadViT, usage: ExpertUsage | None, e
         "usage": usage.state_dict() if usage is not None else None,
         "extra": extra or {},
     }
-    atomic_torch_save(payload, path)
+    atomic_torch_save(payload, path, "the model file")
     return path
 
 
@@ -332,7 +334,7 @@ def save_extracted(path: str | Path, ext: SingleTaskModel, report: dict | None =
         "state_dict": {k: v.detach().cpu().contiguous() for k, v in ext.model.state_dict().items()},
         "report": _plain(report or {}),
     }
-    atomic_torch_save(payload, path)
+    atomic_torch_save(payload, path, "the extracted model")
     return path
 
 

@@ -32,6 +32,7 @@ from squad.analysis.flops import profile
 from squad.data import EmptyDatasetError, eval_loader
 from squad.eval.evaluate import compute_summary, evaluate, model_dataset
 from squad.io import save_extracted
+from squad.io.files import atomic_write_text
 from squad.models.inference import set_inference
 from squad.models.pruning import (
     check_keep_top,
@@ -251,7 +252,7 @@ def extract_to_file(model: SquadViT, task: str, out: str | Path, *, theta: float
             report["compute"] = compute_summary(ext.model, [name], usage_after)
     out = Path(out)
     save_extracted(out, ext, report)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    atomic_write_text(out.with_suffix(".json"), json.dumps(report, indent=2) + "\n", "the extraction report")
     log.info("extracted %s: %d → %d parameters, written to %s", name, report["params"]["full"],
              report["params"]["extracted"], out)
     return report

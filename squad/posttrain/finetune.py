@@ -34,6 +34,7 @@ from torch.utils.data import DataLoader, Subset
 from squad.data import collate, eval_loader
 from squad.eval.evaluate import evaluate, model_dataset
 from squad.io import export_model
+from squad.io.files import atomic_write_text
 from squad.models.surgery import select_tasks
 from squad.models.vit import SquadViT
 from squad.tasks import TASK_NAMES, get_task
@@ -377,8 +378,7 @@ def finetune_table(full: SquadViT, task: str, data: str | Path, modes: Sequence[
                                                  "trained_tasks": [*base.task_names, name]})
                 row["saved"] = str(path)
     if out is not None:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(result, indent=2) + "\n")
+        atomic_write_text(out, json.dumps(result, indent=2) + "\n", "the fine-tuning results")
     return result
 
 

@@ -42,7 +42,7 @@ from squad.models.vit import SquadViT, build_model
 from squad.tasks import get_task
 from squad.train import checkpoint as ckpt
 from squad.train.objective import MultiTaskObjective, TrainingError, nonfinite_stop
-from squad.train.optim import lr_lambda, param_groups
+from squad.train.optim import lr_lambda, param_groups, warmup_note
 from squad.train.run_folder import RunFolder, ShmSegments, lock_before_start, resume_source
 
 log = logging.getLogger("squad.train")
@@ -179,6 +179,9 @@ class Trainer:
         steps_per_epoch = max(1, self.batches_per_epoch // o.grad_accum)
         self.total_steps = o.steps if o.steps > 0 else max(1, math.ceil(o.epochs * steps_per_epoch))
         warmup = o.warmup_steps or int(o.warmup_epochs * steps_per_epoch)
+        note = warmup_note(warmup, self.total_steps, o.lr)
+        if note and self.rank == 0:
+            log.warning(note)
 
         model = build_model(self.cfg.model)
         if init is not None:  # before DeepSpeed wraps (and, under bf16, casts) the model
@@ -198,14 +201,17 @@ class Trainer:
         if self.rank == 0:
             import json
 
-            (self.run_dir / "ds_config.json").write_text(json.dumps(ds_cfg, indent=2))
+            atomic_write_text(self.run_dir / "ds_config.json", json.dumps(ds_cfg, indent=2), "the DeepSpeed config")
         self.engine, _, _, _ = deepspeed.initialize(model=self.objective, optimizer=optimizer,
                                                     lr_scheduler=scheduler, config=ds_cfg)
         self.guard = ckpt.guard_engine(self.engine)  # weights_only reads; failed writes reach every rank
         self.model: SquadViT = self.engine.module.model
         self.usage = ExpertUsage(model.task_names)
         self.state = LoopState()
+        self.resumed_from: Path | None = None
+        self.skipped_tags: list[Path] = []
         self._maybe_resume()
+        self.folder.record_start(self.resumed_from, self.state.step, self.skipped_tags)  # what was loaded
         log.info("run %s: %d ranks on %s (%s), %d tasks, %d images/epoch, %d steps of %d images",
                  self.run_dir, self.world, self.device.type, self.prec, len(self.tasks), len(self.train_set),
                  self.total_steps, o.batch_per_rank * o.grad_accum * self.world)
@@ -232,6 +238,7 @@ class Trainer:
             if not tags:
                 raise FileNotFoundError(f"--resume {self.resume}: no complete checkpoint there")
         tag = ckpt.select_resume_tag(load_dir, tags, self.rank, self.world, log.warning if self.rank == 0 else None)
+        self.skipped_tags = [load_dir / t for t in tags[: tags.index(tag)]]  # damaged, passed over
         _, client = self.engine.load_checkpoint(str(load_dir), tag=tag)
         if client is None:
             raise RuntimeError(f"checkpoint {load_dir / tag} could not be loaded")
@@ -239,6 +246,7 @@ class Trainer:
         if client.get("usage"):  # every rank holds the layers; rank 0 the sums (already over every rank)
             self.usage = ExpertUsage.from_state_dict(client["usage"], zeroed=self.rank != 0)
         self._forget_after(self.state.step)
+        self.resumed_from = load_dir / tag
         log.info("resumed from %s at step %d", load_dir / tag, self.state.step)
 
     def _forget_after(self, step: int) -> None:

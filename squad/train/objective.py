@@ -21,6 +21,8 @@ from squad.train.losses import TaskWeighting, auxiliary_loss
 class TrainingError(RuntimeError):
     """The run cannot go on (e.g. too many non-finite losses in a row); the message says why and what to try."""
 
+    every_rank = True  # raised on every rank alike (losses are reduced, failed saves broadcast): printed once
+
 
 def nonfinite_stop(count: int, step: int, run_dir: Path) -> TrainingError:
     """The error that stops a run after ``count`` non-finite losses in a row, saying what can be done about it.

@@ -31,6 +31,20 @@ def param_groups(objective: MultiTaskObjective, weight_decay: float) -> list[dic
     return out
 
 
+def warmup_note(warmup: int, total: int, lr: float) -> str | None:
+    """What a warm-up longer than the run means, or None when it is not (the run logs it as a warning).
+
+    With ``warmup > total`` the learning rate rises linearly for the whole run and never reaches ``optim.lr`` (it
+    ends at lr·total/warmup), and the cosine decay never starts: usually a shrunk run (fewer ``optim.steps``) that
+    kept a paper config's warm-up.
+    """
+    if warmup <= total:
+        return None
+    return (f"optim.warmup_steps={warmup} (or warmup_epochs) exceeds the run's {total} steps: the learning rate rises "
+            f"for the whole run, peaks at {lr * total / warmup:.3g} instead of optim.lr={lr:g}, and never decays; "
+            f"set optim.warmup_steps below optim.steps")
+
+
 def lr_lambda(step: int, warmup: int, total: int, base: float, floor: float) -> float:
     """Multiplier of the base lr: linear warm-up, then cosine down to ``floor``."""
     if warmup and step < warmup:

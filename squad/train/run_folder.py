@@ -15,7 +15,8 @@ outcome, so a refusal exits every rank with the same message (exit 2):
   wrongly sized weights) and is refused, listing each key as old → new and how to start afresh. Changes to the keys
   in `RESUMABLE_KEYS` are applied; they are logged in ``train.log``, the previous config is kept as
   ``config.prev.yaml``, and ``run_history.jsonl`` gets one line per start of the run (host, pid, world size, the
-  step it started from, what changed).
+  checkpoint actually loaded and the step it started from, damaged checkpoints passed over, what changed),
+  written once the checkpoint has loaded (`RunFolder.record_start`).
 - **World size.** Resuming on another number of ranks changes the global batch (and the per-rank data position), so
   it is refused unless ``--allow-world-size-change``.
 - **Fresh starts.** ``--resume none`` into a folder that holds a run (a complete checkpoint or ``model.pt``), or
@@ -47,12 +48,13 @@ from typing import Any
 
 import yaml
 
-from squad.config.base import ConfigError, to_dict, write_yaml
+from squad.config.base import ConfigError, to_dict
 from squad.config.loading import load_config
 from squad.config.run import RunConfig
-from squad.distributed import barrier, broadcast_object
+from squad.distributed import barrier, broadcast_object, on_every_rank
 from squad.io.checkpoints import COMPLETE, complete_tags, find_resume_tag
-from squad.io.files import atomic_write_text
+from squad.io.files import atomic_write_text, fail
+from squad.runtime import launch_rank
 
 log = logging.getLogger("squad.train")
 
@@ -77,6 +79,8 @@ OUTPUTS = ("config.yaml", "config.prev.yaml", "ds_config.json", "train.log", "me
 
 class RunFolderError(ValueError):
     """The run folder cannot be used as asked (locked, changed config, other world size, a run already there)."""
+
+    every_rank = True  # rank 0 decides and every rank raises it (`RunFolder.prepare`): the tools print it once
 
 
 class RunFolderLocked(RunFolderError):
@@ -189,22 +193,13 @@ def _locked_message(run_dir: str | Path, holder: dict | None) -> str:
             f"another --out (if that process is gone, e.g. its node crashed, delete {Path(run_dir) / LOCK_FILE})")
 
 
-def launch_rank() -> int | None:
-    """This process's global rank as its launcher set it (deepspeed, torchrun, MPI), before any process group
-    exists; None when no launcher variable says."""
-    for key in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
-        value = os.environ.get(key, "")
-        if value.isdigit():
-            return int(value)
-    return None
-
-
 def lock_before_start(run_dir: str | Path) -> RunLock | None:
     """Global rank 0 takes the run folder's lock before anything heavy starts (the process group, DeepSpeed's
     communication op, the model): a second run into a folder in use is refused at once, not after start-up.
 
     The other ranks return None at once; rank 0's refusal ends the launch (the launchers stop the other ranks when
-    one exits). Where the launcher's rank is unknown the lock is taken later, by `RunFolder.prepare`.
+    one exits). Where the launcher's rank is unknown, or the folder has no lock file yet (no run has used it, so
+    none can hold it; nothing is created here), the lock is taken later, by `RunFolder.prepare`.
 
     Returns:
         The held lock (rank 0), or None.
@@ -213,11 +208,10 @@ def lock_before_start(run_dir: str | Path) -> RunLock | None:
         RunFolderLocked: another live run holds the folder (the message names it; exit 2).
         PermissionError: the folder cannot be created or written.
     """
-    if launch_rank() != 0:
-        return None
     d = Path(run_dir)
+    if launch_rank() != 0 or not (d / LOCK_FILE).is_file():  # no lock file: no run to refuse; nothing is created
+        return None
     try:
-        d.mkdir(parents=True, exist_ok=True)
         world = os.environ.get("WORLD_SIZE", "")
         return RunLock.acquire(d, {"world_size": int(world)} if world.isdigit() else None)
     except RunFolderError:
@@ -479,6 +473,7 @@ class RunFolder:
         self.shm.rank = rank  # the launcher's RANK may be unset before the group starts (MPI launchers)
         self.lock: RunLock | None = lock
         self.notes: list[str] = []  # rank 0: what to log once train.log is open
+        self._start: dict | None = None  # rank 0: this start's history entry, recorded once the checkpoint loads
 
     def prepare(self, cfg, resume: str | None, *, overwrite: bool = False,
                 allow_world_size_change: bool = False) -> None:
@@ -507,7 +502,7 @@ class RunFolder:
             self.notes += remove_stale_shm(self.run_dir)
         if error:
             kind = {"permission": PermissionError, "run_folder": RunFolderError}.get(error[0], RuntimeError)
-            raise kind(error[1])
+            raise on_every_rank(kind(error[1]))
 
     def _open(self, cfg, resume: str | None, overwrite: bool, allow_world_size_change: bool) -> None:
         d = self.run_dir
@@ -601,13 +596,32 @@ class RunFolder:
         d = self.run_dir
         if changes and same_run and (d / "config.yaml").is_file():
             shutil.copyfile(d / "config.yaml", d / "config.prev.yaml")
-        write_yaml(cfg, d / "config.yaml")
-        entry = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "host": socket.gethostname(), "pid": os.getpid(),
-                 "world_size": self.world, "start_step": start_step,
-                 "resumed_from": str(source[1]) if source else None,
-                 "config_changes": {k: [old, new] for k, (old, new) in changes.items()}}
-        with open(d / HISTORY_FILE, "a") as f:
-            f.write(json.dumps(entry) + "\n")
+        atomic_write_text(d / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False), "the run's config")
+        self._start = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "host": socket.gethostname(),
+                       "pid": os.getpid(), "world_size": self.world,
+                       "config_changes": {k: [old, new] for k, (old, new) in changes.items()}}
+
+    def record_start(self, loaded: Path | None, step: int, skipped: list[Path] | None = None) -> None:
+        """Rank 0, once the checkpoint is loaded: appends this start to ``run_history.jsonl`` with what was actually
+        loaded (a damaged latest checkpoint is skipped for the one before it: `squad.train.checkpoint`).
+
+        Args:
+            loaded: the checkpoint tag loaded, or None for a start at step 0.
+            step: the step the run starts from.
+            skipped: damaged tags passed over before ``loaded``.
+        """
+        if self.rank != 0 or self._start is None:
+            return
+        entry = {**self._start, "start_step": int(step), "resumed_from": str(loaded) if loaded else None}
+        if skipped:
+            entry["skipped_damaged"] = [str(p) for p in skipped]
+        path = self.run_dir / HISTORY_FILE
+        try:
+            with open(path, "a") as f:  # appended: the earlier lines stay whatever happens to this one
+                f.write(json.dumps(entry) + "\n")
+        except OSError as e:
+            raise fail("the run history", path, e) from e
+        self._start = None
 
     def close(self) -> None:
         """Frees what the run holds: its shared-memory segments, its record of them, the lock."""

@@ -13,7 +13,6 @@ applied when packing (the reader applies them), so one shard set serves every de
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -37,6 +36,7 @@ from squad.data.taskonomy import (
     read_raw,
 )
 from squad.data.transforms import GEOMETRY_DOMAIN, SamplePipeline, WrongSizeError, check_size
+from squad.io.files import atomic_path, atomic_write_text, check_writable, removed_on_failure
 from squad.tasks import TASK_NAMES, DecodeError, get_task
 
 
@@ -62,21 +62,33 @@ class _PackSource(Dataset):
             kind = "wrong_size" if isinstance(e, WrongSizeError) else "corrupt"
             errors.append((kind, f"{self.tree._ids[index]} ({domain}): {e}"))
 
-        rgb_hw = None
-        for domain in self.domains:  # read and size-check every file first: the geometry resizes the others
+        sid = str(self.tree._ids[index])
+        for domain in self.domains:  # read every file first: the sizes are compared, the geometry resizes the others
             if not bits >> self.tree.domains.index(domain) & 1:
                 continue
             try:
-                raw = read_raw(self.tree.path(index, domain))
-                check_size(domain, raw, rgb_hw, self.image_size is not None)
+                raws[domain] = read_raw(self.tree.path(index, domain))
             except (CorruptFileError, DecodeError) as e:
                 bad(domain, e)
                 if domain == "rgb":
-                    return str(self.tree._ids[index]), arrays, errors  # not packed; other files are not read
-                continue
-            if domain == "rgb":
-                rgb_hw = tuple(raw.shape[:2])
-            raws[domain] = raw
+                    return sid, arrays, errors  # not packed; other files are not read
+        if "rgb" not in raws:
+            return sid, arrays, errors
+        try:
+            check_size("rgb", raws["rgb"], None, self.image_size is not None)
+            rgb_hw = tuple(raws["rgb"].shape[:2])
+            odd = odd_rgb(rgb_hw, {d: r.shape[:2] for d, r in raws.items() if d != "rgb" and _spatial(d)})
+            if odd:
+                raise WrongSizeError(f"rgb: {odd}", "rgb")
+        except DecodeError as e:
+            bad("rgb", e)  # one wrong file, not one per target that disagrees with it
+            return sid, arrays, errors
+        for domain in [d for d in raws if d != "rgb"]:
+            try:
+                check_size(domain, raws[domain], rgb_hw, self.image_size is not None)
+            except DecodeError as e:
+                bad(domain, e)
+                del raws[domain]
         footprint = None
         if GEOMETRY_DOMAIN in raws:
             try:
@@ -101,6 +113,41 @@ class _PackSource(Dataset):
 
 def _first(batch: list) -> Any:
     return batch[0]
+
+
+def _spatial(domain: str) -> bool:
+    return get_task(domain).head_kind != "class"
+
+
+def odd_rgb(rgb_hw: tuple[int, int], target_hw: dict[str, tuple[int, ...]]) -> str | None:
+    """Why the rgb image is the wrong-size file of a sample, or None: when two or more target files agree on one size
+    and the rgb has another, the rgb is the odd one out (counted once), not each target."""
+    sizes = {tuple(hw) for hw in target_hw.values()}
+    if len(target_hw) < 2 or len(sizes) != 1:
+        return None
+    (hw,) = sizes
+    if hw == tuple(rgb_hw):
+        return None
+    return (f"size {rgb_hw[0]}×{rgb_hw[1]} differs from all {len(target_hw)} target files' {hw[0]}×{hw[1]} "
+            f"(the image is the odd one out)")
+
+
+def _has_target(arrays: dict[str, Any]) -> bool:
+    """Whether a prepared sample holds at least one target (not only its image)."""
+    return any(a is not None for d, a in arrays.items() if d not in ("rgb", HW_KEY))
+
+
+def _keep(sample_id: str, arrays: dict[str, Any], index: dict[str, Any], tasks: list[str]) -> bool:
+    """Whether a prepared sample is packed: it has its image and, when tasks are packed, at least one target. A
+    sample whose every target is missing or unusable teaches nothing: left out, counted (``no_target``), warned."""
+    if arrays.get("rgb") is None:
+        return False
+    if tasks and not _has_target(arrays):
+        index["no_target"] += 1
+        (logger.warning if index["no_target"] == 1 else logger.debug)(
+            "pack: leaving out %s: none of its target files (%s) is usable", sample_id, ", ".join(tasks))
+        return False
+    return True
 
 
 def pack_shards(src: str | Path, out: str | Path, split_csv: str | Path | None = None,
@@ -128,10 +175,15 @@ def pack_shards(src: str | Path, out: str | Path, split_csv: str | Path | None =
 
     Returns:
         Path of the written ``shards.json``; its ``corrupt``, ``wrong_size`` and ``missing`` hold the number of
-        files of each kind left out (`squad.data.accounting`; the first of each kind is logged as a warning).
+        files of each kind left out (`squad.data.accounting`; the first of each kind is logged as a warning; a
+        sample whose rgb image differs in size from all its targets counts one wrong-size file, the image), and
+        ``no_target`` the samples left out because none of their target files was usable.
 
     Raises:
         FileNotFoundError: `src` or its rgb folder does not exist.
+        PermissionError: `out` cannot be written (checked first).
+        squad.io.files.WriteError: a shard could not be written (a full disk): every shard this pack wrote is
+            removed, and no index is left.
     """
     src, out = Path(src), Path(out)
     if not src.is_dir():
@@ -152,46 +204,56 @@ def pack_shards(src: str | Path, out: str | Path, split_csv: str | Path | None =
     tasks = [d for d in domains if d != "rgb"]
     csv = find_split_csv(src, split_csv)
     parts = list(splits) if csv is not None else ["all"]
-    out.mkdir(parents=True, exist_ok=True)
+    _start(out)
+    written: list[Path] = []
     index: dict[str, Any] = {"format": FORMAT, "version": VERSION, "dataset": "taskonomy", "tasks": tasks,
                              "image_size": image_size, "domains": domains,
                              "source": str(src), "split_csv": str(csv) if csv else None, "shards": [],
-                             "shapes": {}, "corrupt": 0, "wrong_size": 0, "missing": 0}
-    for part in parts:
-        try:
-            tree = TaskonomyDataset(src, tasks, split=part, split_csv=csv, missing="mask", geometry_mask=False)
-        except EmptyDatasetError as e:
-            logger.warning("pack: split %s is empty, nothing packed (%s)", part, e)
-            continue
-        loader = DataLoader(_PackSource(tree, domains, image_size), batch_size=1, num_workers=workers,
-                            collate_fn=_first)
-        writer = _ShardWriter(out, part, domains, shard_size, compression, index)
-        index["missing"] += tree.missing_files
-        for sample_id, arrays, errors in loader:
-            for kind, e in errors:
-                index[kind] += 1
-                first = index[kind] == 1
-                (logger.warning if first else logger.debug)("pack: skipping %s %s", kind.replace("_", "-"), e)
-            if arrays["rgb"] is None:
+                             "shapes": {}, "corrupt": 0, "wrong_size": 0, "missing": 0, "no_target": 0}
+    with removed_on_failure(written, f"the pack into {out}"):  # a full disk leaves no partial shard set
+        for part in parts:
+            try:
+                tree = TaskonomyDataset(src, tasks, split=part, split_csv=csv, missing="mask", geometry_mask=False)
+            except EmptyDatasetError as e:
+                logger.warning("pack: split %s is empty, nothing packed (%s)", part, e)
                 continue
-            writer.add(sample_id, arrays)
-        writer.close()
-        logger.info("packed %s: %d samples in %d shards", part, writer.total, writer.count)
-    path = out / INDEX_NAME
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(index, indent=1))
-    os.replace(tmp, path)
-    return path
+            loader = DataLoader(_PackSource(tree, domains, image_size), batch_size=1, num_workers=workers,
+                                collate_fn=_first)
+            writer = _ShardWriter(out, part, domains, shard_size, compression, index, written)
+            index["missing"] += tree.missing_files
+            for sample_id, arrays, errors in loader:
+                for kind, e in errors:
+                    index[kind] += 1
+                    first = index[kind] == 1
+                    (logger.warning if first else logger.debug)("pack: skipping %s %s", kind.replace("_", "-"), e)
+                if _keep(sample_id, arrays, index, tasks):
+                    writer.add(sample_id, arrays)
+            writer.close()
+            logger.info("packed %s: %d samples in %d shards", part, writer.total, writer.count)
+        return _write_index(out, index)
+
+
+def _start(out: Path) -> None:
+    """Creates the output folder and removes an earlier index there: until the new one is written, the folder is
+    not a shard set (a pack that fails half-way never leaves an index describing other shards)."""
+    check_writable(out, "--out", folder=True)
+    (out / INDEX_NAME).unlink(missing_ok=True)
+
+
+def _write_index(out: Path, index: dict[str, Any]) -> Path:
+    """Writes ``shards.json`` last, atomically: the shards it lists are on disk (each was synced when written)."""
+    return atomic_write_text(out / INDEX_NAME, json.dumps(index, indent=1), "the shard index")
 
 
 class _ShardWriter:
     """Buffers samples and writes one shard file per `shard_size` samples."""
 
     def __init__(self, out: Path, split: str, domains: list[str], shard_size: int, compression: str | None,
-                 index: dict[str, Any]) -> None:
+                 index: dict[str, Any], written: list[Path]) -> None:
         self.out, self.split, self.domains = out, split, domains
         self.shard_size, self.compression, self.index = shard_size, compression, index
         self.buffer: list[tuple[str, dict[str, np.ndarray | None]]] = []
+        self.written = written  # every shard file of this pack (removed if the pack fails)
         self.count = 0
         self.total = 0
 
@@ -217,7 +279,10 @@ class _ShardWriter:
             return
         name = f"{self.split}_{self.count:05d}.h5"
         n = len(self.buffer)
-        with h5py.File(self.out / name, "w") as f:
+        self.written.append(self.out / name)
+        # whole or absent (squad.io.files); no chunk cache: HDF5 then reports a full disk as an OSError at the write
+        # that failed, where with its cache a failed flush crashes the process when the file is closed
+        with atomic_path(self.out / name, f"shard {name}") as tmp, h5py.File(tmp, "w", rdcc_nbytes=0) as f:
             f.attrs["format"] = FORMAT
             f.create_dataset("id", data=[s for s, _ in self.buffer], dtype=h5py.string_dtype())
             present = np.array([[a[d] is not None for d in self.domains] for _, a in self.buffer], dtype=bool)
@@ -325,34 +390,31 @@ def pack_benchmark(src: str | Path, out: str | Path, dataset: str, splits: Seque
     skipped = [s for s in splits if s not in readers[dataset].splits]
     if skipped:
         logger.info("pack: %s has no split %s; packing %s", dataset, ", ".join(skipped), ", ".join(parts))
-    out.mkdir(parents=True, exist_ok=True)
+    _start(out)
+    written: list[Path] = []
     domains: list[str] = []
     index: dict[str, Any] = {"format": FORMAT, "version": VERSION, "dataset": dataset, "tasks": names,
                              "image_size": image_size, "domains": domains, "source": str(src), "split_csv": None,
-                             "shards": [], "shapes": {}, "corrupt": 0, "wrong_size": 0, "missing": 0}
-    for part in parts:
-        try:
-            tree = readers[dataset](src, names, split=part, missing="mask")
-        except (EmptyDatasetError, FileNotFoundError) as e:
-            logger.warning("pack: split %s is empty or absent, nothing packed (%s)", part, e)
-            continue
-        domains[:] = tree.domains
-        loader = DataLoader(_BenchmarkPackSource(tree, int(image_size)), batch_size=1, num_workers=workers,
-                            collate_fn=_first)
-        writer = _ShardWriter(out, part, tree.domains, shard_size, compression, index)
-        index["missing"] += tree.missing_files
-        for sample_id, arrays, errors in loader:
-            for kind, e in errors:
-                index[kind] += 1
-                (logger.warning if index[kind] == 1 else logger.debug)("pack: skipping %s %s",
-                                                                       kind.replace("_", "-"), e)
-            if arrays["rgb"] is None:
+                             "shards": [], "shapes": {}, "corrupt": 0, "wrong_size": 0, "missing": 0, "no_target": 0}
+    with removed_on_failure(written, f"the pack into {out}"):  # a full disk leaves no partial shard set
+        for part in parts:
+            try:
+                tree = readers[dataset](src, names, split=part, missing="mask")
+            except (EmptyDatasetError, FileNotFoundError) as e:
+                logger.warning("pack: split %s is empty or absent, nothing packed (%s)", part, e)
                 continue
-            writer.add(sample_id, arrays)
-        writer.close()
-        logger.info("packed %s %s: %d samples in %d shards", dataset, part, writer.total, writer.count)
-    path = out / INDEX_NAME
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(index, indent=1))
-    os.replace(tmp, path)
-    return path
+            domains[:] = tree.domains
+            loader = DataLoader(_BenchmarkPackSource(tree, int(image_size)), batch_size=1, num_workers=workers,
+                                collate_fn=_first)
+            writer = _ShardWriter(out, part, tree.domains, shard_size, compression, index, written)
+            index["missing"] += tree.missing_files
+            for sample_id, arrays, errors in loader:
+                for kind, e in errors:
+                    index[kind] += 1
+                    (logger.warning if index[kind] == 1 else logger.debug)("pack: skipping %s %s",
+                                                                           kind.replace("_", "-"), e)
+                if _keep(sample_id, arrays, index, names):
+                    writer.add(sample_id, arrays)
+            writer.close()
+            logger.info("packed %s %s: %d samples in %d shards", dataset, part, writer.total, writer.count)
+        return _write_index(out, index)

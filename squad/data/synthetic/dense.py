@@ -31,8 +31,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from PIL import Image
 
 from squad.data.synthetic.render import Box, Camera, Cylinder, Material, Room, Scene, Sphere, View, render_view
+from squad.io.files import atomic_save, atomic_write_text, sync_tree
 
 RGB = tuple[float, float, float]
 Shape = Box | Sphere | Cylinder
@@ -310,6 +312,26 @@ def split_ids(ids: Sequence[str], val_share: float, rng_seed: int) -> dict[str, 
 
 
 def write_lines(path: Path, lines: Sequence[str]) -> None:
-    """One entry per line, ``\\n``-terminated (the split lists' format)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(f"{line}\n" for line in lines))
+    """One entry per line, ``\\n``-terminated (the split lists' format); the file whole or absent."""
+    atomic_write_text(path, "".join(f"{line}\n" for line in lines), sync=False)
+
+
+def save_image(path: Path, array: np.ndarray, mode: str | None = None, **options: Any) -> None:
+    """One image file of a render (the format from the suffix: JPEG or PNG, Pillow's ``options``), whole or absent;
+    not synced (the render syncs once before its manifest: `finish_render`)."""
+    image = Image.fromarray(array, mode=mode) if mode else Image.fromarray(array)
+    fmt = "JPEG" if path.suffix.lower() in (".jpg", ".jpeg") else "PNG"
+    atomic_save(path, lambda f: image.save(f, format=fmt, **options), sync=False)
+
+
+def save_npy(path: Path, array: np.ndarray) -> None:
+    """One ``.npy`` file of a render, whole or absent (not synced, as `save_image`)."""
+    atomic_save(path, lambda f: np.save(f, array), sync=False)
+
+
+def finish_render(out: Path, manifest_name: str, manifest: dict) -> Path:
+    """Flushes the render to disk, then writes its manifest (atomically, synced): a manifest marks a complete render."""
+    sync_tree(out)
+    path = out / manifest_name
+    atomic_write_text(path, json.dumps(manifest, indent=2) + "\n", "the manifest")
+    return path

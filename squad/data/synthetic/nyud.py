@@ -22,18 +22,17 @@ it (96): about 2,000 images a minute on 2 cores.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from PIL import Image
 
 from squad.data.synthetic.dense import (
     Piece,
     Shape,
+    finish_render,
     jitter,
     label_boundaries,
     normals_outward,
@@ -42,12 +41,15 @@ from squad.data.synthetic.dense import (
     place,
     render_rect,
     run_jobs,
+    save_image,
+    save_npy,
     split_ids,
     start_render,
     write_lines,
 )
 from squad.data.synthetic.pascal import CLASSES as PASCAL_CLASSES
 from squad.data.synthetic.render import Box, Camera, Material, Opening, Room
+from squad.io.files import removed_on_failure
 
 logger = logging.getLogger(__name__)
 
@@ -265,10 +267,10 @@ def _render_chunk(job: _Job) -> int:
     out = Path(job.out)
     for index, image_id in zip(job.indices, job.ids, strict=True):
         r = render_image(job.seed, index, job.width)
-        Image.fromarray(r["rgb"]).save(out / "images" / f"{image_id}.jpg", quality=JPEG_QUALITY)
-        Image.fromarray(r["segmentation"], mode="L").save(out / "segmentation" / f"{image_id}.png", compress_level=1)
+        save_image(out / "images" / f"{image_id}.jpg", r["rgb"], quality=JPEG_QUALITY)
+        save_image(out / "segmentation" / f"{image_id}.png", r["segmentation"], "L", compress_level=1)
         for name in ("depth", "normals", "edge"):
-            np.save(out / name / f"{image_id}.npy", r[name])
+            save_npy(out / name / f"{image_id}.npy", r[name])
     return len(job.indices)
 
 
@@ -302,11 +304,18 @@ def render_nyud(
     out, chunks = start_render(out, n, image_size, seed, overwrite, MANIFEST, DATASET, FOLDERS)
     ids = image_ids(n)
     jobs = [_Job(str(out), seed, image_size, index, tuple(ids[part])) for index, part in chunks]
-    done = sum(run_jobs(_render_chunk, jobs, workers))
-    assert done == n, f"rendered {done} images, planned {n}"
-    splits = split_ids(ids, VAL_SHARE, seed)
-    for split, names in splits.items():
-        write_lines(out / "gt_sets" / f"{split}.txt", names)
+    with removed_on_failure([out / f for f in FOLDERS], f"the render in {out}"):  # a full disk leaves nothing
+        done = sum(run_jobs(_render_chunk, jobs, workers))
+        assert done == n, f"rendered {done} images, planned {n}"
+        splits = split_ids(ids, VAL_SHARE, seed)
+        for split, names in splits.items():
+            write_lines(out / "gt_sets" / f"{split}.txt", names)
+        path = finish_render(out, MANIFEST, _manifest(n, image_size, seed, splits))
+    logger.info("rendered %d synthetic NYUD-v2 images (%d px wide) into %s", n, image_size, out)
+    return path
+
+
+def _manifest(n: int, image_size: int, seed: int, splits: dict[str, list[str]]) -> dict:
     manifest = {
         "dataset": DATASET,
         "format_version": FORMAT_VERSION,
@@ -326,7 +335,4 @@ def render_nyud(
             "gt_sets": "image ids, one per line",
         },
     }
-    path = out / MANIFEST
-    path.write_text(json.dumps(manifest, indent=2) + "\n")
-    logger.info("rendered %d synthetic NYUD-v2 images (%d px wide) into %s", n, image_size, out)
-    return path
+    return manifest

@@ -44,13 +44,13 @@ from pathlib import Path
 
 import numpy as np
 import scipy.io
-from PIL import Image
 
 from squad.data.synthetic.dense import (
     PART_NAMES,
     PARTS_6,
     Piece,
     Shape,
+    finish_render,
     jitter,
     normals_outward,
     person_materials,
@@ -58,12 +58,14 @@ from squad.data.synthetic.dense import (
     place,
     render_rect,
     run_jobs,
+    save_image,
     soft_mask,
     split_ids,
     start_render,
     write_lines,
 )
 from squad.data.synthetic.render import Camera, Material, Opening, Room
+from squad.io.files import atomic_write_bytes, removed_on_failure
 
 logger = logging.getLogger(__name__)
 
@@ -369,7 +371,7 @@ def savemat_fixed(path: Path, data: dict) -> None:
     scipy.io.savemat(buf, data, do_compression=True, oned_as="row")
     raw = bytearray(buf.getvalue())
     raw[:116] = b"MATLAB 5.0 MAT-file, written by squad's synthetic data generator".ljust(116)
-    path.write_bytes(bytes(raw))
+    atomic_write_bytes(path, bytes(raw), sync=False)  # whole or absent; the render syncs before its manifest
 
 
 def parts_struct(imname: str, objects: list[tuple[str, int, np.ndarray, list[tuple[str, np.ndarray]]]]) -> np.ndarray:
@@ -482,11 +484,10 @@ def _render_chunk(job: _Job) -> list[tuple[str, list[int], bool]]:
     rows = []
     for index, image_id in zip(job.indices, job.ids, strict=True):
         r = render_image(job.seed, index, job.long_side)
-        Image.fromarray(r["rgb"]).save(out / "JPEGImages" / f"{image_id}.jpg", quality=JPEG_QUALITY)
-        Image.fromarray(r["semseg"], mode="L").save(out / "semseg" / "pascal-context" / f"{image_id}.png",
-                                                    compress_level=1)  # fmt: skip
-        Image.fromarray(r["sal"], mode="L").save(out / "sal_distill" / f"{image_id}.png", compress_level=1)
-        Image.fromarray(r["normals"]).save(out / "normals_distill" / f"{image_id}.png", compress_level=1)
+        save_image(out / "JPEGImages" / f"{image_id}.jpg", r["rgb"], quality=JPEG_QUALITY)
+        save_image(out / "semseg" / "pascal-context" / f"{image_id}.png", r["semseg"], "L", compress_level=1)
+        save_image(out / "sal_distill" / f"{image_id}.png", r["sal"], "L", compress_level=1)
+        save_image(out / "normals_distill" / f"{image_id}.png", r["normals"], compress_level=1)
         savemat_fixed(out / "pascal-context" / "trainval" / f"{image_id}.mat", {"LabelMap": r["label_map"]})
         savemat_fixed(out / "human_parts" / f"{image_id}.mat", {"anno": parts_struct(image_id, r["objects"])})
         rows.append((image_id, r["categories"], r["has_person"]))
@@ -524,15 +525,23 @@ def render_pascal(
         "normals_distill", "ImageSets/Context", "ImageSets/Parts"))
     ids = image_ids(n)
     jobs = [_Job(str(out), seed, image_size, index, tuple(ids[part])) for index, part in chunks]
-    rows = [row for part in run_jobs(_render_chunk, jobs, workers) for row in part]
-    cats = {image_id: c for image_id, c, _ in rows}
-    splits = split_ids(sorted(ids), VAL_SHARE, seed)
-    for split, names in splits.items():
-        write_lines(out / "ImageSets" / "Context" / f"{split}.txt", names)
-        (out / "ImageSets" / "Parts" / f"{split}.txt").write_text(
-            "{\n" + ",\n".join(f'\t"{i}": {json.dumps(cats[i])}' for i in names) + "\n}\n")
-    with_people = sum(1 for _, _, p in rows if p)
-    manifest = {
+    with removed_on_failure([out / f for f in FOLDERS], f"the render in {out}"):  # a full disk leaves nothing
+        rows = [row for part in run_jobs(_render_chunk, jobs, workers) for row in part]
+        cats = {image_id: c for image_id, c, _ in rows}
+        splits = split_ids(sorted(ids), VAL_SHARE, seed)
+        for split, names in splits.items():
+            write_lines(out / "ImageSets" / "Context" / f"{split}.txt", names)
+            write_lines(out / "ImageSets" / "Parts" / f"{split}.txt",
+                        ["{", ",\n".join(f'\t"{i}": {json.dumps(cats[i])}' for i in names), "}"])
+        with_people = sum(1 for _, _, p in rows if p)
+        path = finish_render(out, MANIFEST, _manifest(n, image_size, seed, splits, with_people))
+    logger.info("rendered %d synthetic PASCAL-Context images (long side %d px, %d with people) into %s", n,
+                image_size, with_people, out)  # fmt: skip
+    return path
+
+
+def _manifest(n: int, image_size: int, seed: int, splits: dict[str, list[str]], with_people: int) -> dict:
+    return {
         "dataset": DATASET,
         "format_version": FORMAT_VERSION,
         "n": n,
@@ -558,8 +567,3 @@ def render_pascal(
             "ImageSets/Parts": "JSON {id: [class_ind of each annotated object]} (ASTMT's cache)",
         },
     }  # fmt: skip
-    path = out / MANIFEST
-    path.write_text(json.dumps(manifest, indent=2) + "\n")
-    logger.info("rendered %d synthetic PASCAL-Context images (long side %d px, %d with people) into %s", n,
-                image_size, with_people, out)  # fmt: skip
-    return path

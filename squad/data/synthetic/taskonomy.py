@@ -77,6 +77,7 @@ from squad.data.synthetic.render import (
     cast,
     render_view,
 )
+from squad.io.files import atomic_save, atomic_write_bytes, atomic_write_text, removed_on_failure, sync_tree
 
 logger = logging.getLogger(__name__)
 
@@ -455,10 +456,12 @@ def write_view(
         path = image_path(root, domain, building, point, view)
         if mkdirs:
             path.parent.mkdir(parents=True, exist_ok=True)
+        # each file whole or absent; the render syncs once, before its manifest (squad.io.files)
         if domain in NPY_DOMAINS:
-            np.save(path, arr)
+            atomic_save(path, lambda f, arr=arr: np.save(f, arr), sync=False)
         else:
-            Image.fromarray(arr).save(path, format="PNG", compress_level=1)
+            image = Image.fromarray(arr)
+            atomic_save(path, lambda f, image=image: image.save(f, format="PNG", compress_level=1), sync=False)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -524,7 +527,7 @@ def write_split_csv(path: str | Path, splits: dict[str, list[str]]) -> None:
     for split in ("train", "val", "test"):
         for name in splits[split]:
             rows.append(",".join([name] + ["1" if s == split else "0" for s in ("train", "val", "test")]))
-    Path(path).write_bytes(("\r".join(rows) + "\r").encode("ascii"))
+    atomic_write_bytes(path, ("\r".join(rows) + "\r").encode("ascii"), "the split CSV")
 
 
 def _manifest(n: int, image_size: int, seed: int, splits: dict[str, list[str]], invalid: int) -> dict:
@@ -641,18 +644,22 @@ def render_dataset(
     names = [name for split in ("train", "val", "test") for name in splits[split]]
     jobs = _plan(n, sorted(names), str(out), seed, image_size)
     workers = min(2, os.cpu_count() or 1) if workers is None else workers
-    if workers > 1 and len(jobs) > 1:
-        with _single_threaded_children(), ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
-            results = list(pool.map(_render_room, jobs, chunksize=max(1, len(jobs) // (8 * workers))))
-    else:
-        results = [_render_room(job) for job in jobs]
-    images = sum(r[0] for r in results)
-    invalid = sum(r[1] for r in results)
-    assert images == n, f"rendered {images} images, planned {n}"
     csv = out / "train_val_test_synthetic.csv"
-    write_split_csv(csv, splits)
-    manifest = _manifest(n, image_size, seed, splits, invalid)
-    (out / "synthetic.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    made = [out / domain for domain in DOMAINS] + [csv, out / "synthetic.json"]
+    with removed_on_failure(made, f"the render in {out}"):  # a full disk leaves nothing behind
+        if workers > 1 and len(jobs) > 1:
+            with _single_threaded_children(), ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
+                results = list(pool.map(_render_room, jobs, chunksize=max(1, len(jobs) // (8 * workers))))
+        else:
+            results = [_render_room(job) for job in jobs]
+        images = sum(r[0] for r in results)
+        invalid = sum(r[1] for r in results)
+        assert images == n, f"rendered {images} images, planned {n}"
+        write_split_csv(csv, splits)
+        manifest = _manifest(n, image_size, seed, splits, invalid)
+        sync_tree(out)  # every image on disk before the manifest that marks the render complete
+        atomic_write_text(out / "synthetic.json", json.dumps(manifest, indent=2, sort_keys=True) + "\n",
+                          "the manifest")
     logger.info("rendered %d synthetic images (%d px) into %s: %s", n, image_size, out,
                 {k: len(v) for k, v in splits.items()})  # fmt: skip
     return csv

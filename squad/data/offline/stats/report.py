@@ -28,7 +28,10 @@ from squad.data.taskonomy import (
     CorruptFileError,
     make_data_hint,
 )
+from squad.data.transforms import compact_rgb
 from squad.tasks import TASK_NAMES, DecodeError, get_task, resolve_task_names
+
+RGB = "rgb"  # the images: every sampled view's is read and checked
 
 
 # ---------------------------------------------------------------------------------------------- results
@@ -99,6 +102,7 @@ class DatasetStats:
     domains: dict[str, DomainStats]
     absent: list[str]
     buildings_not_found: list[str] = dataclasses.field(default_factory=list)
+    unreadable: list[str] = dataclasses.field(default_factory=list)  # shard files that cannot be opened (skipped)
 
     @property
     def outside(self) -> list[tuple[str, Stat]]:
@@ -114,7 +118,7 @@ class DatasetStats:
         """A JSON-ready dict (``--json``)."""
         return {"root": self.root, "source": self.source, "views": self.views, "buildings": self.buildings,
                 "split": self.split, "tolerance": TOLERANCE, "absent_domains": self.absent,
-                "buildings_not_found": self.buildings_not_found,
+                "buildings_not_found": self.buildings_not_found, "unreadable_files": self.unreadable,
                 "outside": [f"{d}: {s.key}" for d, s in self.outside],
                 "domains": {d: {"files": ds.files, "missing": ds.missing, "corrupt": ds.corrupt,
                                 "stats": [s.to_dict() for s in ds.stats]} for d, ds in self.domains.items()}}
@@ -136,6 +140,8 @@ class DatasetStats:
             lines.append(f"{len(self.buildings_not_found)} buildings of the split have no files here: {shown}")
         if self.absent:
             lines.append(f"absent domains (not in this dataset): {', '.join(self.absent)}")
+        for name in self.unreadable:
+            lines.append(f"unreadable shard file, skipped: {name}")
         for domain, ds in self.domains.items():
             lines.append("")
             what = f"{ds.files} files"
@@ -165,8 +171,9 @@ class DatasetStats:
         lines.append("")
         lines.append(f"{len(out)} statistic{'s' if len(out) != 1 else ''} outside the real ranges"
                      + (": " + ", ".join(f"{d} {s.key}" for d, s in out) if out else ""))
-        if self.corrupt:
-            lines.append(f"{len(self.corrupt)} corrupt file{'s' if len(self.corrupt) != 1 else ''} (named above)")
+        bad = len(self.corrupt) + len(self.unreadable)
+        if bad:
+            lines.append(f"{bad} corrupt file{'s' if bad != 1 else ''} (named above)")
         return "\n".join(lines)
 
 
@@ -199,17 +206,20 @@ def dataset_stats(root: str | Path, max_images: int | None = 100, split: str | N
     if max_images is not None and max_images < 1:
         raise ValueError(f"max_images must be at least 1, got {max_images}")
     names = list(TASK_NAMES) if domains is None else resolve_task_names(list(domains))
-    wanted = list(dict.fromkeys([*names, GEOMETRY]))
+    wanted = list(dict.fromkeys([RGB, *names, GEOMETRY]))
     source_cls = ShardSource if is_shard_root(root) else TreeSource
     source = source_cls(root, wanted, split, partitions, max_images)
+    unreadable = list(getattr(source, "unreadable", []))
     if not source.views:
         absent = getattr(source, "unlisted", [])
         raise ValueError(f"no views to read in {root} (split {split or 'all buildings'}; {len(source.buildings)} "
                          f"buildings with files" + (f"; not here: {', '.join(absent[:10])}" if absent else "")
+                         + (f"; unreadable: {'; '.join(unreadable)}" if unreadable else "")
                          + f"). {make_data_hint(root)}")
     shown = [d for d in names if d in source.present]
     accs: dict[str, DomainAccumulator] = {d: accumulator_for(d) for d in shown}
-    results = {d: DomainStats(d) for d in ([VALID] if GEOMETRY in source.present else []) + shown}
+    results = {d: DomainStats(d) for d in ([RGB] if RGB in source.present else [])
+               + ([VALID] if GEOMETRY in source.present else []) + shown}
     geometry_acc = GeometryAccumulator()
     try:
         with _one_thread():
@@ -218,6 +228,8 @@ def dataset_stats(root: str | Path, max_images: int | None = 100, split: str | N
         if isinstance(source, ShardSource):
             source.close()
     for d, ds in results.items():
+        if d == RGB:  # read and checked (named when corrupt), no statistics
+            continue
         acc = geometry_acc if d == VALID else accs[d]
         if ds.files:
             refs = REFERENCES.get(d, {})
@@ -228,13 +240,22 @@ def dataset_stats(root: str | Path, max_images: int | None = 100, split: str | N
     return DatasetStats(root=str(root), source=source.describe(), views=len(source.views),
                         buildings=len({b for b, _ in source.views}), split=split_name, domains=results,
                         absent=[d for d in names if d not in source.present],
-                        buildings_not_found=list(getattr(source, "unlisted", [])))
+                        buildings_not_found=list(getattr(source, "unlisted", [])), unreadable=unreadable)
 
 
 def _accumulate(source: TreeSource | ShardSource, shown: list[str], accs: dict[str, DomainAccumulator],
                 geometry_acc: GeometryAccumulator, results: dict[str, DomainStats]) -> None:
-    """Reads every sampled view once per domain into the accumulators; missing and bad files are counted."""
+    """Reads every sampled view once per domain into the accumulators; missing and bad files are counted (the rgb
+    image too: a truncated, empty or non-8-bit one is named, as the reader and `pack` would refuse it)."""
     for view in source.views:
+        if RGB in results:
+            try:
+                compact_rgb(source.read(view, RGB))
+                results[RGB].files += 1
+            except FileNotFoundError:
+                results[RGB].missing += 1
+            except (CorruptFileError, DecodeError) as e:
+                results[RGB].corrupt.append(f"{source.name(view, RGB)}: {_reason(e)}")
         geometry = None
         if GEOMETRY in source.present:
             try:

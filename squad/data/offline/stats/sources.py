@@ -144,10 +144,17 @@ class ShardSource:
         self.cols = {d: packed.index(d) for d in self.present}
         groups: dict[str, list[str]] = {}
         self.where: dict[tuple[str, str], tuple[int, int, np.ndarray]] = {}
+        self.unreadable: list[str] = []  # shard files that cannot be opened, with the samples they held
+        sizes = {s["file"]: int(s.get("n", 0)) for s in self.index["shards"]}
         for fi, name in enumerate(self.files):
-            with h5py.File(root / name, "r") as f:
-                ids = f["id"].asstr()[...]
-                present = f["present"][...]
+            try:
+                with h5py.File(root / name, "r") as f:
+                    ids = f["id"].asstr()[...]
+                    present = f["present"][...]
+            except (OSError, KeyError, ValueError) as e:  # truncated, not HDF5, or without squad's datasets
+                reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+                self.unreadable.append(f"{root / name}: {reason[:200]} ({sizes.get(name, 0)} samples lost)")
+                continue
             for row, sid in enumerate(ids):
                 b, _, stem = str(sid).partition("/")
                 groups.setdefault(b, []).append(stem)

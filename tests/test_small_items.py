@@ -1,0 +1,102 @@
+"""Issue 22, item 9: a warm-up longer than the run is warned about; errors and the final "model:" line print once
+per launch, not once per rank (a rank that fails alone still says so); the bench's extraction row reads runs/demo
+and its data from the current folder, not from the install tree."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+import yaml
+
+from squad.cli import _run
+from squad.config.base import ConfigError
+from squad.distributed import free_port, on_every_rank
+from squad.train.optim import warmup_note
+from tests.helpers import DEEPSPEED, PY, ROOT, tiny_model, tool_env, write_run_config
+
+
+def test_warmup_note():
+    assert warmup_note(2, 2, 1e-3) is None and warmup_note(0, 5, 1e-3) is None
+    note = warmup_note(100, 4, 1e-3)
+    assert "optim.warmup_steps=100" in note and "4 steps" in note and "peaks at 4e-05 instead of optim.lr=0.001" in note
+
+
+def _errors(capsys, error: BaseException) -> list[str]:
+    def body(argv):
+        raise error
+
+    assert _run(body, [], ()) == 2
+    return capsys.readouterr().err.strip().splitlines()
+
+
+def test_other_ranks_print_only_their_own_errors(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    assert _errors(capsys, ValueError("bad")) == ["error: bad"]
+    monkeypatch.setenv("RANK", "1")
+    assert _errors(capsys, ValueError("bad")) == []  # before the process group: every rank had the same input
+    monkeypatch.setattr("squad.cli._group_started", lambda: True)
+    assert _errors(capsys, ConfigError("optim.lr: bad")) == []  # every rank reads the same config
+    assert _errors(capsys, on_every_rank(PermissionError("run folder x is not writable"))) == []  # broadcast
+    assert _errors(capsys, ValueError("shard y is odd")) == ["error (rank 1): shard y is odd"]  # its own
+
+
+@pytest.mark.slow
+def test_two_ranks_print_the_warning_the_error_and_the_model_line_once(tiny_data, tmp_path):
+    config = write_run_config(tmp_path / "tiny.yaml", tiny_data, ["depth_euclidean"],
+                              optim={"warmup_steps": 50, "steps": 2}, train={"ckpt_every": 2})
+    cmd = [DEEPSPEED, "--num_gpus", "2", "--master_port", str(free_port()), "tools/train.py", "--config",
+           str(config), "--out", str(tmp_path / "run")]
+    res = subprocess.run(cmd, env=tool_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-3000:]
+    assert out.count("model: ") == 1, out[-3000:]
+    assert out.count("optim.warmup_steps=50 (or warmup_epochs) exceeds the run's 2 steps") == 1, out[-3000:]
+    assert "exceeds the run's 2 steps" in (tmp_path / "run" / "train.log").read_text()
+    # a resume with a changed lr: refused on every rank alike, said once
+    res = subprocess.run([*cmd[:4], str(free_port()), *cmd[5:], "--set", "optim.lr=0.1"], env=tool_env(), cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
+    out = res.stdout + res.stderr
+    assert res.returncode == 2, out[-3000:]
+    assert out.count("error: cannot resume") == 1 and "error (rank" not in out, out[-3000:]
+
+
+@pytest.mark.slow
+def test_bench_extraction_reads_runs_demo_of_the_current_folder(tiny_data, tmp_path, monkeypatch):
+    """The README's commands write runs/demo and data/synthetic where they run: the bench takes them from there."""
+    from squad.bench.extract import bench_extraction
+    from squad.io import export_model
+
+    run = tmp_path / "runs" / "demo"
+    export_model(run / "model.pt", tiny_model(["depth_euclidean", "normal"]), usage=None)
+    (run / "config.yaml").write_text(yaml.safe_dump({"data": {"root": "data/synthetic"}}))  # relative, as trained
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "synthetic").symlink_to(tiny_data)
+    monkeypatch.chdir(tmp_path)
+    params, forward = bench_extraction(quick=True)
+    assert params.details["model"] == str(run / "model.pt")
+    assert params.details["usage"] == f"calibration on {tmp_path / 'data' / 'synthetic'}"
+    assert forward.unit != "error"
+
+
+def test_bench_extraction_trains_its_own_run_with_the_packaged_config(tmp_path, monkeypatch):
+    """Without runs/demo here, the fallback run starts `python -m squad.cli.train` on squad's own demo.yaml (a
+    wheel has no tools/ folder), in a temporary folder."""
+    import squad.bench.extract as bx
+
+    seen = {}
+
+    def fake_run(cmd, cwd, env, capture_output, text):
+        seen.update(cmd=cmd, cwd=cwd)
+        return subprocess.CompletedProcess(cmd, 1, "", "stopped here")
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(bx, "render_dataset", lambda *a, **k: None)
+    monkeypatch.setattr(bx.subprocess, "run", fake_run)
+    with pytest.raises(RuntimeError, match="stopped here"):
+        bx.bench_extraction(quick=True)
+    from squad.config.base import config_root
+
+    assert seen["cmd"][:5] == [PY, "-m", "squad.cli.train", "--config", str(config_root() / "demo.yaml")]
+    assert "squad_bench_extract_" in str(seen["cwd"])  # its temporary folder, not the install tree

@@ -1,4 +1,10 @@
-"""Shared fixtures: the tiny synthetic dataset (rendered once per test session) and the tools loaded in-process."""
+"""Shared fixtures: the tiny synthetic dataset (rendered once per test session) and the tools loaded in-process; and
+which tests are `slow` (left out by ``make test-fast``).
+
+A test is slow when it is marked ``@pytest.mark.slow`` (an end-to-end run: a training subprocess, a launcher, a
+whole README walkthrough), or when it uses one of `SLOW_FIXTURES`, the module fixtures that train runs or export
+programs for the tests that read them.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +16,25 @@ from types import ModuleType
 import pytest
 
 from tests.helpers import ROOT
+
+# module fixtures that train or export (each test using one is slow: it needs the run, even when it reads it quickly)
+SLOW_FIXTURES = frozenset({
+    "trained",  # test_every_config: every shipped config trained and resumed (2 ranks per family)
+    "two_rank_run", "one_rank_run",  # test_resume, test_train: DeepSpeed runs
+    "stopped_run",  # test_run_folder: a run stopped at train.stop_at
+    "run",  # test_pascal_nyud_training, test_io: a trained run
+    "tiny_report",  # test_reproduce: every claim at --scale tiny
+    "exported",  # test_export: torch.export programs of every layer kind
+    "zero_runs",  # test_export: ZeRO runs converted with zero_to_fp32.py
+    "walkthrough",  # test_readme: every README command at tiny sizes
+})
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Marks the tests that use a `SLOW_FIXTURES` fixture as slow."""
+    for item in items:
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")

@@ -40,6 +40,7 @@ def _accelerate(config: Path, out: Path, *flags: str, tmp: Path) -> subprocess.C
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT)
 
 
+@pytest.mark.slow
 def test_accelerate_multi_gpu_launch_trains_on_two_ranks(config, tmp_path):
     res = _accelerate(config, tmp_path / "run", "--multi_gpu", "--num_processes", "2", tmp=tmp_path)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
@@ -49,6 +50,7 @@ def test_accelerate_multi_gpu_launch_trains_on_two_ranks(config, tmp_path):
     assert model.meta["extra"]["step"] == 2
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="with 2 GPUs accelerate turns --multi_gpu on itself")
 def test_accelerate_single_process_fallback_is_refused(config, tmp_path):
     res = _accelerate(config, tmp_path / "run", "--num_processes", "2", tmp=tmp_path)

@@ -30,6 +30,7 @@ def test_full_capacity_attention_routing_is_the_dense_model(vit_file):
         assert torch.allclose(amod.forward_features(x, "timm"), vit.forward_features(x), atol=1e-5)
 
 
+@pytest.mark.slow
 def test_attention_routing_keeps_more_of_the_dense_model(vit_file):
     _, vit = vit_file
     dense = squad.from_timm(vit).eval()
@@ -49,6 +50,7 @@ def test_to_mod_rejects_routed_models():
         to_mod(squad.build_model(cfg), 0.5, "attention")
 
 
+@pytest.mark.slow
 def test_tool_on_a_timm_file(vit_file, tiny_data, tmp_path):
     path, _ = vit_file
     out = tmp_path / "amod.pt"

@@ -37,6 +37,7 @@ def test_create_model_from_another_cwd(tmp_path, monkeypatch):
     assert model.cfg.embed_dim == 384 and len(model.task_names) == 13  # from _vit_s.yaml / _taskonomy13.yaml bases
 
 
+@pytest.mark.slow
 def test_create_model_in_a_fresh_interpreter_elsewhere(tmp_path):
     code = ("import squad; m = squad.create_model('mtl_vit_b', depth=1, embed_dim=48, num_heads=3, img_size=32); "
             "print(m.cfg.depth, len(m.task_names))")

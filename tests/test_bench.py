@@ -19,6 +19,7 @@ def run_tool(*args, cwd):
     return subprocess.run([sys.executable, str(TOOL), *args], cwd=cwd, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_quick_case_writes_table_and_json(tmp_path):
     out = tmp_path / "res" / "bench.json"
     proc = run_tool("--quick", "--only", "mod", "--json", str(out), cwd=tmp_path)
@@ -36,6 +37,7 @@ def test_quick_case_writes_table_and_json(tmp_path):
     assert {"candidate_s", "baseline_s", "batch"} <= set(row["details"])
 
 
+@pytest.mark.slow
 def test_default_json_path_and_profile(tmp_path):
     proc = run_tool("--profile", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
@@ -46,6 +48,7 @@ def test_default_json_path_and_profile(tmp_path):
     assert names == bench_cases.PROFILE_CONFIGS
 
 
+@pytest.mark.slow
 def test_unknown_case_is_rejected(tmp_path):
     proc = run_tool("--only", "no_such_case", cwd=tmp_path)
     assert proc.returncode == 2

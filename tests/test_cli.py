@@ -86,6 +86,7 @@ def test_console_scripts_point_at_the_tools():
         assert callable(getattr(importlib.import_module(module), func)), target
 
 
+@pytest.mark.slow
 def test_console_script_exit_codes(tmp_path):
     bin_dir = Path(sys.executable).parent
     assert (bin_dir / "squad-extract").is_file(), "console scripts missing: run `pip install -e .` (or `make test`)"

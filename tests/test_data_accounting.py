@@ -148,6 +148,7 @@ def test_tools_print_the_summary_line(damaged, capsys):
     assert t.pending() == []
 
 
+@pytest.mark.slow
 def test_training_run_logs_the_summary(tiny_data, tmp_path):
     """The end of a training run: the line in train.log and the scalars in TensorBoard."""
     import shutil

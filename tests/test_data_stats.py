@@ -301,6 +301,7 @@ def test_stats_on_packed_shards_equal_the_tree(real_tree, tmp_path, load_tool, c
 
 
 # ----------------------------------------------------------------------------------- the acceptance test
+@pytest.mark.slow
 def test_synthetic_renderer_is_inside_the_real_ranges(tmp_path):
     """The issue's acceptance test: every domain of the synthetic Taskonomy inside the real files' ranges."""
     from squad.data.synthetic.taskonomy import render_dataset

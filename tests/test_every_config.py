@@ -145,6 +145,7 @@ def test_every_shipped_config_is_walked():
     assert set(WALKED) | set(OTHER_BENCHMARKS) == set(CONFIGS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", OTHER_BENCHMARKS)
 def test_other_benchmark_config_trains(name, tmp_path_factory):
     """A PASCAL-Context / NYUD-v2 config, shrunk by `TINY`, trains 2 steps on its dataset's synthetic data, every

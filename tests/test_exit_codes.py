@@ -49,6 +49,7 @@ def test_bad_files_to_adapt_pretrained_are_exit_2(tmp_path, load_tool, capsys):
         assert err.startswith("error: ") and str(path) in err and "Traceback" not in err, (name, err)
 
 
+@pytest.mark.slow
 def test_run_folder_under_a_file_two_ranks_is_exit_2(tmp_path, tiny_data):
     """Both ranks report the bad folder and leave with 2 (no rank aborting in teardown: the launcher's 250)."""
     blocker = tmp_path / "afile"

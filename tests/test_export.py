@@ -135,6 +135,7 @@ def test_program_records_its_signature(exported):
                                                "input": ["B", 3, 32, 32], "dtype": "float32"}
 
 
+@pytest.mark.slow
 def test_program_routes_each_input_like_squad():
     """The MoE program's routing is data dependent: inputs routed differently from the traced example still match."""
     model = tiny_model(HEADS, **PLANS["modsquad"])
@@ -157,6 +158,7 @@ def test_static_batch(tmp_path, load_tool):
         program.module()(_images(3, seed=0))
 
 
+@pytest.mark.slow
 def test_mod_threshold_inference_is_refused(tmp_path, load_tool, capsys):
     model = tiny_model(HEADS, **PLANS["mod"], mod={"capacity": 0.5, "aux_loss": True, "inference": "threshold"})
     export_model(tmp_path / "model.pt", model, usage=None)

@@ -146,6 +146,7 @@ def test_renormalized_extraction_round_trips_through_its_file(tmp_path):
         assert torch.equal(back(x), ext(x))
 
 
+@pytest.mark.slow
 def test_saved_file_loads_in_a_fresh_process_without_deepspeed(tmp_path):
     model = tiny_model(HEADS)
     images = _calibration()

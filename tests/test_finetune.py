@@ -114,6 +114,7 @@ def test_subsets_are_deterministic_and_nested():
         subset_indices(10, fraction=1.5)
 
 
+@pytest.mark.slow
 def test_router_finetuning_beats_the_untrained_head_and_writes_json(base_file, tiny_data, tmp_path):
     out = tmp_path / "ft.json"
     cfg = FinetuneConfig(steps=80, batch_size=8, lr=1e-2)
@@ -129,6 +130,7 @@ def test_router_finetuning_beats_the_untrained_head_and_writes_json(base_file, t
     assert saved.task_names == [*BASE, "depth_euclidean"]
 
 
+@pytest.mark.slow
 def test_linear_probe_and_shots(base_file, tiny_data):
     cfg = FinetuneConfig(steps=10, batch_size=4, lr=1e-2)
     result = finetune_table(squad.load_model(base_file), "scene", tiny_data, ["linear-probe", "full"], shots=[1],
@@ -172,6 +174,7 @@ def test_other_ranks_of_a_launcher_do_nothing(base_file, tiny_data, tmp_path, lo
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_runs_under_the_deepspeed_launcher(base_file, tiny_data, tmp_path):
     out = tmp_path / "ds.json"
     env = tool_env()

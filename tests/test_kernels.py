@@ -302,6 +302,7 @@ def test_triton_backward_head_splits(splits):
 
 @pytest.mark.skipif(not triton_available() or _interpreting() or torch.cuda.is_available(),
                     reason="runs the Triton tests in an interpreter subprocess when there is no GPU")
+@pytest.mark.slow
 def test_triton_kernels_in_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     cmd = [sys.executable, "-m", "pytest", os.path.abspath(__file__), "-q", "-p", "no:cacheprovider",

@@ -59,6 +59,7 @@ def _rank_worker(rank, world, init_file, out_file):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_mi_two_gloo_ranks_equal_one_rank():
     torch.manual_seed(0)
     w = torch.randn(6, 5, requires_grad=True)

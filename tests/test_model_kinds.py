@@ -81,6 +81,7 @@ def test_mone_alpha_is_one_dim_and_zero_dim_files_still_load(tmp_path):
             assert all(torch.equal(got[t], want[t]) for t in want)
 
 
+@pytest.mark.slow
 def test_mone_trains_with_plain_python(tiny_data, tmp_path):
     out = tmp_path / "mone"
     _ok(_train(MONE, out, tiny_data))
@@ -90,6 +91,7 @@ def test_mone_trains_with_plain_python(tiny_data, tmp_path):
     squad.load(out / "checkpoints")  # the DeepSpeed checkpoint loads too
 
 
+@pytest.mark.slow
 def test_mone_trains_under_deepspeed_two_ranks(tiny_data, tmp_path):
     out = tmp_path / "mone2"
     _ok(_train(MONE, out, tiny_data, ranks=2))
@@ -117,6 +119,7 @@ def test_objective_with_a_task_that_drew_no_image():
         total.backward()
 
 
+@pytest.mark.slow
 def test_tasks_per_image_trains_when_a_class_task_draws_no_image(tiny_data, tmp_path):
     """13 tasks, 12 images, one task per image: some task gets no image in each step — here a class task."""
     from squad.train.engine import Trainer
@@ -131,6 +134,7 @@ def test_tasks_per_image_trains_when_a_class_task_draws_no_image(tiny_data, tmp_
 
 
 # -------------------------------------------------------------------------------------- item 17: bf16 on CPU
+@pytest.mark.slow
 def test_bf16_trains_on_the_cpu_and_its_model_loads_as_fp32(tiny_data, tmp_path):
     out = tmp_path / "bf16"
     res = _train("configs/model/mod_vit_s.yaml", out, tiny_data, "train.precision=bf16")
@@ -192,6 +196,7 @@ def test_avg_pool_weights_into_a_model_with_a_final_norm_are_refused():
         load_timm_weights(plain, vit.state_dict())
 
 
+@pytest.mark.slow
 def test_adapt_pretrained_on_an_avg_pool_timm_file(tmp_path, capsys):
     from squad.cli.adapt_pretrained import load_dense, main
 

@@ -68,6 +68,8 @@ INLINE = re.compile(r"^(python3? tools/\S+\.py|(deepspeed|torchrun|accelerate|ma
 SKIPPED = {
     "make demo": "the whole demo: creates .venv and trains for ~5 minutes; its steps are the commands below",
     "make test": "runs this test suite",
+    "make test-fast": "runs the quick part of this test suite",
+    "make lint-imports": "`make test` runs it before the tests (CI: .ci/run)",
     "deepspeed --hostfile hosts --num_nodes 4 --num_gpus 8": "needs 4 nodes with 8 GPUs each; multi-node launching "
     "runs on loopback in test_train.py::test_multi_node_loopback_matches_one_node",
     "python tools/bench.py@": "the full benchmark runs for many minutes; test_bench.py runs it at --quick sizes",

@@ -95,6 +95,7 @@ def _copy(run: Path, dest: Path) -> Path:
 
 
 # ------------------------------------------------------------------------------ item 1: a finished run, again
+@pytest.mark.slow
 def test_finished_two_rank_run_started_again(config, two_rank_run, tmp_path):
     """Killed after the final checkpoint but before model.pt (or simply run again): every rank takes the same path,
     model.pt is written once more, bit for bit, with the statistics of both ranks, and nothing is logged twice."""
@@ -136,6 +137,7 @@ def _plant(tag: Path, target: Path) -> Path:
     return file
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_resume_refuses_a_planted_payload_without_running_it(config, one_rank_run, two_rank_run, tmp_path, ranks):
     run = _copy(one_rank_run if ranks == 1 else two_rank_run, tmp_path / "run")
@@ -151,6 +153,7 @@ def test_resume_refuses_a_planted_payload_without_running_it(config, one_rank_ru
     assert not (run / "model.pt").exists()
 
 
+@pytest.mark.slow
 def test_deepspeed_reads_checkpoints_weights_only(one_rank_run, tmp_path):
     """The guard also covers DeepSpeed's own reads, should a file change after it was verified."""
     class Engine:
@@ -173,6 +176,7 @@ def test_deepspeed_reads_checkpoints_weights_only(one_rank_run, tmp_path):
 
 
 # ------------------------------------------------------------ item 7: damaged after it was marked complete
+@pytest.mark.slow
 def test_damaged_checkpoint_falls_back_to_the_previous_one(config, one_rank_run, tmp_path):
     run = _copy(one_rank_run, tmp_path / "run")
     original = _model(run)
@@ -194,6 +198,7 @@ def test_damaged_checkpoint_falls_back_to_the_previous_one(config, one_rank_run,
     assert [s for s, _ in _losses(run)] == [1, 2, 3, 4]
 
 
+@pytest.mark.slow
 def test_every_checkpoint_damaged_names_each_file(config, one_rank_run, tmp_path):
     run = _copy(one_rank_run, tmp_path / "run")
     (run / "model.pt").unlink()
@@ -247,6 +252,7 @@ sys.exit(main(sys.argv[1:]))
 '''
 
 
+@pytest.mark.slow
 def test_disk_full_during_a_two_rank_save_keeps_the_previous_checkpoint(config, tmp_path):
     """Rank 1 cannot write its ZeRO shard of the step-4 checkpoint: both ranks stop at once with the same message, in
     train.log and on stderr; step 2 stays the latest checkpoint, and the run resumes from it."""
@@ -268,6 +274,7 @@ def test_disk_full_during_a_two_rank_save_keeps_the_previous_checkpoint(config, 
     assert (run / "model.pt").is_file()
 
 
+@pytest.mark.slow
 def test_disk_full_writing_model_pt(config, one_rank_run, tmp_path):
     script = tmp_path / "inject.py"
     script.write_text(INJECT)

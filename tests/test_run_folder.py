@@ -187,6 +187,7 @@ def _copy(run: Path, tmp_path: Path) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_second_run_into_a_locked_folder_exits_2_naming_the_holder(holder, run_config):
     run, proc = holder
     res = _train(run_config, run)

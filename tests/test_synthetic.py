@@ -77,6 +77,7 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+@pytest.mark.slow
 def test_same_seed_same_bytes_other_seed_differs(dataset: Path, tmp_path: Path) -> None:
     again = tmp_path / "again"
     syn.render_dataset(again, 12, SIZE, seed=3, buildings=3, workers=2)  # another process layout, same bytes

@@ -211,6 +211,7 @@ def test_readers_load_the_synthetic_trees(dataset: str, pascal: Path, nyud: Path
         assert tuple(sample["rgb"].shape[-2:]) == (32, 32) and sample["targets"]
 
 
+@pytest.mark.slow
 def test_determinism_and_workers(tmp_path: Path) -> None:
     """Same arguments, same bytes, whether rendered in 1 or 2 processes."""
     for render in (render_pascal, render_nyud):

@@ -17,6 +17,8 @@ from squad.io.checkpoints import find_resume_tag
 from squad.train import checkpoint as ckpt
 from tests.helpers import DEEPSPEED, PY, ROOT, tool_env, write_run_config
 
+pytestmark = pytest.mark.slow  # every test here runs tools/train.py (subprocesses, launchers)
+
 TASKS = ["depth_euclidean", "normal", "class_scene", "edge_texture"]
 
 

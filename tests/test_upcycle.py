@@ -228,6 +228,7 @@ def test_upcycle_tool_end_to_end_and_bad_input(tmp_path, load_tool, capsys):
 
 
 # ----------------------------------------------------------------------------------------------- train.init
+@pytest.mark.slow
 def test_training_starts_from_train_init_and_resume_takes_precedence(tmp_path, tiny_data, one_thread):
     from squad.config.base import ConfigError, to_dict
     from squad.train.engine import train
@@ -299,6 +300,7 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.mark.slow
 def test_upcycled_modsquad_starts_from_a_better_loss_than_a_fresh_one(tiny_data, one_thread):
     """A tiny dense model trained for 80 steps, upcycled into a tiny Mod-Squad (paper defaults: MoA 4 experts top-2
     with mean K/V, MoE 4 experts top-2 of width 4D/k by partition, gates not renormalised): its step-0 loss on the

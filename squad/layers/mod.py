@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from squad.config.model import MoDConfig
 from squad.layers.base import RoutedLayer
 from squad.layers.block import Block
-from squad.layers.context import ForwardContext, RouterStats
+from squad.layers.context import ForwardContext
 from squad.layers.routing import TaskLinear
 
 
@@ -96,15 +96,28 @@ class MoDBlock(RoutedLayer):
     def _record(self, ctx: ForwardContext, r: int, n: int, processed: torch.Tensor, logits: torch.Tensor | None,
                 idx: torch.Tensor | None) -> None:
         """Statistics: per task, tokens processed vs skipped; the aux BCE when configured."""
-        counts = ctx.per_task_sum(torch.stack([processed, n - processed], dim=1)).detach()  # [T, 2]
-        tokens = ctx.per_task_sum(torch.full((r,), float(n), device=counts.device))
         aux = None
         if self.cfg.aux_loss and logits is not None and self.training and idx is not None:
             target = torch.zeros_like(logits).scatter(1, idx, 1.0)
             aux = F.binary_cross_entropy_with_logits(logits.float(), target.float())
-        ctx.stats.append(RouterStats(self.layer_name, self.kind, None, counts, tokens, 1, aux))
+        self.report(ctx, n, torch.stack([processed, n - processed], dim=1), aux_loss=aux)  # counts [R, 2]
 
-    def macs(self, n: int) -> int:
-        """Multiply-accumulates per sequence of n tokens (router + the block on k tokens)."""
-        router = n * self.router.weight.shape[1] if self.router is not None else 0
-        return router + self.block.macs(self.capacity_tokens(n))
+    def macs(self, tokens: int, capacity: float | None = None) -> float:
+        """Multiply-accumulates per sequence of ``tokens`` tokens: the router plus the block on the tokens it
+        processes.
+
+        Args:
+            tokens: N.
+            capacity: share of the N tokens the block processes (e.g. measured under threshold inference: a mean
+                over images, so the token count may be fractional and the block's count is interpolated between
+                whole token counts); None: k = ceil(C · N), the configured top-k.
+        """
+        router = tokens * self.router.weight.shape[1] if self.router is not None else 0
+        if capacity is None:
+            return router + self.block.macs(self.capacity_tokens(tokens))
+        processed = capacity * tokens
+        lo = math.floor(processed)
+        block = self.block.macs(lo)
+        if processed > lo:
+            block += (processed - lo) * (self.block.macs(lo + 1) - block)
+        return router + block

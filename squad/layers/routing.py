@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from squad.config.model import RouterConfig
-from squad.layers.context import ForwardContext, RouterStats
+from squad.layers.context import ForwardContext
 
 
 class TaskLinear(nn.Module):
@@ -147,6 +147,18 @@ class Routing:
     experts: torch.Tensor
     probs: torch.Tensor
 
+    def row_sums(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Soft mass and hard counts of the decision summed over each of ``rows`` rows of tokens.
+
+        Returns:
+            (mass [R, E] of the probabilities (differentiable), counts [R, E] of the selections (float32)).
+        """
+        e = self.probs.shape[-1]
+        mass = self.probs.view(rows, -1, e).sum(1)
+        hard = torch.zeros(self.probs.shape[0], e, device=self.probs.device, dtype=torch.float32)
+        hard.scatter_(1, self.experts, 1.0)
+        return mass, hard.view(rows, -1, e).sum(1)
+
 
 class TaskRouter(nn.Module):
     """Noisy top-k gate with one router per task (Shazeer et al.; as in the Mod-Squad paper and its authors' code).
@@ -220,14 +232,7 @@ class TaskRouter(nn.Module):
             gates = gates / gates.sum(-1, keepdim=True)
         return Routing(gates.to(x.dtype), experts, probs)
 
-    def stats(self, name: str, kind: str, routing: Routing, ctx: ForwardContext, tokens_per_row: int) -> RouterStats:
-        """Per-task soft mass and hard counts of this routing decision (over the selectable experts)."""
-        r = ctx.task_ids.numel()
-        e = routing.probs.shape[-1]
-        mass = ctx.per_task_sum(routing.probs.view(r, tokens_per_row, e).sum(1))  # [T, E]
-        hard = torch.zeros(r * tokens_per_row, e, device=routing.probs.device, dtype=torch.float32)
-        hard.scatter_(1, routing.experts, 1.0)
-        counts = ctx.per_task_sum(hard.view(r, tokens_per_row, e).sum(1))
-        tokens = ctx.per_task_sum(torch.full((r,), float(tokens_per_row), device=counts.device))
-        experts = routing.experts.detach() if ctx.record_routing else None
-        return RouterStats(name, kind, mass, counts.detach(), tokens, self.top_k, experts=experts)
+    def macs(self, tokens: int) -> int:
+        """Multiply-accumulates of scoring ``tokens`` tokens: every scored expert's logit (all of them under exact
+        routing after pruning; the noise branch, training only, is not counted)."""
+        return tokens * self.gate.weight.shape[1] * self.num_experts

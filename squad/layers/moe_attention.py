@@ -60,7 +60,7 @@ class MoEAttention(ExpertLayer):
         r, n, d = x.shape
         k, dh = self.top_k, self.head_dim
         routing = self.route(x, ctx)
-        plan = plan_dispatch(routing.experts, self.num_experts, host_sizes=False)
+        plan = plan_dispatch(routing.experts, self.num_experts, host_sizes=False, noop=False)  # heads only
 
         q = to_slots(dispatch_matmul(x.reshape(r * n, d), self.q, plan), plan)  # [M, k, d]
         q = q.view(r, n, k, dh).transpose(1, 2)  # [R, k, N, d]: slot j of every token is query head j

@@ -47,9 +47,10 @@ class ExpertMLP(nn.Module):
             setattr(self, name, select_rows(getattr(self, name), index))
         self.num_experts = index.numel()
 
-    def forward(self, x: torch.Tensor, gates: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """x [M, D], gates/experts [M, k] → [M, D] = Σ_slots gate · expert(x)."""
-        plan = plan_dispatch(experts, self.num_experts, host_sizes=False)
+    def forward(self, x: torch.Tensor, gates: torch.Tensor, experts: torch.Tensor, noop: bool = True) -> torch.Tensor:
+        """x [M, D], gates/experts [M, k] → [M, D] = Σ_slots gate · expert(x); ``noop=False`` promises that no slot
+        names a no-op expert (the sync-free path then skips masking their rows)."""
+        plan = plan_dispatch(experts, self.num_experts, host_sizes=False, noop=noop)
         h = F.gelu(dispatch_matmul(x, self.w1, plan, self.b1))  # [M·k, H], rows grouped by expert
         return matmul_combine(h, self.w2, gates, plan, self.b2)  # [M, D]
 
@@ -58,18 +59,15 @@ def apply_capacity(routing: Routing, num_experts: int, capacity_factor: float) -
     """Drops slots beyond each expert's capacity ceil(cf · M·k / E) (earlier tokens first).
 
     Dropped slots are redirected to the no-op index ``num_experts`` (their gate stays but the output is zero),
-    so the token keeps only its residual for that slot.
+    so the token keeps only its residual for that slot. A slot's place in its expert's queue is its position in
+    the sorted order minus the first position of its expert (a binary search): no histogram, no host read.
     """
     m, k = routing.experts.shape
     cap = math.ceil(capacity_factor * m * k / num_experts)
     flat = routing.experts.reshape(-1)
-    order = torch.sort(flat, stable=True).indices
-    sorted_e = flat[order]
-    counts = torch.bincount(sorted_e, minlength=num_experts + 1)
-    starts = counts.cumsum(0) - counts
-    pos_sorted = torch.arange(flat.numel(), device=flat.device) - starts[sorted_e]
-    pos = torch.empty_like(pos_sorted)
-    pos[order] = pos_sorted
+    sorted_e, order = torch.sort(flat, stable=True)
+    pos_sorted = torch.arange(flat.numel(), device=flat.device) - torch.searchsorted(sorted_e, sorted_e)
+    pos = torch.empty_like(pos_sorted).scatter_(0, order, pos_sorted)
     dropped = (pos >= cap) & (flat < num_experts)
     experts = torch.where(dropped, torch.full_like(flat, num_experts), flat).view(m, k)
     return Routing(routing.gates, experts, routing.probs)
@@ -106,7 +104,8 @@ class MoEMlp(ExpertLayer):
         routing = self.route(x, ctx)
         if self.cfg.capacity_factor > 0:
             routing = apply_capacity(routing, self.num_experts, self.cfg.capacity_factor)
-        y = self.experts(x.reshape(r * n, d), routing.gates, routing.experts)
+        noop = self.router.choices > self.num_experts or self.cfg.capacity_factor > 0  # slots that skip the MLP
+        y = self.experts(x.reshape(r * n, d), routing.gates, routing.experts, noop)
         return y.view(r, n, d)
 
     def macs(self, tokens: int, capacity: float | None = None) -> int:

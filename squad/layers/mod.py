@@ -5,6 +5,9 @@ Expert-choice over tokens with a static k = ceil(C · N): the selected tokens at
 through the MLP; the others pass unchanged. Learned routing scales the block's added term by the router weight
 (``x + r · f(x)``, never the residual); attention routing uses the previous attention layer's column-mean
 probabilities as scores, has no parameters and no scaling (``x + f(x)``).
+
+Only the k tokens are gathered and processed; the output is one copy of the input with their results scattered in
+(the input itself is never written: forward hooks and callers may hold it).
 """
 
 from __future__ import annotations
@@ -86,7 +89,7 @@ class MoDBlock(RoutedLayer):
             y_sel = x_sel + r_sel * (y_sel - x_sel)  # only the block's added term is scaled
         if valid is not None:
             y_sel = torch.where(valid.unsqueeze(-1), y_sel, x_sel)
-        out = x.scatter(1, gather_idx, y_sel)
+        out = x.scatter(1, gather_idx, y_sel)  # one copy of x: the input is never written (hooks may hold it)
         if ctx.attn_scores is not None:  # the inner attention produced scores for the selected tokens only
             ctx.attn_scores = ctx.attn_scores.new_zeros(r, n).scatter(1, idx, ctx.attn_scores)
         processed = valid.sum(1).float() if valid is not None else torch.full((r,), float(k), device=x.device)

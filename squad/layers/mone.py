@@ -11,8 +11,12 @@ positions: the class token stays at 0 (MoD's keep_cls), A-MoD scores and routing
 
 Memory layout: the blocks keep the routed tokens token-major ([N, R, D] in memory, handed between blocks as the
 [R, N, D] view), so the rows of one expert group over the whole batch form ONE contiguous [n_j·R, D] block. Each
-nested projection is then one matmul per group that reads its feature slice in place and writes into a
-preallocated output (`nested_linear_in` / `nested_linear_out`): no concatenation, padding or slicing copies.
+nested projection is then one matmul per group that reads its feature slice in place (`nested_linear_in`), and each
+output projection adds its group's w_j features straight into the residual (`nested_linear_out` with a residual,
+scaled per token for the MLP): no concatenation, padding or slicing copies, and nothing of full width for tokens that
+use a slice. Norms and residual adds run over the routed order as it is. The block never writes into its input: the
+attention's projections add into one copy of it, and in inference (no autograd record) the MLP's add into that
+copy in place.
 
 Update (paper Eq. 1): ``z = x + SA_j(x)``, ``x' = z + (α · r_ij + 1) · FFN_j(z)``, α learnable from 0.
 """
@@ -51,7 +55,7 @@ class MoNEState:
     def unpermute(self, x: torch.Tensor) -> torch.Tensor:
         """[R, N, ...] in routed order → original token order."""
         idx = self.order.view(*self.order.shape, *([1] * (x.dim() - 2))).expand_as(x)
-        return torch.empty_like(x).scatter(1, idx, x)
+        return torch.empty_like(x).scatter_(1, idx, x)  # one pass: written straight into the new tensor
 
     def permute(self, x: torch.Tensor) -> torch.Tensor:
         """[R, N, D] in original token order → routed order, token-major in memory (as the MoNE blocks want)."""
@@ -171,12 +175,15 @@ class MoNEBlock(nn.Module):
         if self.want_scores:
             ctx.attn_scores = scores
         out = out.permute(2, 0, 1, 3).reshape(n * r, d)  # [T, D] token-major
-        z = x2 + nested_linear_out(out, self.attn.proj.weight, self.attn.proj.bias, blocks)
+        # z = x + SA(x) and x' = z + (α·r + 1)·FFN(z): each nested output projection adds its w_g features into a
+        # copy of the residual (x is never written); with no autograd record the second adds into z, the block's own
+        z = nested_linear_out(out, self.attn.proj.weight, self.attn.proj.bias, blocks, residual=x2)
         h = self.norm2(z)
         hidden = F.gelu(nested_linear_in(h, self.mlp.fc1.weight, self.mlp.fc1.bias, blocks))  # [T, 4D]
-        y = nested_linear_out(hidden, self.mlp.fc2.weight, self.mlp.fc2.bias, blocks)  # [T, D]
         scale = (self.alpha * st.gate.t() + 1.0).reshape(n * r, 1)  # [T, 1] = α · r + 1
-        return torch.addcmul(z, y, scale).view(n, r, d).transpose(0, 1)
+        y = nested_linear_out(hidden, self.mlp.fc2.weight, self.mlp.fc2.bias, blocks, residual=z, scale=scale,
+                              inplace=not torch.is_grad_enabled())
+        return y.view(n, r, d).transpose(0, 1)
 
     def macs(self, tokens: int, capacity: float | None = None) -> int:
         """Multiply-accumulates per sequence of ``tokens`` tokens: each nested width at its group size (the

@@ -50,20 +50,35 @@ def check(value: float, target: str) -> bool | None:
     raise ValueError(f"target must look like '<= 1.15' or '>= 3', got {target!r}")
 
 
-def time_interleaved(fns: Sequence[Callable[[], Any]], repeats: int = 10, warmup: int = 2) -> list[float]:
+def time_interleaved(fns: Sequence[Callable[[], Any]], repeats: int = 10, warmup: int = 2,
+                     device: str | torch.device | None = None) -> list[float]:
     """Times several callables interleaved and returns the median seconds of each.
 
     Args:
         fns: the callables; each runs one full measured unit (e.g. forward + backward).
         repeats: timed rounds; in each round every callable runs once, in order.
         warmup: untimed rounds first (allocator, caches, lazy init).
+        device: a CUDA device times each call with CUDA events on its current stream (the device's own timeline,
+            no synchronisation between calls; launch gaps a slow host leaves count); otherwise wall-clock time.
 
     Returns:
-        Median wall-clock seconds per callable, in the order given.
+        Median seconds per callable, in the order given.
     """
     for _ in range(warmup):
         for fn in fns:
             fn()
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+        events = [[] for _ in fns]
+        for _ in range(repeats):
+            for i, fn in enumerate(fns):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                events[i].append((start, end))
+        torch.cuda.synchronize(device)
+        return [statistics.median(a.elapsed_time(b) / 1000 for a, b in pairs) for pairs in events]
     samples: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
         for i, fn in enumerate(fns):

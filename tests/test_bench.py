@@ -4,11 +4,13 @@ import json
 import math
 import subprocess
 import sys
+import types
 
 import pytest
+import torch
 
 from squad.bench import cases as bench_cases
-from squad.timing import BenchResult
+from squad.timing import BenchResult, time_interleaved
 from tests.helpers import ROOT
 
 TOOL = ROOT / "tools/bench.py"
@@ -76,3 +78,56 @@ def test_registry_names_every_case_once():
     assert {"moe_mlp", "moa", "fused_step", "mod", "mone", "routed_attention", "data"} <= set(names)
     with pytest.raises(ValueError, match="known"):
         bench_cases.get_case("nope")
+
+
+def test_device_option_and_gpu_name_in_table_and_json(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = run_tool("--quick", "--only", "mod", "--device", "cpu", "--json", str(out), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "device: cpu" in proc.stdout
+    report = json.loads(out.read_text())
+    assert report["device"] == "cpu" and report["device_name"] == "cpu"
+    assert report["results"][0]["case"] == "mod_vit_s_forward_vs_dense"  # the CPU row, as before
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+def test_device_cuda_without_a_gpu_is_a_usage_error(tmp_path):
+    proc = run_tool("--quick", "--only", "moe_mlp", "--device", "cuda", cwd=tmp_path)
+    assert proc.returncode == 2 and "no CUDA GPU" in proc.stderr
+
+
+def test_device_reaches_only_the_cases_that_take_it(monkeypatch):
+    seen = {}
+
+    def with_device(quick, device="cpu"):
+        seen["with"] = device
+        return [BenchResult("a", 1.0)]
+
+    def without_device(quick):
+        seen["without"] = quick
+        return [BenchResult("b", 1.0)]
+
+    module = types.ModuleType("squad_fake_bench_cases")
+    module.with_device, module.without_device = with_device, without_device
+    monkeypatch.setitem(sys.modules, "squad_fake_bench_cases", module)
+    rows = bench_cases.run_case(bench_cases.Case("w", "squad_fake_bench_cases:with_device"), True, "cuda")
+    rows += bench_cases.run_case(bench_cases.Case("o", "squad_fake_bench_cases:without_device"), True, "cuda")
+    assert [r.case for r in rows] == ["a", "b"] and seen == {"with": "cuda", "without": True}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["moe_mlp", "moa", "mod", "mone"])
+def test_gpu_rows_at_quick_sizes(name):
+    (row,) = [r for r in bench_cases.run_case(bench_cases.get_case(name), quick=True, device="cuda")
+              if r.case.endswith("_gpu")]
+    assert row.unit in ("x time", "x faster") and row.value > 0
+    assert row.details["gpu"] == torch.cuda.get_device_name() and row.details["dtype"] == "bfloat16"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_event_timing_orders_work():
+    a = torch.randn(2048, 2048, device="cuda")
+    small, big = time_interleaved([lambda: a[:256] @ a[:, :256], lambda: a @ a], repeats=5, device="cuda")
+    assert 0 < small < big

@@ -1,19 +1,18 @@
 """Parameter and MAC counts from the routed shapes (the papers call multiply-accumulates "FLOPs").
 
-MACs per image per task are summed from every layer's ``macs(n)`` at the token counts it actually sees: routed
-layers count k experts per token plus the router, MoD blocks count their block at k = ceil(C·N) tokens, MoNE blocks
-count each nested width at its group size. Attention matmuls (QKᵀ and AV) are included, norms and softmax are not.
-With ``mod_share`` (measured, e.g. MoD threshold inference: `mod_shares` of the statistics an evaluation recorded)
-each MoD block counts its block at the measured mean number of tokens it processed per image for each task
-(interpolated between whole token counts) instead of k.
+MACs per image per task are summed from every layer's ``macs(tokens, capacity=None)`` at the token counts it
+actually sees: routed layers count k experts per token plus the router, MoD blocks count their block at
+k = ceil(C·N) tokens, MoNE blocks count each nested width at its group size. Attention matmuls (QKᵀ and AV) are
+included, norms and softmax are not. With ``mod_share`` (measured, e.g. MoD threshold inference: `mod_shares` of the
+statistics an evaluation recorded) each MoD block counts its block at the measured mean number of tokens it processed
+per image for each task (interpolated between whole token counts) instead of k.
 Pruned (extracted) layers count the experts and top-k they have now; an exactly routed router still scores every
-original expert and is counted that way. `tests/test_profile.py` and `tests/test_extract.py` check these counts
-against PyTorch's FLOP counter on real forward passes.
+original expert and is counted that way (`TaskRouter.macs`). `tests/test_profile.py` and `tests/test_extract.py`
+check these counts against PyTorch's FLOP counter on real forward passes.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 
 import torch.nn as nn
@@ -22,7 +21,6 @@ from squad.layers.mod import MoDBlock
 from squad.layers.moe_attention import MoEAttention
 from squad.layers.moe_mlp import ExpertMLP
 from squad.layers.mone import MoNEBlock
-from squad.layers.mone_capacity import capacity_distribution
 from squad.layers.routing import TaskLinear
 from squad.models.usage import ExpertUsage
 from squad.models.vit import SquadViT
@@ -44,7 +42,7 @@ def _active_params(model: SquadViT, task: int) -> int:
         elif isinstance(module, ExpertMLP):
             per = sum(p[0].numel() for p in module.parameters())
             mlp = model.get_submodule(name.rsplit(".", 1)[0])
-            total += per * min(mlp.cfg.top_k, module.num_experts)
+            total += per * min(mlp.top_k, module.num_experts)
             seen.update(id(p) for p in module.parameters())
         elif isinstance(module, MoEAttention):
             total += (module.q[0].numel() + module.o[0].numel()) * module.top_k
@@ -67,6 +65,9 @@ def backbone_macs(model: SquadViT, mone_capacity: float | None = None,
                   mod_share: Mapping[str, float] | None = None) -> int:
     """MACs of the backbone per image (patch embedding + blocks), for one task.
 
+    Every block counts itself with ``macs(tokens, capacity)``: MoNE blocks at the effective capacity, MoD blocks at
+    their measured share when ``mod_share`` lists them, every other block (and MoD blocks not listed) as configured.
+
     Args:
         model: the model.
         mone_capacity: effective capacity for MoNE blocks (default: the model's current one).
@@ -74,48 +75,15 @@ def backbone_macs(model: SquadViT, mone_capacity: float | None = None,
     """
     cfg = model.cfg
     n = cfg.num_tokens
-    n_patches = cfg.grid**2
-    macs = n_patches * cfg.in_chans * cfg.patch_size**2 * cfg.embed_dim
-    cap = capacity_distribution(round(mone_capacity or model.mone_capacity, 6), cfg.mone.num_experts,
-                                cfg.mone.beta, cfg.mone.delta)
-    share = dict(mod_share or {})
-    for block in model.blocks:
-        if isinstance(block, MoNEBlock):
-            macs += block.macs(n, cap)
-        elif isinstance(block, MoDBlock) and block.layer_name in share:
-            macs += _mod_macs_at(block, n, share[block.layer_name] * n)
-        else:
-            macs += block.macs(n)
-    return round(macs + _unpruned_router_macs(model, n, share))
-
-
-def _interpolated(f, tokens: float) -> float:
-    """f (a MAC count at whole token counts) at a fractional token count, linear between its neighbours."""
-    lo = math.floor(tokens)
-    return f(lo) if tokens == lo else f(lo) + (tokens - lo) * (f(lo + 1) - f(lo))
-
-
-def _mod_macs_at(block: MoDBlock, n: int, tokens: float) -> float:
-    """A MoD block's MACs when its inner block processes ``tokens`` tokens (mean per image) instead of k."""
-    router = block.macs(n) - block.block.macs(block.capacity_tokens(n))
-    return router + _interpolated(block.block.macs, tokens)
-
-
-def _unpruned_router_macs(model: SquadViT, n: int, mod_share: Mapping[str, float] | None = None) -> float:
-    """Router MACs a pruned MoE attention layer's own count misses: with exact routing its router still scores
-    every original expert, while the layer counts the router at the experts it holds."""
-    extra = 0.0
+    macs = cfg.grid**2 * cfg.in_chans * cfg.patch_size**2 * cfg.embed_dim
+    e_c = mone_capacity or model.mone_capacity
     share = mod_share or {}
     for block in model.blocks:
-        tokens: float = n
-        inner = block
-        if isinstance(block, MoDBlock):
-            inner = block.block
-            tokens = share[block.layer_name] * n if block.layer_name in share else block.capacity_tokens(n)
-        attn = getattr(inner, "attn", None)
-        if isinstance(attn, MoEAttention):
-            extra += tokens * attn.kv.in_features * (attn.router.num_experts - attn.num_experts)
-    return extra
+        if isinstance(block, MoNEBlock):
+            macs += block.macs(n, e_c)
+        else:
+            macs += block.macs(n, share.get(block.layer_name) if isinstance(block, MoDBlock) else None)
+    return round(macs)
 
 
 def mod_shares(usage: ExpertUsage) -> dict[str, dict[str, float]]:

@@ -18,6 +18,12 @@ Model cases here (ViT-S widths, D = 384, CPU float32):
 - ``mod``: Mixture-of-Depths ViT-S (12.5 %, every other block) forward against the dense ViT-S.
 - ``mone``: MoNE ViT-S at e_c = 0.3 forward against the dense ViT-S.
 
+On a GPU (``tools/bench.py --device cuda``, the default where CUDA is present) the cases that take a ``device``
+argument measure their GPU rows instead (bf16, CUDA events, medians, ``*_gpu`` rows naming the GPU): ``moe_mlp`` and
+``moa`` at modsquad_vit_b's widths (12 images × 13 tasks × 197 tokens, task-major rows as the model lays them out)
+against their dense / multi-query twins of equal active FLOPs, ``mod`` and ``mone`` at 224 px on 256 images. The
+other cases run as on the CPU.
+
 `profile_table` prints parameters and MACs of every paper config (built on the meta device, nothing allocated).
 """
 
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import logging
 import math
 import os
@@ -104,14 +111,24 @@ def error_row(case: str, message: str) -> BenchResult:
     return BenchResult(case, math.nan, "", "error", False, {"error": message})
 
 
-def run_case(case: Case, quick: bool = False) -> list[BenchResult]:
-    """Runs one case; any failure (missing module, exception, no rows) becomes one error row."""
+def run_case(case: Case, quick: bool = False, device: str = "cpu") -> list[BenchResult]:
+    """Runs one case; any failure (missing module, exception, no rows) becomes one error row.
+
+    ``device`` reaches the cases that take a ``device`` argument (their GPU rows on ``"cuda"``); the others run as
+    they always do.
+    """
     try:
         fn = case.load()
     except (ImportError, AttributeError) as e:
         return [error_row(case.name, f"cannot import {case.ref}: {type(e).__name__}: {e}")]
+    kwargs: dict = {"quick": quick}
     try:
-        rows = list(fn(quick=quick))
+        if "device" in inspect.signature(fn).parameters:
+            kwargs["device"] = device
+    except (TypeError, ValueError):  # no signature to read: call it the plain way
+        pass
+    try:
+        rows = list(fn(**kwargs))
     except Exception as e:  # noqa: BLE001 - a broken case must not hide the others
         log.exception("bench case %s failed", case.name)
         return [error_row(case.name, f"{type(e).__name__}: {e}")]
@@ -121,21 +138,34 @@ def run_case(case: Case, quick: bool = False) -> list[BenchResult]:
 
 
 def run_cases(names: Sequence[str] | None = None, quick: bool = False,
-              on_rows: Callable[[Case, list[BenchResult]], None] | None = None) -> list[BenchResult]:
+              on_rows: Callable[[Case, list[BenchResult]], None] | None = None,
+              device: str = "cpu") -> list[BenchResult]:
     """Runs the named cases (all when None) in registry order; ``on_rows`` sees each case's rows as they come."""
     cases = CASES if not names else [get_case(n) for n in names]
     out: list[BenchResult] = []
     for case in cases:
         log.info("bench case %s", case.name)
-        rows = run_case(case, quick)
+        rows = run_case(case, quick, device)
         if on_rows is not None:
             on_rows(case, rows)
         out.extend(rows)
     return out
 
 
-def format_table(rows: Sequence[BenchResult]) -> str:
-    """The rows as a fixed-width text table: case, value, target, unit, ok."""
+def gpu_present() -> bool:
+    """Whether torch sees a CUDA GPU (`tools/bench.py --device` defaults to cuda then)."""
+    return torch.cuda.is_available()
+
+
+def device_name(device: str | torch.device) -> str:
+    """``"cpu"``, or the GPU's name (``torch.cuda.get_device_name``) for a CUDA device."""
+    device = torch.device(device)
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def format_table(rows: Sequence[BenchResult], device: str | None = None) -> str:
+    """The rows as a fixed-width text table: case, value, target, unit, ok (under a ``device:`` line naming the
+    GPU when ``device`` is given)."""
     def ok_text(r: BenchResult) -> str:
         if r.unit == "error":
             return "ERROR"
@@ -152,6 +182,8 @@ def format_table(rows: Sequence[BenchResult]) -> str:
     for r in rows:
         if r.unit == "error":
             lines.append(f"{r.case}: {r.details.get('error', '')}")
+    if device is not None:
+        lines.insert(0, f"device: {device}")
     return "\n".join(lines)
 
 
@@ -213,6 +245,30 @@ def _task_context(rows: int, num_tasks: int):
     return lambda: ForwardContext(task_ids=ids, num_tasks=num_tasks)
 
 
+def _on_gpu(device: str | torch.device) -> bool:
+    return torch.device(device).type == "cuda"
+
+
+def _segment_context(rows_per_task: int, num_tasks: int, device: str | torch.device):
+    """Contexts for task-major rows (``rows_per_task`` rows of each task in turn), as the model's forward lays
+    them out: the per-task routers run as one grouped matmul."""
+    ids = torch.arange(num_tasks, device=device).repeat_interleave(rows_per_task)
+    segments = [(t, t * rows_per_task, (t + 1) * rows_per_task) for t in range(num_tasks)]
+    return lambda: ForwardContext(task_ids=ids, num_tasks=num_tasks, segments=segments)
+
+
+def _gpu_block_inputs(quick: bool, device: str | torch.device):
+    """modsquad_vit_b's widths: the config, 12 images (2 with --quick) × its 13 tasks × 197 tokens of width 768
+    (bf16, requiring gradients), and the task-major contexts."""
+    cfg = _config("modsquad_vit_b")
+    tasks, images = len(cfg.head_configs()), (2 if quick else 12)
+    x = torch.randn(images * tasks, cfg.num_tokens, cfg.embed_dim, device=device, dtype=torch.bfloat16,
+                    requires_grad=True)
+    shape = {"images": images, "tasks": tasks, "tokens": images * tasks * cfg.num_tokens, "dim": cfg.embed_dim,
+             "dtype": "bfloat16", "gpu": device_name(device)}
+    return cfg, x, _segment_context(images, tasks, device), shape
+
+
 # ---------------------------------------------------------------------------------------------------------- MoE MLP
 def _deepspeed_moe(dim: int, hidden: int, num_experts: int, k: int) -> nn.Module:
     """DeepSpeed's MoE layer with the same experts, in this process (CPU accelerator, gloo, world size 1)."""
@@ -233,8 +289,11 @@ def _deepspeed_moe(dim: int, hidden: int, num_experts: int, k: int) -> nn.Module
     return MoE(hidden_size=dim, expert=expert, num_experts=num_experts, ep_size=1, k=k, capacity_factor=1.25)
 
 
-def bench_moe_mlp(quick: bool = False) -> list[BenchResult]:
-    """MoE MLP fwd+bwd against the dense MLP of equal active FLOPs (D 384, 16 experts, top-4, width 4D/k = 384)."""
+def bench_moe_mlp(quick: bool = False, device: str = "cpu") -> list[BenchResult]:
+    """MoE MLP fwd+bwd against the dense MLP of equal active FLOPs (D 384, 16 experts, top-4, width 4D/k = 384);
+    on a GPU (``device="cuda"``) modsquad_vit_b's block in bf16 instead (`bench_moe_mlp_gpu`)."""
+    if _on_gpu(device):
+        return bench_moe_mlp_gpu(quick, device)
 
     d, e, k, tasks = VIT_S_DIM, 16, 4, 13
     rows, tokens = (2 if quick else 8), 197
@@ -263,6 +322,21 @@ def bench_moe_mlp(quick: bool = False) -> list[BenchResult]:
     return out
 
 
+def bench_moe_mlp_gpu(quick: bool = False, device: str = "cuda") -> list[BenchResult]:
+    """modsquad_vit_b's MoE MLP (D 768, 16 experts, top-4, width 768, its routers) fwd+bwd in bf16 on a GPU against
+    the dense MLP of equal active FLOPs (hidden k·768), 12 images × 13 tasks × 197 tokens, timed with CUDA events."""
+    cfg, x, ctx, shape = _gpu_block_inputs(quick, device)
+    torch.manual_seed(0)
+    hidden = cfg.moe_hidden()
+    moe = MoEMlp(cfg.embed_dim, hidden, cfg.moe, shape["tasks"]).to(device, torch.bfloat16)
+    dense = Mlp(cfg.embed_dim, cfg.moe.top_k * hidden).to(device, torch.bfloat16)
+    times = time_interleaved([_fwd_bwd(lambda: moe(x, ctx()), [x, *moe.parameters()]),
+                              _fwd_bwd(lambda: dense(x), [x, *dense.parameters()])],
+                             **_repeats(quick, 50), device=device)
+    return [ratio_row("moe_mlp_fwd_bwd_vs_dense_gpu", *times, "<= 1.3", experts=cfg.moe.num_experts,
+                      top_k=cfg.moe.top_k, expert_hidden=hidden, **shape)]
+
+
 # ------------------------------------------------------------------------------------------------------------- MoA
 class MultiQueryAttention(nn.Module):
     """The MoA baseline with the same active FLOPs: k query heads of width d over one shared K/V head.
@@ -285,8 +359,11 @@ class MultiQueryAttention(nn.Module):
         return self.proj(out.transpose(1, 2).reshape(b, n, -1))
 
 
-def bench_moa(quick: bool = False) -> list[BenchResult]:
-    """MoA fwd+bwd (15 experts, top-6, head dim 64) against multi-query attention of equal active FLOPs."""
+def bench_moa(quick: bool = False, device: str = "cpu") -> list[BenchResult]:
+    """MoA fwd+bwd (15 experts, top-6, head dim 64) against multi-query attention of equal active FLOPs; on a GPU
+    (``device="cuda"``) modsquad_vit_b's MoA in bf16 instead (`bench_moa_gpu`)."""
+    if _on_gpu(device):
+        return bench_moa_gpu(quick, device)
 
     d, e, k, dh, tasks = VIT_S_DIM, 15, 6, 64, 13
     rows, tokens = (2 if quick else 8), 197
@@ -299,6 +376,20 @@ def bench_moa(quick: bool = False) -> list[BenchResult]:
                                      _fwd_bwd(lambda: mqa(x), [x, *mqa.parameters()])], **_repeats(quick, 20))
     return [ratio_row("moa_fwd_bwd_vs_mqa", t_moa, t_mqa, "<= 1.25", tokens=rows * tokens, dim=d, experts=e,
                       top_k=k, head_dim=dh, threads=torch.get_num_threads())]
+
+
+def bench_moa_gpu(quick: bool = False, device: str = "cuda") -> list[BenchResult]:
+    """modsquad_vit_b's MoE attention (24 experts, top-12, head 64, its routers) fwd+bwd in bf16 on a GPU against
+    multi-query attention of equal FLOPs (12 query heads over one K/V head), 12 images × 13 tasks × 197 tokens."""
+    cfg, x, ctx, shape = _gpu_block_inputs(quick, device)
+    torch.manual_seed(0)
+    moa = MoEAttention(cfg.embed_dim, cfg.moa, shape["tasks"], cfg.qkv_bias).to(device, torch.bfloat16)
+    mqa = MultiQueryAttention(cfg.embed_dim, cfg.moa.top_k, cfg.moa.head_dim).to(device, torch.bfloat16)
+    times = time_interleaved([_fwd_bwd(lambda: moa(x, ctx()), [x, *moa.parameters()]),
+                              _fwd_bwd(lambda: mqa(x), [x, *mqa.parameters()])],
+                             **_repeats(quick, 50), device=device)
+    return [ratio_row("moa_fwd_bwd_vs_mqa_gpu", *times, "<= 1.4", experts=cfg.moa.num_experts,
+                      top_k=cfg.moa.top_k, head_dim=cfg.moa.head_dim, **shape)]
 
 
 # ------------------------------------------------------------------------------------------------ fused 13-task step
@@ -350,10 +441,16 @@ def _dense_vit_s(img_size: int):
                                 "model.task_embed=none", "model.name=vit_s_dense"]).eval()
 
 
-def _forward_speedup(case: str, conditional, dense, target: str, quick: bool, **details) -> BenchResult:
-    batch = 2 if quick else 8
+def _forward_speedup(case: str, conditional, dense, target: str, quick: bool, device: str = "cpu",
+                     **details) -> BenchResult:
+    """Inference speed-up of ``conditional`` over ``dense`` (``forward_features``, no_grad): 8 images in float32
+    on the CPU; on a GPU 256 images in bf16 timed with CUDA events (2 images with --quick)."""
+    gpu = _on_gpu(device)
+    batch = 2 if quick else (256 if gpu else 8)
     size = conditional.cfg.img_size
-    images = torch.randn(batch, 3, size, size)
+    dtype = torch.bfloat16 if gpu else torch.float32
+    conditional, dense = conditional.to(device, dtype), dense.to(device, dtype)
+    images = torch.randn(batch, 3, size, size, device=device, dtype=dtype)
     task = conditional.task_names[0]
 
     def run(model) -> Callable[[], None]:
@@ -363,25 +460,30 @@ def _forward_speedup(case: str, conditional, dense, target: str, quick: bool, **
 
         return fwd
 
-    t_cond, t_dense = time_interleaved([run(conditional), run(dense)], **_repeats(quick, 10))
+    t_cond, t_dense = time_interleaved([run(conditional), run(dense)], **_repeats(quick, 30 if gpu else 10),
+                                       device=device if gpu else None)
+    if gpu:
+        case, details = case + "_gpu", {**details, "dtype": "bfloat16", "gpu": device_name(device)}
     return ratio_row(case, t_cond, t_dense, target, faster=True, batch=batch, image_size=size,
                      threads=torch.get_num_threads(), **details)
 
 
-def bench_mod(quick: bool = False) -> list[BenchResult]:
-    """MoD ViT-S (12.5 % capacity, learned routing every other block) forward vs the dense ViT-S, eval, batch 8."""
+def bench_mod(quick: bool = False, device: str = "cpu") -> list[BenchResult]:
+    """MoD ViT-S (12.5 % capacity, learned routing every other block) forward vs the dense ViT-S, eval, batch 8 (on
+    a GPU: 256 images, bf16)."""
     size = 64 if quick else 224
     mod = _build("mod_vit_s", [f"model.img_size={size}"]).eval()
-    return [_forward_speedup("mod_vit_s_forward_vs_dense", mod, _dense_vit_s(size), ">= 1.6", quick,
+    return [_forward_speedup("mod_vit_s_forward_vs_dense", mod, _dense_vit_s(size), ">= 1.6", quick, device,
                              capacity=mod.cfg.mod.capacity)]
 
 
-def bench_mone(quick: bool = False) -> list[BenchResult]:
-    """MoNE ViT-S at e_c = 0.3 forward vs the dense ViT-S, eval, batch 8."""
+def bench_mone(quick: bool = False, device: str = "cpu") -> list[BenchResult]:
+    """MoNE ViT-S at e_c = 0.3 forward vs the dense ViT-S, eval, batch 8 (on a GPU: 256 images, bf16)."""
     size = 64 if quick else 224
     mone = _build("mone_vit_s", [f"model.img_size={size}"]).eval()
     mone.set_mone_capacity(0.3)
-    return [_forward_speedup("mone_vit_s_forward_vs_dense", mone, _dense_vit_s(size), ">= 1.8", quick,
+    target = ">= 1.7" if _on_gpu(device) else ">= 1.8"
+    return [_forward_speedup("mone_vit_s_forward_vs_dense", mone, _dense_vit_s(size), target, quick, device,
                              effective_capacity=0.3)]
 
 

@@ -4,6 +4,7 @@
     python tools/bench.py --quick --only moe_mlp mod --json out.json
     python tools/bench.py --profile             # params / MACs of every paper config (no timing)
     python tools/bench.py --list
+    python tools/bench.py --device cuda --only moe_mlp moa mod mone   # the GPU rows (bf16, CUDA events)
 
 A case whose module is missing or which fails is printed as an ERROR row (and the exit status is 1); a missed
 target is printed as ``NO`` but is not an error.
@@ -30,7 +31,7 @@ from squad.cli import rerun_with_passive_omp, run
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The arguments of ``tools/bench.py`` / ``squad-bench`` (unknown case names are a usage error, exit 2)."""
-    from squad.bench.cases import CASES
+    from squad.bench.cases import CASES, gpu_present
 
     names = [c.name for c in CASES]
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -45,12 +46,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-tuning", action="store_true",
                    help="keep libgomp's spinning wait policy and glibc's default malloc thresholds")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                   help="where the cases that have GPU rows run (moe_mlp, moa, mod, mone: bf16, paper widths, CUDA "
+                        "events); default cuda when a GPU is present, else cpu")
     args = p.parse_args(argv)
     unknown = [n for n in args.only or [] if n not in names]
     if unknown:
         p.error(f"unknown case(s) {', '.join(unknown)}; known: {', '.join(names)}")
     if args.threads is not None and args.threads < 1:
         p.error(f"--threads must be >= 1, got {args.threads}")
+    if args.device is None:
+        args.device = "cuda" if gpu_present() else "cpu"
+    elif args.device == "cuda" and not gpu_present():
+        p.error("--device cuda: no CUDA GPU is visible to torch on this machine (use --device cpu)")
     return args
 
 
@@ -77,6 +85,7 @@ def _bench(argv: list[str] | None) -> int:
         runtime.tune_cpu_allocator()
 
     report: dict = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "quick": args.quick,
+                    "device": args.device, "device_name": bench_cases.device_name(args.device),
                     "environment": bench_cases.environment(), "results": []}
     if args.profile:
         print(bench_cases.profile_table())
@@ -86,12 +95,12 @@ def _bench(argv: list[str] | None) -> int:
         def progress(case, case_rows):
             print(f"[{case.name}] done ({len(case_rows)} rows)", file=sys.stderr, flush=True)
 
-        rows = bench_cases.run_cases(args.only, quick=args.quick, on_rows=progress)
+        rows = bench_cases.run_cases(args.only, quick=args.quick, on_rows=progress, device=args.device)
         env = bench_cases.environment()
         print(f"torch {env['torch']}, {env['threads']} threads, {env['cpus']} CPUs, OMP_WAIT_POLICY "
               f"{env['omp_wait_policy']}, malloc tuned {env['malloc_tuned']}, load average "
               f"{', '.join(f'{v:.2f}' for v in env['load_average'] or [])}" + (", --quick sizes" if args.quick else ""))
-        print(bench_cases.format_table(rows))
+        print(bench_cases.format_table(rows, bench_cases.device_name(args.device)))
         report["environment_after"] = env
         report["results"] = [bench_cases.result_dict(r) for r in rows]
     atomic_write_text(args.json, json.dumps(report, indent=2) + "\n", "the benchmark results")

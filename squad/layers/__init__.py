@@ -5,9 +5,11 @@
 - heads:         task heads on the final tokens (`DenseHead`, `ClassHead`, `TokenHead`, `build_head`).
 - context:       `ForwardContext`, the per-forward state passed down the blocks, and `RouterStats`, what routed
                  layers report into it.
-- base:          the routed-layer contract: `RoutedLayer` (``kind``, ``layer_name``) and `EXPERT_KINDS`.
+- base:          the routed-layer contract: `RoutedLayer` (``kind``, ``layer_name``, `report`, ``macs(tokens,
+                 capacity=None)``), `ExpertLayer` (`keep_experts`) and `EXPERT_KINDS`.
 - routing:       per-task routers: `TaskLinear` (per-task weight bank) and `TaskRouter` (noisy top-k gate, `Routing`).
-- experts:       grouped expert matmuls and token dispatch/combine ops (`plan_dispatch`, `dispatch_matmul`, ...).
+- experts:       grouped expert matmuls and token dispatch/combine ops (`plan_dispatch`, `dispatch_matmul`, ...),
+                 a CPU algorithm and a sync-free one for CUDA.
 - moe_mlp:       `MoEMlp`, the mixture-of-experts MLP (`ExpertMLP`, no-op experts, capacity dropping).
 - moe_attention: `MoEAttention`, mixture of attention heads (MoA) over one shared key/value head.
 - mod:           `MoDBlock`, Mixture-of-Depths around any block (learned or attention routing).

@@ -69,8 +69,8 @@ class Attention(nn.Module):
         out = out.transpose(1, 2).reshape(b, n, -1)  # [B, N, H·d]
         return self.proj(out)
 
-    def macs(self, n: int) -> int:
-        """Multiply-accumulates per sequence of n tokens."""
+    def macs(self, n: int, capacity: float | None = None) -> int:
+        """Multiply-accumulates per sequence of n tokens (``capacity`` is unused)."""
         inner = self.num_heads * self.head_dim
         d = self.qkv.in_features
         return n * d * 3 * inner + 2 * n * n * inner + n * inner * d

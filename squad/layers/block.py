@@ -60,6 +60,7 @@ class Block(nn.Module):
             x = x + self.mlp(h, ctx)
         return x
 
-    def macs(self, n: int) -> int:
-        """Multiply-accumulates per sequence of n tokens."""
-        return sum(m.macs(n) for m in (self.attn, self.mlp) if m is not None)
+    def macs(self, tokens: int, capacity: float | None = None) -> int:
+        """Multiply-accumulates per sequence of ``tokens`` tokens (``capacity`` is unused: a block processes every
+        token it is given)."""
+        return sum(m.macs(tokens) for m in (self.attn, self.mlp) if m is not None)

@@ -51,8 +51,8 @@ class ForwardContext:
         record_routing: routers also report every token's selected experts (`RouterStats.experts`); off in
             training, so the hot path keeps nothing extra.
         segments: ``(task, first_row, end_row)`` when the rows are task-major runs known on the host (the model's
-            forward always lays them out so); per-task layers then run one matmul per task instead of gathering
-            a weight per row.
+            forward always lays them out so); per-task layers then run one grouped matmul over all tasks instead
+            of gathering a weight per row.
     """
 
     task_ids: torch.Tensor

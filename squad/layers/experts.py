@@ -3,47 +3,94 @@
 Tokens are grouped by expert ONCE per layer (`Dispatch`): the (token, slot) pairs are sorted by expert, every
 expert's rows are then contiguous, and each projection is one grouped matmul over those rows. The grouped matmul
 primitive is PyTorch's `grouped_mm` (one call for all groups, from a device-side offsets tensor: no host sync, no
-Python loop) for float32/bf16/fp16 operands whose strides it accepts, on the CPU as on CUDA; otherwise (float64,
-odd widths) a loop over the groups with ``mm(out=...)`` into one preallocated output, reading the group sizes to the
+Python loop) for float32/bf16/fp16 operands whose strides it accepts (on CUDA: bf16); otherwise (float64, odd
+widths) a loop over the groups with ``mm(out=...)`` into one preallocated output, reading the group sizes to the
 host once per layer. Weight gradients are grouped matmuls too (``xᵀ · grad`` partitioned by the same offsets).
+`TaskLinear` (squad.layers.routing) uses the same primitive for all tasks' routers at once (`segment_groups`).
 
-The layers use two fused ops, one per side of the experts, each a handful of whole-tensor calls (gather, one
-grouped matmul, one `embedding_bag`) rather than a Python loop over the experts, which keeps both cores busy
-and the op count low:
+The layers use two fused ops, one per side of the experts, each a handful of whole-tensor calls rather than a
+Python loop over the experts:
 
 - `dispatch_matmul` = ``grouped_matmul(dispatch_tokens(x))``: one gather of the k copies of every token, one
-  grouped matmul; backward sums each token's k slot gradients with one `embedding_bag` pass.
+  grouped matmul; backward sums each token's k slot gradients.
 - `matmul_combine` = ``combine(grouped_matmul(rows))``: the gate is folded into the input rows, so the outputs
-  are summed per token with one unweighted `embedding_bag` and the gate's gradient is a dot product on the input
-  side (64 wide for MoA heads).
+  are summed per token unweighted and the gate's gradient is a dot product on the input side (64 wide for MoA
+  heads).
 
-`dispatch_tokens`, `grouped_matmul`, `to_slots`, `from_slots` and `combine` are the readable pieces; the tests
-check the fused ops against their composition.
+Two algorithms serve the sums, bias rows and no-op rows around the grouped matmuls (`Groups.sync_free`):
+
+- CPU tensors: `embedding_bag` for the per-token and per-expert sums, a slice per group for the bias rows and the
+  no-op tail (the group sizes cost nothing to read on the host). Fastest on the CPU.
+- CUDA tensors (the sync-free path): nothing reads the device from the host and nothing adds atomically. Sums
+  over a token's k rows are a gather with the inverse permutation and a sum over k contiguous rows; per-expert
+  bias rows and bias gradients are small matmuls with the rows' one-hot experts (``onehot @ b``,
+  ``onehotᵀ @ grad``: K = E, a reduction per expert, never an ``index_select`` backward into E rows); no-op rows
+  are masked only when the layer can have them. In bf16 with `grouped_mm` a layer's forward and backward never
+  wait for the device. `FORCE_SYNC_FREE` runs this path on CPU tensors, which is how the tests check its numerics.
+
+No Triton gather-GEMM (ScatterMoE's fused gather, or the combine in the second GEMM's epilogue) is used: the gathers
+and the k-sum are separate memory passes around `grouped_mm`.
+
+`dispatch_tokens`, `grouped_matmul`, `to_slots`, `from_slots` and `combine` are the readable pieces (CPU
+algorithm); the tests check the fused ops against their composition.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 
 import torch
 import torch.nn.functional as F
 
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
+FORCE_SYNC_FREE = False
+"""Run the sync-free algorithm (the one CUDA tensors take) on every device. Tests set it to check that algorithm's
+numerics on CPU tensors in float64; nothing else should."""
 
-@dataclasses.dataclass
-class Dispatch:
-    """How M tokens with k expert slots each are laid out grouped by expert.
+
+@dataclasses.dataclass(kw_only=True)
+class Groups:
+    """Rows laid out in consecutive groups, group g multiplied by weight g: what a grouped matmul needs.
+
+    Attributes:
+        counts: [G] rows per group (long, on the rows' device).
+        offsets: [G] int32 cumulative end of each group (for `torch.nn.functional.grouped_mm`).
+        sizes: the same as host ints, or None until a looped fallback reads them (`host_sizes`).
+        tail: rows past the last group may exist and must come out zero (no-op slots); False when the groups
+            cover every row.
+        sync_free: take the algorithm that never reads the device from the host (chosen for CUDA tensors, or
+            forced by `FORCE_SYNC_FREE`): masks and small matmuls instead of host-sized slices.
+    """
+
+    counts: torch.Tensor
+    offsets: torch.Tensor
+    sizes: list[int] | None = None
+    tail: bool = True
+    sync_free: bool = False
+
+    @property
+    def num_groups(self) -> int:
+        return self.counts.shape[0]
+
+    def host_sizes(self) -> list[int]:
+        """Group sizes on the host (one device read, cached)."""
+        if self.sizes is None:
+            self.sizes = self.counts.tolist()
+        return self.sizes
+
+
+@dataclasses.dataclass(kw_only=True)
+class Dispatch(Groups):
+    """How M tokens with k expert slots each are laid out grouped by expert (one group per real expert; slots of
+    no-op experts sort after the last group).
 
     Attributes:
         order: [M·k] flat slot index (token·k + slot) of each row in expert-sorted order.
         inverse: [M·k] position in sorted order of each flat slot (inverse permutation of ``order``).
-        counts: [E] rows per expert (long, on the tokens' device).
-        sizes: the same as host ints, read on first use by the looped fallback (None until then).
-        offsets: [E] int32 cumulative end of each group (for `torch.nn.functional.grouped_mm`).
         k: slots per token.
-        active_rows: rows that belong to real experts (slots routed to no-op experts sort to the end); host int,
-            set together with ``sizes``.
         token: [M·k] token index of each row in expert-sorted order (``order // k``).
         row_expert: [M·k] expert of each sorted row; no-op rows get E (bias lookups use a zero row there).
         starts: [E + 1] int64 first row of each group and of the no-op tail (segment sums per expert).
@@ -51,28 +98,73 @@ class Dispatch:
 
     order: torch.Tensor
     inverse: torch.Tensor
-    counts: torch.Tensor
-    sizes: list[int] | None
-    offsets: torch.Tensor
     k: int
-    active_rows: int | None
-    token: torch.Tensor | None = None
-    row_expert: torch.Tensor | None = None
-    starts: torch.Tensor | None = None
+    token: torch.Tensor
+    row_expert: torch.Tensor
+    starts: torch.Tensor
+    _onehot: dict = dataclasses.field(default_factory=dict, repr=False)
 
     @property
     def num_experts(self) -> int:
         return self.counts.shape[0]
 
-    def host_sizes(self) -> list[int]:
-        """Group sizes on the host (one device read, cached)."""
-        if self.sizes is None:
-            self.sizes = self.counts.tolist()
-            self.active_rows = sum(self.sizes)
-        return self.sizes
+    @property
+    def active_rows(self) -> int:
+        """Rows that belong to real experts (host int: reads the group sizes)."""
+        return sum(self.host_sizes())
+
+    def onehot(self, dtype: torch.dtype) -> torch.Tensor:
+        """[M·k, E] one-hot expert of every sorted row (no-op rows all zero), cached per dtype: per-expert bias
+        rows and sums become small matmuls (``onehot @ bias``, ``onehotᵀ @ rows``) with no atomics or host reads."""
+        if dtype not in self._onehot:
+            experts = torch.arange(self.num_experts, device=self.row_expert.device)
+            self._onehot[dtype] = (self.row_expert.unsqueeze(1) == experts).to(dtype)
+        return self._onehot[dtype]
 
 
-def plan_dispatch(experts: torch.Tensor, num_experts: int, host_sizes: bool = True) -> Dispatch:
+def host_ints(values: list[int], device: torch.device) -> torch.Tensor:
+    """Host ints as a long tensor on ``device``; on CUDA copied from pinned memory asynchronously, so building it
+    never waits for the device."""
+    t = torch.tensor(values, dtype=torch.long)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+@functools.lru_cache(maxsize=64)
+def segment_groups(segments: tuple[tuple[int, int, int], ...], tokens_per_row: int,
+                   device: torch.device) -> tuple[Groups, torch.Tensor]:
+    """`Groups` of the tokens of task-major row runs, one group per run, and the runs' tasks on ``device``.
+
+    Args:
+        segments: ``(task, first_row, end_row)`` runs covering rows 0..R in order (`ForwardContext.segments`).
+        tokens_per_row: N.
+        device: where the rows live.
+
+    Returns:
+        (groups over the R·N token rows, [S] long task of each run). Cached: a step's layout recurs every step, so
+        its few device ints are copied once.
+
+    Raises:
+        ValueError: the runs do not tile the rows in order.
+    """
+    end = 0
+    for _, first, last in segments:
+        if first != end or last < first:
+            raise ValueError(f"segments must be consecutive (task, first_row, end_row) runs from row 0, got "
+                             f"{list(segments)}")
+        end = last
+    sizes = [(last - first) * tokens_per_row for _, first, last in segments]
+    ends = list(itertools.accumulate(sizes))
+    host = host_ints(sizes + ends + [task for task, _, _ in segments], device)
+    s = len(segments)
+    groups = Groups(counts=host[:s], offsets=host[s : 2 * s].to(torch.int32), sizes=sizes, tail=False,
+                    sync_free=device.type == "cuda")
+    return groups, host[2 * s :]
+
+
+def plan_dispatch(experts: torch.Tensor, num_experts: int, host_sizes: bool = True, noop: bool = True,
+                  sync_free: bool | None = None) -> Dispatch:
     """Groups (token, slot) pairs by expert.
 
     Args:
@@ -80,21 +172,28 @@ def plan_dispatch(experts: torch.Tensor, num_experts: int, host_sizes: bool = Tr
             sorted after every real expert's rows.
         num_experts: number of real experts E.
         host_sizes: read the group sizes to the host now (otherwise only if a looped fallback needs them).
+        noop: slots may name no-op experts (indices >= E); False promises they never do, so the sync-free path
+            skips zeroing the (empty) tail.
+        sync_free: take the sync-free algorithm (default: for CUDA tensors, or when `FORCE_SYNC_FREE` is set).
 
     Returns:
         The `Dispatch` plan.
     """
-    m, k = experts.shape
+    if sync_free is None:
+        sync_free = experts.is_cuda or FORCE_SYNC_FREE
+    k = experts.shape[1]
     flat = experts.reshape(-1)  # [M·k]
-    order = torch.sort(flat, stable=True).indices  # [M·k], rows grouped by expert, token order inside a group
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=order.device)
-    counts = torch.bincount(flat.clamp(max=num_experts), minlength=num_experts + 1)[:num_experts]
-    ends = counts.cumsum(0)
-    starts = torch.cat([ends.new_zeros(1), ends])  # [E + 1]
-    row_expert = flat.index_select(0, order).clamp(max=num_experts)
-    token = torch.div(order, k, rounding_mode="floor")
-    plan = Dispatch(order, inverse, counts, None, ends.to(torch.int32), k, None, token, row_expert, starts)
+    sorted_e, order = torch.sort(flat, stable=True)  # rows grouped by expert, token order inside a group
+    arange = torch.arange(order.numel(), device=order.device)
+    inverse = torch.empty_like(order).scatter_(0, order, arange)
+    row_expert = sorted_e.clamp(max=num_experts)
+    # first row of each expert's group and of the no-op tail: a binary search in the sorted experts, no histogram
+    # (bincount reads its size back to the host on CUDA) and no atomics
+    starts = torch.searchsorted(row_expert, torch.arange(num_experts + 1, device=flat.device))  # [E + 1]
+    ends = starts[1:]
+    plan = Dispatch(counts=ends - starts[:-1], offsets=ends.to(torch.int32), tail=noop or not sync_free,
+                    sync_free=sync_free, order=order, inverse=inverse, k=k,
+                    token=torch.div(order, k, rounding_mode="floor"), row_expert=row_expert, starts=starts)
     if host_sizes:
         plan.host_sizes()
     return plan
@@ -103,7 +202,8 @@ def plan_dispatch(experts: torch.Tensor, num_experts: int, host_sizes: bool = Tr
 # -------------------------------------------------------------------------------------- grouped matmul primitive
 def native_grouped_mm(*tensors: torch.Tensor) -> bool:
     """Whether `torch.nn.functional.grouped_mm` takes these operands: float32/bf16/fp16, one dtype, 16-byte
-    aligned base pointers and strides (on CUDA only bf16, which is what its kernels support)."""
+    aligned base pointers, each matrix row- or column-major with its other stride (and a batch stride) a multiple of
+    16 bytes (on CUDA only bf16, which is what its kernels support)."""
     if not hasattr(F, "grouped_mm"):
         return False
     dtype = tensors[0].dtype
@@ -112,12 +212,16 @@ def native_grouped_mm(*tensors: torch.Tensor) -> bool:
     for t in tensors:
         if t.dtype != dtype or t.data_ptr() % 16:
             return False
-        if any(s != 1 and n > 1 and (s * t.element_size()) % 16 for s, n in zip(t.stride(), t.shape, strict=True)):
+        size = t.element_size()
+        *batch, rows, cols = t.stride()
+        if any((b * size) % 16 for b, n in zip(batch, t.shape[:-2], strict=True) if n > 1):
             return False
+        if not ((cols == 1 and (rows * size) % 16 == 0) or (rows == 1 and (cols * size) % 16 == 0)):
+            return False  # one of the matrix's two strides must be 1, the other a multiple of 16 bytes
     return True
 
 
-def _gmm(a: torch.Tensor, b: torch.Tensor, plan: Dispatch) -> torch.Tensor:
+def _gmm(a: torch.Tensor, b: torch.Tensor, plan: Groups) -> torch.Tensor:
     """Grouped matmul without autograd, in one of two forms (groups of rows given by ``plan``):
 
     - a [R, K] × b [E, K, N] → [R, N]: rows of group e times b[e]; rows past the last group are zero.
@@ -125,9 +229,9 @@ def _gmm(a: torch.Tensor, b: torch.Tensor, plan: Dispatch) -> torch.Tensor:
     """
     if torch.compiler.is_exporting():  # torch.export (squad.deploy.export): no data pointers, no host reads
         return _gmm_exported(a, b, plan)
-    if native_grouped_mm(a, b):
+    if native_grouped_mm(a, b) and (b.shape[-1] * b.element_size()) % 16 == 0:  # its output's rows aligned too
         out = F.grouped_mm(a, b, offs=plan.offsets)
-        if b.dim() == 3:  # grouped_mm leaves the rows past the last group unwritten
+        if b.dim() == 3 and plan.tail:  # grouped_mm leaves the rows past the last group unwritten
             _zero_tail(out, plan)
         return out
     sizes = plan.host_sizes()
@@ -178,13 +282,13 @@ def grouped_mm_flops(a: torch.Tensor, b: torch.Tensor, *args, out_val: torch.Ten
 
 
 def _zero_tail(out: torch.Tensor, plan: Dispatch) -> None:
-    """Zeroes the no-op rows after the last group: a slice on the CPU (host sizes are free), a mask on CUDA."""
-    if out.is_cuda:
+    """Zeroes the no-op rows after the last group: a mask on the sync-free path, a slice otherwise (host sizes)."""
+    if plan.sync_free:
         out.masked_fill_((plan.row_expert == plan.num_experts).unsqueeze(1), 0)
         return
-    plan.host_sizes()
-    if plan.active_rows < out.shape[0]:
-        out[plan.active_rows :].zero_()
+    active = plan.active_rows
+    if active < out.shape[0]:
+        out[active:].zero_()
 
 
 def _row_bias(bias: torch.Tensor, plan: Dispatch) -> torch.Tensor:
@@ -193,15 +297,48 @@ def _row_bias(bias: torch.Tensor, plan: Dispatch) -> torch.Tensor:
     return padded.index_select(0, plan.row_expert)
 
 
+def _add_row_bias_(out: torch.Tensor, bias: torch.Tensor, plan: Dispatch) -> None:
+    """out[rows of e] += bias[e], in place, without an [M·k, N] bias temporary: ``out += onehot @ bias`` (one
+    matmul, K = E) on the sync-free path, a slice per group otherwise."""
+    if torch.compiler.is_exporting():
+        out += _row_bias(bias, plan)
+    elif plan.sync_free:
+        out.addmm_(plan.onehot(out.dtype), bias)
+    else:
+        start = 0
+        for e, n in enumerate(plan.host_sizes()):
+            if n:
+                out[start : start + n] += bias[e]
+            start += n
+
+
+def _segment_sum(rows: torch.Tensor, plan: Dispatch) -> torch.Tensor:
+    """[M·k, N] sorted rows → [E, N] sums per expert (no-op rows left out): ``onehotᵀ @ rows`` on the sync-free
+    path (a reduction per expert, no atomics), one `embedding_bag` over the groups otherwise."""
+    if plan.sync_free:
+        return plan.onehot(rows.dtype).t() @ rows
+    idx = torch.arange(rows.shape[0], device=rows.device)
+    return F.embedding_bag(idx, rows, offsets=plan.starts, mode="sum")[: plan.num_experts]
+
+
+def _sum_slots(rows: torch.Tensor, plan: Dispatch) -> torch.Tensor:
+    """[M·k, N] expert-sorted rows → [M, N], each token's k rows summed: a gather with the inverse permutation and
+    a sum over k contiguous rows on the sync-free path, one `embedding_bag` otherwise."""
+    if plan.sync_free:
+        slots = rows.index_select(0, plan.inverse)  # [M·k, N] in (token, slot) order
+        return slots if plan.k == 1 else slots.view(-1, plan.k, rows.shape[1]).sum(1)
+    return F.embedding_bag(plan.inverse.view(-1, plan.k), rows, mode="sum")
+
+
 def _slot_experts(plan: Dispatch) -> torch.Tensor:
     """[M, k] expert of every (token, slot), no-op slots as E (the sorted rows' experts put back in slot order)."""
     return plan.row_expert.index_select(0, plan.inverse).view(-1, plan.k)
 
 
-def _segment_sum(rows: torch.Tensor, plan: Dispatch) -> torch.Tensor:
-    """[M·k, N] sorted rows → [E, N] sums per expert (the no-op tail is its own bag and dropped)."""
-    idx = torch.arange(rows.shape[0], device=rows.device)
-    return F.embedding_bag(idx, rows, offsets=plan.starts, mode="sum")[: plan.num_experts]
+def _gate_table(experts: torch.Tensor, gates: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[M, E] gate mass each token gives each expert, Σ_j g[m, j] · [experts[m, j] = e] (no-op slots dropped)."""
+    onehot = experts.unsqueeze(-1) == torch.arange(num_experts, device=experts.device)  # [M, k, E]
+    return (onehot.to(gates.dtype) * gates.unsqueeze(-1)).sum(1)
 
 
 class _GroupedMatmul(torch.autograd.Function):
@@ -211,7 +348,7 @@ class _GroupedMatmul(torch.autograd.Function):
     def forward(ctx, x, w, b, plan):  # x [R, Din], w [E, Din, Dout], b [E, Dout] | None
         y = _gmm(x, w, plan)
         if b is not None:
-            y += _row_bias(b, plan)
+            _add_row_bias_(y, b, plan)
         ctx.save_for_backward(x, w)
         ctx.plan, ctx.has_bias = plan, b is not None
         return y
@@ -228,18 +365,20 @@ class _GroupedMatmul(torch.autograd.Function):
         return gx, gw, gb, None
 
 
-def grouped_matmul(x: torch.Tensor, w: torch.Tensor, plan: Dispatch, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """One matmul per expert group over expert-sorted rows.
+def grouped_matmul(x: torch.Tensor, w: torch.Tensor, plan: Groups, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """One matmul per group over grouped rows.
 
     Args:
-        x: [R, Din] rows sorted by expert (R = M·k; rows past the real experts' groups give zeros).
-        w: [E, Din, Dout] expert weights.
-        plan: the layer's `Dispatch`.
-        bias: [E, Dout] or None.
+        x: [R, Din] rows in groups (R = M·k for a `Dispatch`; rows past the real experts' groups give zeros).
+        w: [G, Din, Dout] one weight per group.
+        plan: the groups (a `Dispatch`, or `Groups` that cover every row).
+        bias: [G, Dout] or None (only with a `Dispatch`).
 
     Returns:
         [R, Dout].
     """
+    if bias is not None and not isinstance(plan, Dispatch):
+        raise TypeError("grouped_matmul: a bias needs a Dispatch plan (its rows' groups)")
     return _GroupedMatmul.apply(x, w, bias, plan)
 
 
@@ -329,18 +468,6 @@ def combine(rows: torch.Tensor, gates: torch.Tensor, plan: Dispatch) -> torch.Te
 
 
 # ---------------------------------------------------------------------------------------------------- fused ops
-def _add_row_bias_(out: torch.Tensor, bias: torch.Tensor, plan: Dispatch) -> None:
-    """out[rows of e] += bias[e], in place (on the CPU a slice per group: no [M·k, N] bias temporary)."""
-    if out.is_cuda or torch.compiler.is_exporting():
-        out += _row_bias(bias, plan)
-        return
-    start = 0
-    for e, n in enumerate(plan.host_sizes()):
-        if n:
-            out[start : start + n] += bias[e]
-        start += n
-
-
 class _DispatchMatmul(torch.autograd.Function):
     """rows[i] = x[token[i]] @ w[e(i)] (+ b[e(i)]) for expert-sorted rows i; no-op rows are zero."""
 
@@ -363,7 +490,7 @@ class _DispatchMatmul(torch.autograd.Function):
         gx = gw = gb = None
         if need_x:
             d_rows = _gmm(grad, w.transpose(1, 2), plan)  # [M·k, Din], zero on no-op rows
-            gx = F.embedding_bag(plan.inverse.view(-1, plan.k), d_rows, mode="sum")  # [M, Din]: Σ over slots
+            gx = _sum_slots(d_rows, plan)  # [M, Din]: Σ over each token's slots
         if need_w:
             gw = _gmm(gathered.t(), grad, plan)
         if need_b and ctx.has_bias:
@@ -390,8 +517,8 @@ class _MatmulCombine(torch.autograd.Function):
     """out[m] = Σ_j g[m, j] · (rows[p] @ w[e] + b[e]) with p = inverse[m·k + j] and e the expert of row p.
 
     The gate is folded into the input rows, ``g·(a W + b) = (g·a) W + g·b``: the gated rows go through one grouped
-    matmul and are summed per token with one `embedding_bag`; the bias term is a tiny weighted `embedding_bag` over
-    the [E, Dout] bias table. The gate's gradient then comes from the input side, ``dg = <d(g·a), a> + <dy, b>``
+    matmul and are summed per token (`_sum_slots`); the bias term is Σ_j g_j · b[e_j], a small weighted sum over the
+    [E, Dout] bias table. The gate's gradient then comes from the input side, ``dg = <d(g·a), a> + <dy, b>``
     (narrow for MoA, where the input is one head), and nothing of width Dout is kept for backward.
     """
 
@@ -401,8 +528,10 @@ class _MatmulCombine(torch.autograd.Function):
         g_rows = g.reshape(-1).index_select(0, plan.order)  # [M·k] gate of each sorted row
         scaled = rows * g_rows.unsqueeze(1)  # [M·k, Din]
         y = _gmm(scaled, w, plan)  # [M·k, Dout]
-        out = F.embedding_bag(plan.inverse.view(gates.shape), y, mode="sum")  # [M, Dout]
-        if b is not None:  # Σ_j g_j · b[e_j]; no-op slots index the zero row E
+        out = _sum_slots(y, plan)  # [M, Dout]
+        if b is not None and plan.sync_free:  # Σ_j g_j · b[e_j] as one small matmul
+            out.addmm_(_gate_table(experts, g, b.shape[0]), b)
+        elif b is not None:  # no-op slots index the zero row E
             table = torch.cat([b, b.new_zeros(1, b.shape[1])])  # [E + 1, Dout]
             out += F.embedding_bag(experts.clamp(max=b.shape[0]), table, per_sample_weights=g, mode="sum")
         ctx.save_for_backward(rows, scaled, w, b, g_rows, experts)
@@ -429,10 +558,14 @@ class _MatmulCombine(torch.autograd.Function):
                 grad_gates = dg.to(ctx.gates_dtype)
             if need_rows:
                 d_rows = d_scaled.mul_(g_rows.unsqueeze(1))
-        if need_b and b is not None:  # Σ over slots routed to e of g · grad_m
-            weights = grad.new_zeros(m, b.shape[0] + 1).scatter_add_(1, experts.clamp(max=b.shape[0]),
-                                                                     g_rows.index_select(0, plan.inverse).view(m, k))
-            gb = weights[:, : b.shape[0]].t() @ grad  # [E, Dout]
+        if need_b and b is not None:  # Σ over slots routed to e of g · grad_m: [E, M] @ [M, Dout]
+            g = g_rows.index_select(0, plan.inverse).view(m, k)
+            if plan.sync_free:
+                weights = _gate_table(experts, g, b.shape[0])
+            else:
+                weights = grad.new_zeros(m, b.shape[0] + 1).scatter_add_(1, experts.clamp(max=b.shape[0]), g)
+                weights = weights[:, : b.shape[0]]
+            gb = weights.t() @ grad
         return d_rows, gw, gb, grad_gates, None, None
 
 

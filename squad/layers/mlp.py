@@ -21,5 +21,6 @@ class Mlp(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
         return self.fc2(self.act(self.fc1(x)))
 
-    def macs(self, n: int) -> int:
-        return 2 * n * self.fc1.in_features * self.fc1.out_features
+    def macs(self, tokens: int, capacity: float | None = None) -> int:
+        """Multiply-accumulates per sequence of ``tokens`` tokens (``capacity`` is unused)."""
+        return 2 * tokens * self.fc1.in_features * self.fc1.out_features

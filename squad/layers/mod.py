@@ -5,6 +5,9 @@ Expert-choice over tokens with a static k = ceil(C · N): the selected tokens at
 through the MLP; the others pass unchanged. Learned routing scales the block's added term by the router weight
 (``x + r · f(x)``, never the residual); attention routing uses the previous attention layer's column-mean
 probabilities as scores, has no parameters and no scaling (``x + f(x)``).
+
+Only the k tokens are gathered and processed; the output is one copy of the input with their results scattered in
+(the input itself is never written: forward hooks and callers may hold it).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import torch.nn.functional as F
 from squad.config.model import MoDConfig
 from squad.layers.base import RoutedLayer
 from squad.layers.block import Block
-from squad.layers.context import ForwardContext, RouterStats
+from squad.layers.context import ForwardContext
 from squad.layers.routing import TaskLinear
 
 
@@ -86,7 +89,7 @@ class MoDBlock(RoutedLayer):
             y_sel = x_sel + r_sel * (y_sel - x_sel)  # only the block's added term is scaled
         if valid is not None:
             y_sel = torch.where(valid.unsqueeze(-1), y_sel, x_sel)
-        out = x.scatter(1, gather_idx, y_sel)
+        out = x.scatter(1, gather_idx, y_sel)  # one copy of x: the input is never written (hooks may hold it)
         if ctx.attn_scores is not None:  # the inner attention produced scores for the selected tokens only
             ctx.attn_scores = ctx.attn_scores.new_zeros(r, n).scatter(1, idx, ctx.attn_scores)
         processed = valid.sum(1).float() if valid is not None else torch.full((r,), float(k), device=x.device)
@@ -96,15 +99,28 @@ class MoDBlock(RoutedLayer):
     def _record(self, ctx: ForwardContext, r: int, n: int, processed: torch.Tensor, logits: torch.Tensor | None,
                 idx: torch.Tensor | None) -> None:
         """Statistics: per task, tokens processed vs skipped; the aux BCE when configured."""
-        counts = ctx.per_task_sum(torch.stack([processed, n - processed], dim=1)).detach()  # [T, 2]
-        tokens = ctx.per_task_sum(torch.full((r,), float(n), device=counts.device))
         aux = None
         if self.cfg.aux_loss and logits is not None and self.training and idx is not None:
             target = torch.zeros_like(logits).scatter(1, idx, 1.0)
             aux = F.binary_cross_entropy_with_logits(logits.float(), target.float())
-        ctx.stats.append(RouterStats(self.layer_name, self.kind, None, counts, tokens, 1, aux))
+        self.report(ctx, n, torch.stack([processed, n - processed], dim=1), aux_loss=aux)  # counts [R, 2]
 
-    def macs(self, n: int) -> int:
-        """Multiply-accumulates per sequence of n tokens (router + the block on k tokens)."""
-        router = n * self.router.weight.shape[1] if self.router is not None else 0
-        return router + self.block.macs(self.capacity_tokens(n))
+    def macs(self, tokens: int, capacity: float | None = None) -> float:
+        """Multiply-accumulates per sequence of ``tokens`` tokens: the router plus the block on the tokens it
+        processes.
+
+        Args:
+            tokens: N.
+            capacity: share of the N tokens the block processes (e.g. measured under threshold inference: a mean
+                over images, so the token count may be fractional and the block's count is interpolated between
+                whole token counts); None: k = ceil(C · N), the configured top-k.
+        """
+        router = tokens * self.router.weight.shape[1] if self.router is not None else 0
+        if capacity is None:
+            return router + self.block.macs(self.capacity_tokens(tokens))
+        processed = capacity * tokens
+        lo = math.floor(processed)
+        block = self.block.macs(lo)
+        if processed > lo:
+            block += (processed - lo) * (self.block.macs(lo + 1) - block)
+        return router + block

@@ -16,18 +16,19 @@ import torch.nn as nn
 
 from squad.config.model import MoAConfig
 from squad.layers.attention import attend
-from squad.layers.base import RoutedLayer
+from squad.layers.base import ExpertLayer, select_rows
 from squad.layers.context import ForwardContext
 from squad.layers.experts import dispatch_matmul, from_slots, matmul_combine, plan_dispatch, to_slots
 from squad.layers.routing import TaskRouter
 
 
-class MoEAttention(RoutedLayer):
+class MoEAttention(ExpertLayer):
     """MoA with per-task routers.
 
     Args:
         dim: token width D.
-        cfg: experts, top-k, head width, router settings.
+        cfg: experts, top-k, head width, router settings. The layer keeps it as built; `num_experts` and `top_k`
+            give the current counts (fewer after `keep_experts`).
         num_tasks: T routers.
         qkv_bias: bias on the shared key/value projection.
     """
@@ -37,8 +38,6 @@ class MoEAttention(RoutedLayer):
     def __init__(self, dim: int, cfg: MoAConfig, num_tasks: int, qkv_bias: bool = True):
         super().__init__()
         self.cfg = cfg
-        self.num_experts = cfg.num_experts
-        self.top_k = cfg.top_k
         self.head_dim = cfg.head_dim
         self.router = TaskRouter(num_tasks, dim, cfg.num_experts, cfg.top_k, cfg.router)
         self.q = nn.Parameter(torch.empty(cfg.num_experts, dim, cfg.head_dim))  # [E, D, d]
@@ -49,12 +48,19 @@ class MoEAttention(RoutedLayer):
         nn.init.trunc_normal_(self.o, std=0.02)
         self.want_scores = False  # set by the model when the next block routes on this layer's attention
 
+    @property
+    def num_experts(self) -> int:
+        return self.q.shape[0]
+
+    def _select_experts(self, index: torch.Tensor) -> None:
+        self.q = select_rows(self.q, index)  # [K, D, d]
+        self.o = select_rows(self.o, index)  # [K, d, D]
+
     def forward(self, x: torch.Tensor, ctx: ForwardContext, key_mask: torch.Tensor | None = None) -> torch.Tensor:
         r, n, d = x.shape
         k, dh = self.top_k, self.head_dim
-        routing = self.router(x, ctx)
-        ctx.stats.append(self.router.stats(self.layer_name, self.kind, routing, ctx, n))
-        plan = plan_dispatch(routing.experts, self.num_experts, host_sizes=False)
+        routing = self.route(x, ctx)
+        plan = plan_dispatch(routing.experts, self.num_experts, host_sizes=False, noop=False)  # heads only
 
         q = to_slots(dispatch_matmul(x.reshape(r * n, d), self.q, plan), plan)  # [M, k, d]
         q = q.view(r, n, k, dh).transpose(1, 2)  # [R, k, N, d]: slot j of every token is query head j
@@ -67,8 +73,9 @@ class MoEAttention(RoutedLayer):
         y = matmul_combine(out, self.o, routing.gates, plan)  # [M, D], a fresh tensor nobody saved
         return y.add_(self.proj_bias).view(r, n, d)
 
-    def macs(self, n: int) -> int:
-        """Multiply-accumulates per sequence of n tokens."""
-        d = self.kv.in_features
-        k, dh, e = self.top_k, self.head_dim, self.num_experts
-        return n * d * e + n * k * d * dh + n * d * 2 * dh + 2 * n * n * k * dh + n * k * dh * d
+    def macs(self, tokens: int, capacity: float | None = None) -> int:
+        """Multiply-accumulates per sequence of ``tokens`` tokens: router, k query heads, the shared key/value
+        head, attention over the k heads and their output projections. ``capacity`` is unused."""
+        n, d = tokens, self.kv.in_features
+        k, dh = self.top_k, self.head_dim
+        return self.router.macs(n) + n * k * d * dh + n * d * 2 * dh + 2 * n * n * k * dh + n * k * dh * d

@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from squad.config.model import MoEConfig
-from squad.layers.base import RoutedLayer
+from squad.layers.base import ExpertLayer, select_rows
 from squad.layers.context import ForwardContext
 from squad.layers.experts import dispatch_matmul, matmul_combine, plan_dispatch
 from squad.layers.routing import Routing, TaskRouter
@@ -41,9 +41,16 @@ class ExpertMLP(nn.Module):
         nn.init.trunc_normal_(self.w1, std=0.02)
         nn.init.trunc_normal_(self.w2, std=0.02)
 
-    def forward(self, x: torch.Tensor, gates: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """x [M, D], gates/experts [M, k] → [M, D] = Σ_slots gate · expert(x)."""
-        plan = plan_dispatch(experts, self.num_experts, host_sizes=False)
+    def select(self, index: torch.Tensor) -> None:
+        """Keeps experts ``index`` [K] only, in that order (new parameters; real or meta tensors)."""
+        for name in ("w1", "w2", "b1", "b2"):
+            setattr(self, name, select_rows(getattr(self, name), index))
+        self.num_experts = index.numel()
+
+    def forward(self, x: torch.Tensor, gates: torch.Tensor, experts: torch.Tensor, noop: bool = True) -> torch.Tensor:
+        """x [M, D], gates/experts [M, k] → [M, D] = Σ_slots gate · expert(x); ``noop=False`` promises that no slot
+        names a no-op expert (the sync-free path then skips masking their rows)."""
+        plan = plan_dispatch(experts, self.num_experts, host_sizes=False, noop=noop)
         h = F.gelu(dispatch_matmul(x, self.w1, plan, self.b1))  # [M·k, H], rows grouped by expert
         return matmul_combine(h, self.w2, gates, plan, self.b2)  # [M, D]
 
@@ -52,30 +59,28 @@ def apply_capacity(routing: Routing, num_experts: int, capacity_factor: float) -
     """Drops slots beyond each expert's capacity ceil(cf · M·k / E) (earlier tokens first).
 
     Dropped slots are redirected to the no-op index ``num_experts`` (their gate stays but the output is zero),
-    so the token keeps only its residual for that slot.
+    so the token keeps only its residual for that slot. A slot's place in its expert's queue is its position in
+    the sorted order minus the first position of its expert (a binary search): no histogram, no host read.
     """
     m, k = routing.experts.shape
     cap = math.ceil(capacity_factor * m * k / num_experts)
     flat = routing.experts.reshape(-1)
-    order = torch.sort(flat, stable=True).indices
-    sorted_e = flat[order]
-    counts = torch.bincount(sorted_e, minlength=num_experts + 1)
-    starts = counts.cumsum(0) - counts
-    pos_sorted = torch.arange(flat.numel(), device=flat.device) - starts[sorted_e]
-    pos = torch.empty_like(pos_sorted)
-    pos[order] = pos_sorted
+    sorted_e, order = torch.sort(flat, stable=True)
+    pos_sorted = torch.arange(flat.numel(), device=flat.device) - torch.searchsorted(sorted_e, sorted_e)
+    pos = torch.empty_like(pos_sorted).scatter_(0, order, pos_sorted)
     dropped = (pos >= cap) & (flat < num_experts)
     experts = torch.where(dropped, torch.full_like(flat, num_experts), flat).view(m, k)
     return Routing(routing.gates, experts, routing.probs)
 
 
-class MoEMlp(RoutedLayer):
+class MoEMlp(ExpertLayer):
     """Mixture-of-experts MLP with one router per task.
 
     Args:
         dim: token width D.
         hidden: per-expert hidden width.
-        cfg: the `MoEConfig` (experts, top-k, no-op experts, capacity, router settings).
+        cfg: the `MoEConfig` (experts, top-k, no-op experts, capacity, router settings). The layer keeps it as
+            built; `num_experts` and `top_k` give the current counts (fewer after `keep_experts`).
         num_tasks: T routers.
     """
 
@@ -84,21 +89,27 @@ class MoEMlp(RoutedLayer):
     def __init__(self, dim: int, hidden: int, cfg: MoEConfig, num_tasks: int):
         super().__init__()
         self.cfg = cfg
-        self.num_experts = cfg.num_experts
         self.router = TaskRouter(num_tasks, dim, cfg.num_experts + cfg.noop_experts, cfg.top_k, cfg.router)
         self.experts = ExpertMLP(cfg.num_experts, dim, hidden, cfg.bias)
 
+    @property
+    def num_experts(self) -> int:
+        return self.experts.num_experts
+
+    def _select_experts(self, index: torch.Tensor) -> None:
+        self.experts.select(index)
+
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         r, n, d = x.shape
-        routing = self.router(x, ctx)
-        ctx.stats.append(self.router.stats(self.layer_name, self.kind, routing, ctx, n))
+        routing = self.route(x, ctx)
         if self.cfg.capacity_factor > 0:
             routing = apply_capacity(routing, self.num_experts, self.cfg.capacity_factor)
-        y = self.experts(x.reshape(r * n, d), routing.gates, routing.experts)
+        noop = self.router.choices > self.num_experts or self.cfg.capacity_factor > 0  # slots that skip the MLP
+        y = self.experts(x.reshape(r * n, d), routing.gates, routing.experts, noop)
         return y.view(r, n, d)
 
-    def macs(self, n: int) -> int:
-        """Multiply-accumulates per sequence of n tokens (router + k experts per token; no-op slots counted)."""
-        d = self.experts.w1.shape[1]
-        h = self.experts.w1.shape[2]
-        return n * d * self.router.num_experts + n * self.cfg.top_k * 2 * d * h
+    def macs(self, tokens: int, capacity: float | None = None) -> int:
+        """Multiply-accumulates per sequence of ``tokens`` tokens: the router plus k experts per token (no-op slots
+        and capacity drops counted as computed). ``capacity`` is unused (the layer has no token budget)."""
+        d, h = self.experts.w1.shape[1:]
+        return self.router.macs(tokens) + tokens * self.top_k * 2 * d * h

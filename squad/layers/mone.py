@@ -11,8 +11,12 @@ positions: the class token stays at 0 (MoD's keep_cls), A-MoD scores and routing
 
 Memory layout: the blocks keep the routed tokens token-major ([N, R, D] in memory, handed between blocks as the
 [R, N, D] view), so the rows of one expert group over the whole batch form ONE contiguous [n_j·R, D] block. Each
-nested projection is then one matmul per group that reads its feature slice in place and writes into a
-preallocated output (`nested_linear_in` / `nested_linear_out`): no concatenation, padding or slicing copies.
+nested projection is then one matmul per group that reads its feature slice in place (`nested_linear_in`), and each
+output projection adds its group's w_j features straight into the residual (`nested_linear_out` with a residual,
+scaled per token for the MLP): no concatenation, padding or slicing copies, and nothing of full width for tokens that
+use a slice. Norms and residual adds run over the routed order as it is. The block never writes into its input: the
+attention's projections add into one copy of it, and in inference (no autograd record) the MLP's add into that
+copy in place.
 
 Update (paper Eq. 1): ``z = x + SA_j(x)``, ``x' = z + (α · r_ij + 1) · FFN_j(z)``, α learnable from 0.
 """
@@ -28,7 +32,7 @@ import torch.nn.functional as F
 from squad.config.model import MoNEConfig
 from squad.layers.attention import attend
 from squad.layers.base import RoutedLayer
-from squad.layers.context import ForwardContext, RouterStats
+from squad.layers.context import ForwardContext
 from squad.layers.mone_capacity import capacity_distribution, expert_preferred_routing, group_sizes
 from squad.layers.nested import nested_linear_in, nested_linear_out
 from squad.layers.routing import TaskLinear
@@ -51,7 +55,7 @@ class MoNEState:
     def unpermute(self, x: torch.Tensor) -> torch.Tensor:
         """[R, N, ...] in routed order → original token order."""
         idx = self.order.view(*self.order.shape, *([1] * (x.dim() - 2))).expand_as(x)
-        return torch.empty_like(x).scatter(1, idx, x)
+        return torch.empty_like(x).scatter_(1, idx, x)  # one pass: written straight into the new tensor
 
     def permute(self, x: torch.Tensor) -> torch.Tensor:
         """[R, N, D] in original token order → routed order, token-major in memory (as the MoNE blocks want)."""
@@ -60,13 +64,18 @@ class MoNEState:
         return torch.gather(xt, 0, self.order.t().unsqueeze(-1).expand(n, r, d)).transpose(0, 1)
 
 
+def _alpha_as_saved_now(value):
+    """α as saved today: a 0-dim tensor (files written before α became shape [1]) reshaped to [1]."""
+    return value.reshape(1) if isinstance(value, torch.Tensor) and value.dim() == 0 else value
+
+
 def upgrade_legacy_alpha(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``state`` with each MoNE α saved 0-dim (files written before α became shape [1]) reshaped to [1].
 
-    Every other entry is returned as it is; the input dict is not changed.
+    Every other entry is returned as it is; the input dict is not changed. (`MoNEBlock` applies the same rule to
+    its own α when a state dict is loaded into it; this form serves readers that check shapes before loading.)
     """
-    return {k: v.reshape(1) if (k == "alpha" or k.endswith(".alpha")) and isinstance(v, torch.Tensor) and v.dim() == 0
-            else v for k, v in state.items()}
+    return {k: _alpha_as_saved_now(v) if k == "alpha" or k.endswith(".alpha") else v for k, v in state.items()}
 
 
 class MoNERouter(RoutedLayer):
@@ -98,13 +107,13 @@ class MoNERouter(RoutedLayer):
         gate = p_sorted.gather(2, expert.view(1, n, 1).expand(r, n, 1)).squeeze(-1)  # [R, N]
         ctx.mone = MoNEState(order, slices, gate.to(x.dtype))
         hard = F.one_hot(expert, e).float().sum(0).expand(r, e)  # [R, E] tokens per expert
-        tokens = ctx.per_task_sum(torch.full((r,), float(n), device=x.device))
-        ctx.stats.append(RouterStats(self.layer_name, self.kind, ctx.per_task_sum(probs.sum(1)),
-                                     ctx.per_task_sum(hard), tokens, 1))
+        self.report(ctx, n, hard, probs.sum(1))
         return ctx.mone.permute(x)  # [R, N, D] in routed order, [N, R, D] token-major memory
 
-    def macs(self, n: int) -> int:
-        return n * self.dim * self.cfg.num_experts
+    def macs(self, tokens: int, capacity: float | None = None) -> int:
+        """Multiply-accumulates of routing ``tokens`` tokens (``capacity`` changes nothing: every token is
+        scored)."""
+        return tokens * self.dim * self.cfg.num_experts
 
 
 class MoNEBlock(nn.Module):
@@ -124,6 +133,7 @@ class MoNEBlock(nn.Module):
                  has_router: bool, qkv_bias: bool = True):
         super().__init__()
         self.num_heads = num_heads
+        self.cfg = cfg
         self.norm1 = nn.LayerNorm(dim, eps=1e-6)
         self.attn = nn.Module()
         self.attn.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
@@ -141,9 +151,8 @@ class MoNEBlock(nn.Module):
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         """Accepts α saved 0-dim (files written before α became shape [1])."""
         key = prefix + "alpha"
-        alpha = state_dict.get(key)
-        if isinstance(alpha, torch.Tensor) and alpha.dim() == 0:
-            state_dict[key] = alpha.reshape(1)
+        if key in state_dict:
+            state_dict[key] = _alpha_as_saved_now(state_dict[key])
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, key_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -166,19 +175,30 @@ class MoNEBlock(nn.Module):
         if self.want_scores:
             ctx.attn_scores = scores
         out = out.permute(2, 0, 1, 3).reshape(n * r, d)  # [T, D] token-major
-        z = x2 + nested_linear_out(out, self.attn.proj.weight, self.attn.proj.bias, blocks)
+        # z = x + SA(x) and x' = z + (α·r + 1)·FFN(z): each nested output projection adds its w_g features into a
+        # copy of the residual (x is never written); with no autograd record the second adds into z, the block's own
+        z = nested_linear_out(out, self.attn.proj.weight, self.attn.proj.bias, blocks, residual=x2)
         h = self.norm2(z)
         hidden = F.gelu(nested_linear_in(h, self.mlp.fc1.weight, self.mlp.fc1.bias, blocks))  # [T, 4D]
-        y = nested_linear_out(hidden, self.mlp.fc2.weight, self.mlp.fc2.bias, blocks)  # [T, D]
         scale = (self.alpha * st.gate.t() + 1.0).reshape(n * r, 1)  # [T, 1] = α · r + 1
-        return torch.addcmul(z, y, scale).view(n, r, d).transpose(0, 1)
+        y = nested_linear_out(hidden, self.mlp.fc2.weight, self.mlp.fc2.bias, blocks, residual=z, scale=scale,
+                              inplace=not torch.is_grad_enabled())
+        return y.view(n, r, d).transpose(0, 1)
 
-    def macs(self, n: int, capacity: tuple | None = None) -> int:
-        """Multiply-accumulates per sequence of n tokens at a capacity distribution (default: the config's)."""
+    def macs(self, tokens: int, capacity: float | None = None) -> int:
+        """Multiply-accumulates per sequence of ``tokens`` tokens: each nested width at its group size (the
+        projections), attention at full width, and the router if this block holds it.
+
+        Args:
+            tokens: N.
+            capacity: effective capacity e_c (default: the config's ``capacity``); the groups come from its
+                capacity distribution as the router makes them.
+        """
         d = self.attn.qkv.in_features
         hid = self.mlp.fc1.out_features
-        e = len(capacity)
-        sizes = group_sizes(n, capacity)
+        e = self.cfg.num_experts
+        e_c = self.cfg.capacity if capacity is None else capacity
+        sizes = group_sizes(tokens, capacity_distribution(round(float(e_c), 6), e, self.cfg.beta, self.cfg.delta))
         proj = sum(sizes[j] * (d // 2 ** (e - 1 - j)) * (3 * d + d + 2 * hid) for j in range(e))
-        router = self.router.macs(n) if self.router is not None else 0
-        return proj + 2 * n * n * d + router
+        router = self.router.macs(tokens) if self.router is not None else 0
+        return proj + 2 * tokens * tokens * d + router

@@ -1,8 +1,9 @@
 """Per-task routers: `TaskLinear`, the bank of per-task linear maps every router is made of (MoE, MoD, MoNE), and
 `TaskRouter`, the noisy top-k token-choice gate of MoE MLP and MoE attention, with its decision `Routing`.
 
-Routers live outside the experts: a router maps tokens to ``(gates, expert indices)`` plus a `RouterStats`, and
-experts consume ``(x, gates, indices)``, so per-task routing, MoD and MoNE all plug into the same expert code.
+Routers live outside the experts: a router maps tokens to a `Routing` (gates, expert indices, probabilities), the
+layer reports it (`RoutedLayer.report`), and experts consume ``(x, gates, indices)``, so per-task routing, MoD and
+MoNE all plug into the same expert code.
 """
 
 from __future__ import annotations
@@ -14,14 +15,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from squad.config.model import RouterConfig
-from squad.layers.context import ForwardContext, RouterStats
+from squad.layers.context import ForwardContext
+from squad.layers.experts import grouped_matmul, segment_groups
 
 
 class TaskLinear(nn.Module):
     """A bank of per-task linear maps: row r uses task ``task_ids[r]``'s weight, in one batched matmul.
 
-    Weight [T, D, O]; input [R, N, D] → [R, N, O]. Used by every per-task router (no loop over tasks, no host
-    sync: the weights are gathered per row and applied with `torch.baddbmm`).
+    Weight [T, D, O]; input [R, N, D] → [R, N, O]. Used by every per-task router, with no loop over tasks and no
+    host sync: one grouped matmul over the task-major runs of rows when the pass knows them (the model's forward
+    always does), otherwise the weights gathered per row and applied with `torch.baddbmm`.
 
     Tasks added to a trained model (router fine-tuning) get their rows in separate parameters ``extra`` [T', D, O]
     (and ``extra_bias`` [T', O]), so the original rows can stay truly frozen; `merge_rows` folds them back. Readers
@@ -70,21 +73,42 @@ class TaskLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, task_ids: torch.Tensor,
                 segments: list[tuple[int, int, int]] | None = None) -> torch.Tensor:
-        """x [R, N, D] → [R, N, O]; with ``segments`` (task-major row runs) one matmul per task."""
+        """x [R, N, D] → [R, N, O].
+
+        With ``segments`` (task-major row runs, `ForwardContext.segments`) every task's rows meet its weight in one
+        grouped matmul over all tasks (no per-task slices, forward or backward); without, each row gathers its
+        task's weight and one batched matmul applies them.
+        """
         weight, bias = self.weight, self.bias
-        if segments is not None:
-            outs = []
-            for t, start, end in segments:
-                rows = x[start:end]  # [R_t, N, D]
-                y = rows.reshape(-1, rows.shape[-1]) @ weight[t]
-                if bias is not None:
-                    y = y + bias[t]
-                outs.append(y.view(*rows.shape[:-1], -1))
-            return outs[0] if len(outs) == 1 else torch.cat(outs)
-        w = weight.index_select(0, task_ids)  # [R, D, O]
-        if bias is None:
-            return torch.bmm(x, w)
-        return torch.baddbmm(bias.index_select(0, task_ids).unsqueeze(1), x, w)
+        if segments is None:
+            w = weight.index_select(0, task_ids)  # [R, D, O]
+            if bias is None:
+                return torch.bmm(x, w)
+            return torch.baddbmm(bias.index_select(0, task_ids).unsqueeze(1), x, w)
+        if torch.compiler.is_exporting():  # symbolic row counts: one matmul per run
+            return self._per_segment(x, weight, bias, segments)
+        r, n, d = x.shape
+        if not segments or segments[-1][2] != r:
+            raise ValueError(f"segments {list(segments)} do not cover the {r} rows")
+        groups, tasks = segment_groups(tuple(segments), n, x.device)
+        if [t for t, _, _ in segments] != list(range(weight.shape[0])):
+            weight = weight.index_select(0, tasks)  # [S, D, O]: the runs' tasks in run order
+        y = grouped_matmul(x.reshape(r * n, d), weight, groups).view(r, n, -1)
+        if bias is not None:
+            y = y + bias.index_select(0, task_ids).unsqueeze(1)
+        return y
+
+    @staticmethod
+    def _per_segment(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     segments: list[tuple[int, int, int]]) -> torch.Tensor:
+        outs = []
+        for t, start, end in segments:
+            rows = x[start:end]  # [R_t, N, D]
+            y = rows.reshape(-1, rows.shape[-1]) @ weight[t]
+            if bias is not None:
+                y = y + bias[t]
+            outs.append(y.view(*rows.shape[:-1], -1))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     @torch.no_grad()
     def add_rows(self, count: int = 1, init: str = "mean") -> None:
@@ -146,6 +170,18 @@ class Routing:
     gates: torch.Tensor
     experts: torch.Tensor
     probs: torch.Tensor
+
+    def row_sums(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Soft mass and hard counts of the decision summed over each of ``rows`` rows of tokens.
+
+        Returns:
+            (mass [R, E] of the probabilities (differentiable), counts [R, E] of the selections (float32)).
+        """
+        e = self.probs.shape[-1]
+        mass = self.probs.view(rows, -1, e).sum(1)
+        hard = torch.zeros(self.probs.shape[0], e, device=self.probs.device, dtype=torch.float32)
+        hard.scatter_(1, self.experts, 1.0)
+        return mass, hard.view(rows, -1, e).sum(1)
 
 
 class TaskRouter(nn.Module):
@@ -220,14 +256,7 @@ class TaskRouter(nn.Module):
             gates = gates / gates.sum(-1, keepdim=True)
         return Routing(gates.to(x.dtype), experts, probs)
 
-    def stats(self, name: str, kind: str, routing: Routing, ctx: ForwardContext, tokens_per_row: int) -> RouterStats:
-        """Per-task soft mass and hard counts of this routing decision (over the selectable experts)."""
-        r = ctx.task_ids.numel()
-        e = routing.probs.shape[-1]
-        mass = ctx.per_task_sum(routing.probs.view(r, tokens_per_row, e).sum(1))  # [T, E]
-        hard = torch.zeros(r * tokens_per_row, e, device=routing.probs.device, dtype=torch.float32)
-        hard.scatter_(1, routing.experts, 1.0)
-        counts = ctx.per_task_sum(hard.view(r, tokens_per_row, e).sum(1))
-        tokens = ctx.per_task_sum(torch.full((r,), float(tokens_per_row), device=counts.device))
-        experts = routing.experts.detach() if ctx.record_routing else None
-        return RouterStats(name, kind, mass, counts.detach(), tokens, self.top_k, experts=experts)
+    def macs(self, tokens: int) -> int:
+        """Multiply-accumulates of scoring ``tokens`` tokens: every scored expert's logit (all of them under exact
+        routing after pruning; the noise branch, training only, is not counted)."""
+        return tokens * self.gate.weight.shape[1] * self.num_experts

@@ -1,4 +1,4 @@
-"""Expert pruning: which experts a task uses, which to keep, and slicing MoE layers down to the kept ones.
+"""Expert pruning: which experts a task uses, which to keep, and cutting MoE layers down to the kept ones.
 
 Usage frequency of expert e for task t in one layer = share of the task's tokens that selected e (so a top-k
 layer's frequencies sum to k; `squad.models.usage.ExpertUsage.frequencies`). An expert is kept when its frequency is
@@ -6,33 +6,31 @@ above θ (θ = 0 keeps every expert used at least once), or when it is among the
 expert per layer always stays (the most used). Only real experts are pruned: MoDE's no-op experts cost nothing
 and stay selectable.
 
-A pruned layer holds only its kept experts; its router is restricted to them (`TaskRouter.restrict`), with exact
-routing by default — the router still scores every expert, so the gates of the kept experts are unchanged and, on
-data where the removed experts were never selected, the pruned model computes exactly what the full one did.
-top-k shrinks to the number of experts left when fewer than k remain.
+A pruned layer holds only its kept experts: each layer removes the others itself (`ExpertLayer.keep_experts`) and
+restricts its router to them (`TaskRouter.restrict`), with exact routing by default — the router still scores every
+expert, so the gates of the kept experts are unchanged and, on data where the removed experts were never selected,
+the pruned model computes exactly what the full one did. top-k shrinks to the number of experts left when fewer
+than k remain.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
 import torch.nn as nn
 
-from squad.layers.base import EXPERT_KINDS
-from squad.layers.moe_attention import MoEAttention
-from squad.layers.moe_mlp import ExpertMLP, MoEMlp
+from squad.layers.base import EXPERT_KINDS, ExpertLayer
 from squad.models.usage import ExpertUsage
 from squad.models.vit import SquadViT
 
 
-def prunable_layers(model: nn.Module) -> dict[str, MoEMlp | MoEAttention]:
+def prunable_layers(model: nn.Module) -> dict[str, ExpertLayer]:
     """Layer name (its module path, as in `RouterStats.name`) → every MoE MLP and MoE attention layer, in order."""
-    return {m.layer_name: m for m in model.modules() if isinstance(m, MoEMlp | MoEAttention)}
+    return {m.layer_name: m for m in model.modules() if isinstance(m, ExpertLayer)}
 
 
-def real_experts(layer: MoEMlp | MoEAttention) -> int:
+def real_experts(layer: ExpertLayer) -> int:
     """Experts of a layer that hold weights (no-op experts excluded)."""
     return layer.num_experts
 
@@ -103,42 +101,6 @@ def check_keep_top(keep_top: float | None) -> None:
         raise ValueError(f"keep_top must be in (0, 1] (a share of each layer's experts), got {keep_top}")
 
 
-# ------------------------------------------------------------------------------------------------- slicing
-def _sliced(p: torch.Tensor | None, idx: torch.Tensor) -> nn.Parameter | None:
-    if p is None:
-        return None
-    return nn.Parameter(p.detach().index_select(0, idx.to(p.device)).clone(), requires_grad=p.requires_grad)
-
-
-def prune_moe_mlp(layer: MoEMlp, kept: list[int], exact: bool = True) -> None:
-    """Keeps only experts ``kept`` of a MoE MLP (in place); no-op experts follow them in the new numbering."""
-    e = layer.num_experts
-    noop = layer.router.num_experts - e
-    idx = torch.as_tensor(kept, dtype=torch.long)
-    old = layer.experts
-    _, dim, hidden = old.w1.shape
-    with torch.device(old.w1.device):
-        new = ExpertMLP(len(kept), dim, hidden, bias=old.b1 is not None)
-    new.w1, new.w2 = _sliced(old.w1, idx), _sliced(old.w2, idx)
-    if old.b1 is not None:
-        new.b1, new.b2 = _sliced(old.b1, idx), _sliced(old.b2, idx)
-    layer.experts = new
-    layer.num_experts = len(kept)
-    layer.router.restrict(list(kept) + list(range(e, e + noop)), exact)
-    layer.cfg = dataclasses.replace(layer.cfg, num_experts=len(kept), top_k=layer.router.top_k)
-
-
-def prune_moa(layer: MoEAttention, kept: list[int], exact: bool = True) -> None:
-    """Keeps only heads ``kept`` of a MoE attention layer (in place)."""
-    idx = torch.as_tensor(kept, dtype=torch.long)
-    layer.q = _sliced(layer.q, idx)  # [K, D, d]
-    layer.o = _sliced(layer.o, idx)  # [K, d, D]
-    layer.num_experts = len(kept)
-    layer.router.restrict(list(kept), exact)
-    layer.top_k = layer.router.top_k
-    layer.cfg = dataclasses.replace(layer.cfg, num_experts=len(kept), top_k=layer.top_k)
-
-
 def prune_model(model: SquadViT, kept: dict[str, list[int]], exact: bool = True) -> None:
     """Prunes every MoE attention / MoE MLP layer of ``model`` to its kept experts (in place).
 
@@ -161,16 +123,14 @@ def prune_model(model: SquadViT, kept: dict[str, list[int]], exact: bool = True)
         e = real_experts(layer)
         if not idx or len(set(idx)) != len(idx) or not all(isinstance(i, int) and 0 <= i < e for i in idx):
             raise ValueError(f"layer {name}: kept experts must be distinct indices in [0, {e}), got {idx}")
-        if isinstance(layer, MoEMlp):
-            prune_moe_mlp(layer, idx, exact)
-        else:
-            prune_moa(layer, idx, exact)
+    for name, layer in layers.items():  # checked all first: a bad entry leaves the model as it was
+        layer.keep_experts(list(kept[name]), exact)
 
 
 def pruned_summary(model: nn.Module, kept: dict[str, list[int]], before: dict[str, int]) -> dict[str, dict]:
     """Per layer: kind, experts kept (original indices), experts before, top-k after."""
     out = {}
     for name, layer in prunable_layers(model).items():
-        out[name] = {"kind": "moe" if isinstance(layer, MoEMlp) else "moa", "kept": list(kept[name]),
-                     "experts_before": before[name], "experts_after": layer.num_experts, "top_k": layer.router.top_k}
+        out[name] = {"kind": layer.kind, "kept": list(kept[name]), "experts_before": before[name],
+                     "experts_after": layer.num_experts, "top_k": layer.top_k}
     return out

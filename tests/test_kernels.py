@@ -269,6 +269,34 @@ def test_reference_memory_is_linear_in_n():
         assert peaks[4096][i] < 2.5 * peaks[2048][i], peaks  # an N×N term would quadruple it
 
 
+def test_device_bench_rows_dry_run():
+    """`tools/bench.py`'s accelerator rows for routed attention, dry-run on the CPU at toy sizes (no timing checks):
+    the cases, their contracts, and the device and shapes in every row's details."""
+    from squad.kernels.bench import bench_device
+
+    rows = bench_device("cpu", quick=True, tokens=(17, 1024), batch=1, heads=2, head_dim=16, dtype=F32)
+    by_case = {r.case: r for r in rows}
+    assert len(by_case) == len(rows) == 8
+    assert by_case["attention_scores_fwd_n17_vs_sdpa"].target == "<= 1.3"
+    assert by_case["attention_scores_fwd_n1024_vs_sdpa"].target == "<= 1.15"
+    assert {"attention_fwd_bwd_n17_vs_sdpa", "attention_scores_fwd_bwd_n1024_vs_sdpa",
+            "attention_subset_fwd_bwd_n1024_vs_gather_sdpa"} <= set(by_case)
+    for r in rows:
+        assert r.value > 0 and r.details["device"] == "cpu" and r.details["dtype"] == "float32"
+        assert r.details["candidate_s"] > 0 and r.details["baseline_s"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_bench_rows_name_the_gpu():
+    from squad.kernels.bench import bench_routed_attention
+
+    rows = bench_routed_attention(quick=True)  # the GPU rows by default when CUDA is present
+    assert {r.details["device"] for r in rows} == {torch.cuda.get_device_name()}
+    assert any(r.case == "triton_attention_fwd_n4096_vs_sdpa" for r in rows)
+    assert all(r.details["timing"] == "CUDA events" and r.details["dtype"] == "bfloat16" for r in rows)
+
+
 # --------------------------------------------------------------------------- errors
 
 def _bad_calls():

@@ -89,10 +89,12 @@ def plan_dispatch(experts: torch.Tensor, num_experts: int, host_sizes: bool = Tr
     order = torch.sort(flat, stable=True).indices  # [M·k], rows grouped by expert, token order inside a group
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
-    counts = torch.bincount(flat.clamp(max=num_experts), minlength=num_experts + 1)[:num_experts]
-    ends = counts.cumsum(0)
-    starts = torch.cat([ends.new_zeros(1), ends])  # [E + 1]
     row_expert = flat.index_select(0, order).clamp(max=num_experts)
+    # group ends by binary search in the sorted experts: a static shape (bincount's is data-dependent, a graph break
+    # under torch.compile), no atomics
+    ends = torch.searchsorted(row_expert, torch.arange(1, num_experts + 1, device=flat.device, dtype=flat.dtype))
+    starts = torch.cat([ends.new_zeros(1), ends])  # [E + 1]
+    counts = starts.diff()  # [E]
     token = torch.div(order, k, rounding_mode="floor")
     plan = Dispatch(order, inverse, counts, None, ends.to(torch.int32), k, None, token, row_expert, starts)
     if host_sizes:
@@ -109,8 +111,11 @@ def native_grouped_mm(*tensors: torch.Tensor) -> bool:
     dtype = tensors[0].dtype
     if dtype not in _NATIVE_DTYPES or (tensors[0].is_cuda and dtype != torch.bfloat16):
         return False
-    for t in tensors:
-        if t.dtype != dtype or t.data_ptr() % 16:
+    compiling = torch.compiler.is_compiling()
+    if compiling and dtype == torch.float32:  # its fake (meta) kernel takes bf16/fp16 only: cannot be traced
+        return False
+    for t in tensors:  # traced tensors have no data pointer: the compiler's own buffers are aligned
+        if t.dtype != dtype or (not compiling and t.data_ptr() % 16):
             return False
         if any(s != 1 and n > 1 and (s * t.element_size()) % 16 for s, n in zip(t.stride(), t.shape, strict=True)):
             return False
@@ -179,7 +184,7 @@ def grouped_mm_flops(a: torch.Tensor, b: torch.Tensor, *args, out_val: torch.Ten
 
 def _zero_tail(out: torch.Tensor, plan: Dispatch) -> None:
     """Zeroes the no-op rows after the last group: a slice on the CPU (host sizes are free), a mask on CUDA."""
-    if out.is_cuda:
+    if out.is_cuda or torch.compiler.is_compiling():  # compiled: no host read (a graph break)
         out.masked_fill_((plan.row_expert == plan.num_experts).unsqueeze(1), 0)
         return
     plan.host_sizes()
@@ -331,7 +336,7 @@ def combine(rows: torch.Tensor, gates: torch.Tensor, plan: Dispatch) -> torch.Te
 # ---------------------------------------------------------------------------------------------------- fused ops
 def _add_row_bias_(out: torch.Tensor, bias: torch.Tensor, plan: Dispatch) -> None:
     """out[rows of e] += bias[e], in place (on the CPU a slice per group: no [M·k, N] bias temporary)."""
-    if out.is_cuda or torch.compiler.is_exporting():
+    if out.is_cuda or torch.compiler.is_exporting() or torch.compiler.is_compiling():  # no host read
         out += _row_bias(bias, plan)
         return
     start = 0

@@ -108,7 +108,11 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, 
             library.check_index_range(token_index, q.shape[2])
         q, k, v = gather_rows(q, token_index), gather_rows(k, token_index), gather_rows(v, token_index)
     if not return_scores:
-        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+        gqa = k.shape[1] != q.shape[1]
+        if gqa and q.is_cuda and q.dtype == torch.float32:  # only flash takes GQA, and not fp32: math would form N×N
+            group = q.shape[1] // k.shape[1]
+            k, v, gqa = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), False
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
     if torch.compiler.is_exporting():  # a program that runs without squad: trace the PyTorch pass itself
         out, _, scores = attention_forward_chunked(q, k, v, scale, need_lse=False)
         return out, scores

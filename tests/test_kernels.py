@@ -196,6 +196,9 @@ def test_cuda_auto_runs_sdpa_without_scores_and_triton_with_them(monkeypatch):
     routed_attention(q, k, v, return_scores=True)
     routed_attention(q, k, v, token_index=index)
     assert calls == [1]  # the Triton op served both
+    q, k, v, _ = _inputs(2, 6, 1, 197, 64, F32, None, device="cuda")  # fp32 multi-query: k, v expanded for SDPA
+    torch.testing.assert_close(routed_attention(q, k, v), _explicit(q, k, v, None, torch.zeros_like(q))[0],
+                               **TOL[F32][0])
 
 
 def test_chunked_ops_pass_opcheck():

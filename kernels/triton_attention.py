@@ -23,10 +23,11 @@ last key block. Row-wise accumulators (the output) can be rescaled by a per-row 
 adds many rows, each needing its own factor, so no single rescale fixes it — it would need the whole [BLOCK_M, M]
 probability block kept until the row's LSE is known (A-MoD's A_temp), which fits on chip only for short rows: the
 one-tile path. Past one tile the probabilities must be formed twice or written out (B·H·N² values, slower than
-recomputing them), so phase 1 recomputes QKᵀ and exp2: about half a forward more at long N, where the one-tile path
-adds nothing. Column sums go to a [B, Hq, row blocks, M] buffer summed in PyTorch: no atomics, the same sum in the
-same order every run (the scores choose tokens by top-k; a last-bit wobble could change the choice between runs).
-Its size is M²/BLOCK_M per head — 1/64 of one N×N map; nothing N×N exists.
+recomputing them), so phase 1 recomputes QKᵀ and exp2: by the FLOP and exp2 count about half a forward more at long
+N (unmeasured: no GPU was at hand; `tools/bench.py` on a GPU gives the ratios), against a column reduction per tile
+on the one-tile path. Column sums go to a [B, Hq, row blocks, M] buffer summed in PyTorch: no atomics, the same sum
+in the same order every run (the scores choose tokens by top-k; a last-bit wobble could change the choice between
+runs). Its size is M²/BLOCK_M per head — 1/64 of one N×N map; nothing N×N exists.
 
 Backward: delta = rowsum(dO ∘ O) in PyTorch, then one kernel per (key block, kv head[·split], batch) accumulating
 dK, dV over the group's query heads and all query blocks (split partial sums added in PyTorch), and one per (query

@@ -1,15 +1,20 @@
 """`routed_attention`: the op every attention layer calls — validation, backend choice, autograd.
 
 Backends:
+- "auto": on CUDA tensors (with Triton installed), Triton for what SDPA cannot do — A-MoD scores, a routed token
+  subset — and PyTorch's `F.scaled_dot_product_attention` (flash or cuDNN, PyTorch's choice) for everything else;
+  "reference" on any other device and for head dims past `MAX_TRITON_HEAD_DIM`.
 - "triton": the kernels in `triton_attention.py` (CUDA tensors, or CPU tensors when the process started with
-  TRITON_INTERPRET=1 — Triton reads it when first imported, and `import torch` imports Triton). Forward
-  keeps each row's log-sum-exp; the routing scores come from a second, key-major pass; the backward is a flash
-  backward for the output. Token-indexed rows are read in place.
-- "reference": pure PyTorch (`reference.py`): SDPA without scores, one chunked pass with scores; memory O(N · chunk).
-- "auto": "triton" for CUDA tensors (when Triton is installed), "reference" otherwise.
+  TRITON_INTERPRET=1 — Triton reads it when first imported, and `import torch` imports it). One forward launch
+  yields output, row log-sum-exp and (when asked) the scores; the backward is a flash backward for the output.
+  Token-indexed rows are read in place.
+- "reference": pure PyTorch (`reference.py`): SDPA without scores (token-indexed rows gathered first), the chunked
+  one-pass forward with scores; memory O(N · chunk).
 
-`squad.kernels.triton_attention` is imported only when the Triton backend runs, so importing this package never
-defines or compiles kernels.
+The kernels run as `torch.library` custom ops (`library.py`) with fake implementations and registered autograd, so
+`torch.compile` keeps each call as one opaque node on every device, and `torch.export` (which must give programs
+that run without squad) traces the pure-PyTorch pass instead. `squad.kernels.triton_attention` is imported only when
+a Triton op runs, so importing this package never defines or compiles kernels.
 """
 
 from __future__ import annotations
@@ -17,22 +22,27 @@ from __future__ import annotations
 import importlib.util
 
 import torch
+import torch.nn.functional as F
 
-from .reference import reference_attention
+from . import library
+from .reference import attention_forward_chunked, gather_rows
 
 BACKENDS = ("auto", "triton", "reference")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_TRITON_HEAD_DIM = 128
+_TRITON = importlib.util.find_spec("triton") is not None  # once: torch.compile traces a constant, not importlib
 
 
 def triton_available() -> bool:
     """Whether the `triton` package can be imported."""
-    return importlib.util.find_spec("triton") is not None
+    return _TRITON
 
 
-def _triton_module():
-    from . import triton_attention
-    return triton_attention
+def auto_backend(is_cuda: bool, head_dim: int, scores: bool, token_subset: bool) -> str:
+    """What "auto" runs: "triton" only on CUDA, for scores or a token subset, at head dims Triton serves;
+    "reference" (SDPA when there are no scores) otherwise."""
+    wants_triton = scores or token_subset
+    return "triton" if is_cuda and wants_triton and _TRITON and head_dim <= MAX_TRITON_HEAD_DIM else "reference"
 
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, token_index: torch.Tensor | None,
@@ -72,50 +82,43 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, token_index
         raise ValueError(f"routed_attention: token_index must be [B={bq}, K>=1], got shape {tuple(token_index.shape)}")
     if token_index.device != q.device:
         raise ValueError(f"routed_attention: token_index is on {token_index.device}, q on {q.device}")
-    lo, hi = torch.aminmax(token_index)
-    if lo.item() < 0 or hi.item() >= n:  # one host sync; an out-of-range row would read foreign memory
-        raise ValueError(f"routed_attention: token_index values must lie in [0, N={n}), got range "
-                         f"[{lo.item()}, {hi.item()}]")
+    # the values' range is checked where the rows are read: `library.check_index_range` (one host read)
 
 
-def _resolve_backend(backend: str, q: torch.Tensor) -> str:
+def _resolve_backend(backend: str, q: torch.Tensor, scores: bool, token_subset: bool) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"routed_attention: backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        return "triton" if q.is_cuda and triton_available() else "reference"
+        return auto_backend(q.is_cuda, q.shape[-1], scores, token_subset)
     if backend == "triton":
-        if not triton_available():
+        if not _TRITON:
             raise RuntimeError("routed_attention: backend='triton' needs the triton package")
         if q.shape[-1] > MAX_TRITON_HEAD_DIM:
             raise ValueError(f"routed_attention: backend='triton' supports head dim <= {MAX_TRITON_HEAD_DIM}, "
                              f"got {q.shape[-1]}")
-        if not q.is_cuda and not _triton_module().interpreter_enabled():
-            raise ValueError(f"routed_attention: backend='triton' needs CUDA tensors (got {q.device}), or Triton's CPU "
-                             "interpreter: TRITON_INTERPRET=1 in the environment before Python imports torch/triton")
+        # the device is checked by the op itself (`library.triton_attention`), in eager and compiled code alike
     return backend
 
 
-class _TritonAttention(torch.autograd.Function):
-    """Triton forward (+ optional score pass) and flash backward for the output."""
-
-    @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, token_index: torch.Tensor | None,
-                scale: float, return_scores: bool):  # noqa: D102
-        kernels = _triton_module()
-        out, lse = kernels.attention_forward(q, k, v, scale, token_index)
-        ctx.save_for_backward(q, k, v, token_index, out, lse)
-        ctx.scale = scale
-        if not return_scores:
-            return out
-        scores = kernels.attention_scores(q, k, lse, scale, token_index)
-        ctx.mark_non_differentiable(scores)
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, token_index: torch.Tensor | None,
+               return_scores: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The "reference" backend (inputs already validated)."""
+    if token_index is not None:
+        if not torch.compiler.is_compiling():  # compiled: torch.gather checks the rows itself
+            library.check_index_range(token_index, q.shape[2])
+        q, k, v = gather_rows(q, token_index), gather_rows(k, token_index), gather_rows(v, token_index)
+    if not return_scores:
+        gqa = k.shape[1] != q.shape[1]
+        if gqa and q.is_cuda and q.dtype == torch.float32:  # only flash takes GQA, and not fp32: math would form N×N
+            group = q.shape[1] // k.shape[1]
+            k, v, gqa = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), False
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
+    if torch.compiler.is_exporting():  # a program that runs without squad: trace the PyTorch pass itself
+        out, _, scores = attention_forward_chunked(q, k, v, scale, need_lse=False)
         return out, scores
-
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor, *_grad_scores: torch.Tensor):  # noqa: D102
-        q, k, v, token_index, out, lse = ctx.saved_tensors
-        dq, dk, dv = _triton_module().attention_backward(grad_out, q, k, v, out, lse, ctx.scale, token_index)
-        return dq, dk, dv, None, None, None
+    need_lse = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    out, _, scores = torch.ops.squad.chunked_attention(q, k, v, scale, need_lse)
+    return out, scores
 
 
 def routed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, token_index: torch.Tensor | None = None,
@@ -147,6 +150,8 @@ def routed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, token
     """
     _check_inputs(q, k, v, token_index, scale)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    if _resolve_backend(backend, q) == "reference":
-        return reference_attention(q, k, v, scale, token_index=token_index, return_scores=return_scores)
-    return _TritonAttention.apply(q, k, v, token_index, scale, bool(return_scores))
+    return_scores = bool(return_scores)
+    if _resolve_backend(backend, q, return_scores, token_index is not None) == "reference":
+        return _reference(q, k, v, scale, token_index, return_scores)
+    out, _, scores = torch.ops.squad.triton_attention(q, k, v, token_index, scale, return_scores)
+    return (out, scores) if return_scores else out

@@ -1,7 +1,5 @@
 """Routed attention in pure PyTorch: the readable reference and the CPU fast path.
 
-Three pieces live here:
-
 - `explicit_attention`: softmax(Q Kᵀ · scale) V with the whole N×N map, the textbook definition the tests check
   everything else against (and the memory baseline of the benchmark). Never used by the op.
 - `attention_forward_chunked` / `attention_backward_chunked`: the same attention computed over chunks of query rows,
@@ -9,8 +7,10 @@ Three pieces live here:
   A-MoD routing scores (column means of the probabilities) from ONE pass: each chunk's probabilities are formed once
   and feed both P V and the column sums. For ViT-sized N the whole map fits the chunk budget and this is one
   matmul, one softmax, one matmul, one reduction — about the cost of SDPA itself.
-- `reference_attention`: what the op's "reference" backend runs: plain SDPA when no scores are asked (PyTorch picks
-  its flash/fused kernel), the chunked pass with a custom backward when they are.
+- `cpu_flash_backward`: PyTorch's fused CPU flash-attention backward fed with the chunked forward's output and LSE.
+
+`squad.kernels.library` registers these as custom ops (``squad::chunked_attention``) and `squad.kernels.op` picks
+them when scores are asked on the "reference" backend; without scores that backend is plain SDPA.
 
 Grouped/multi-query heads: query head h uses key/value head h // (Hq / Hkv), PyTorch's `enable_gqa` convention.
 The g = Hq / Hkv query heads of a group attend to the same keys, so they are computed as one head with g·N query
@@ -22,7 +22,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 # Score elements per chunk: 1 Mi fp32 values = 4 MiB per scratch buffer (scores and probabilities); ViT-S maps (B 8,
 # H 6, N 197: 1.9 M) take 2 chunks. Measured on 2 cores against SDPA: 256 Ki 1.10, 512 Ki 1.07-1.13, 1 Mi 1.06-1.08,
@@ -174,9 +173,9 @@ def attention_backward_chunked(grad_out: torch.Tensor, q: torch.Tensor, k: torch
     return (dq.view(b, hq, m, d).to(q.dtype), dk.view(b, hkv, m, d).to(k.dtype), dv.view(b, hkv, m, d).to(v.dtype))
 
 
-def _cpu_flash_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        out: torch.Tensor, lse: torch.Tensor, scale: float
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def cpu_flash_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       out: torch.Tensor, lse: torch.Tensor, scale: float
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """PyTorch's fused CPU flash-attention backward, fed with the chunked forward's output and log-sum-exp.
 
     Grouped heads use the same (B, Hkv, g·M, d) view as the forward.
@@ -188,50 +187,3 @@ def _cpu_flash_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor
         grad_out.reshape(b, hkv, rows, d), q.reshape(b, hkv, rows, d), k, v, out.reshape(b, hkv, rows, d),
         lse.reshape(b, hkv, rows), 0.0, False, scale=scale)
     return dq.reshape(b, hq, m, d), dk, dv
-
-
-class _AttentionWithScores(torch.autograd.Function):
-    """Chunked forward that also returns the routing scores; backward for the output only."""
-
-    @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):  # noqa: D102
-        out, lse, scores = attention_forward_chunked(q, k, v, scale, need_lse=True)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale = scale
-        ctx.mark_non_differentiable(scores)
-        return out, scores
-
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor, _grad_scores: torch.Tensor | None):  # noqa: D102
-        q, k, v, out, lse = ctx.saved_tensors
-        grad_out = grad_out.contiguous()
-        if q.device.type == "cpu":
-            dq, dk, dv = _cpu_flash_backward(grad_out, q, k, v, out, lse, ctx.scale)
-        else:
-            dq, dk, dv = attention_backward_chunked(grad_out, q, k, v, out, lse, ctx.scale)
-        return dq, dk, dv, None
-
-
-def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                        token_index: torch.Tensor | None = None, return_scores: bool = False
-                        ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """The op's "reference" backend (inputs already validated by `squad.kernels.op`).
-
-    Args:
-        q: [B, Hq, N, d]; k, v: [B, Hkv, N, d].
-        scale: score scale.
-        token_index: optional [B, K] int64; attention among the selected rows (gathered here).
-        return_scores: also return the routing scores [B, N or K] float32 (no gradient).
-
-    Returns:
-        out [B, Hq, N or K, d], or (out, scores).
-    """
-    if token_index is not None:
-        q, k, v = gather_rows(q, token_index), gather_rows(k, token_index), gather_rows(v, token_index)
-    if not return_scores:
-        gqa = k.shape[1] != q.shape[1]
-        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _AttentionWithScores.apply(q, k, v, scale)
-    out, _, scores = attention_forward_chunked(q.detach(), k.detach(), v.detach(), scale, need_lse=False)
-    return out, scores

@@ -1,4 +1,4 @@
-"""Triton kernels for routed attention: forward with row log-sum-exp, key-major score pass, flash backward.
+"""Triton kernels for routed attention: a forward that also yields the A-MoD scores, and a flash backward.
 
 Layouts: q [B, Hq, N, d], k/v [B, Hkv, N, d] with any strides; query head h reads key/value head h // (Hq / Hkv).
 With a token index [B, K] every kernel reads row ``index[b, i]`` where it would read row ``i`` (no gathered copies);
@@ -7,14 +7,34 @@ results are compact: out [B, Hq, M, d], lse [B, Hq, M], with M = K (or N without
 Grids are (row block, head, batch): CUDA caps the second and third grid axes at 65535, which B·H on one axis could
 exceed; heads and batch rows apart stay far below it.
 
-- forward: one program per (query block, head, batch); online softmax over key blocks; writes out and the natural-log
-  LSE of every row.
-- scores: one program per (key block, head, batch); walks the query blocks and sums exp(S - LSE) per key column
-  (the A-MoD column sums, its App. A.8) — no atomics; the per-head partial sums are added in PyTorch, so the result is
-  deterministic. The N×N map never exists.
-- backward: delta = rowsum(dO ∘ O) in PyTorch, then one kernel per (key block, kv head[·split], batch)
-  accumulating dK, dV over the group's query heads and all query blocks (split partial sums added in PyTorch), and one
-  per (query block, head, batch) accumulating dQ — again no atomics.
+Forward: one program per (query block, head, batch), one launch; three compile-time paths (`forward_config`):
+
+- one tile, when every attended row fits one key tile (M ≤ 256 at d ≤ 64 in fp16/bf16: every ViT at 224 px): the
+  [BLOCK_M, M] scores, their exact softmax, P V and, with scores asked, P's column sums — each probability is
+  computed once, so the scores cost one row reduction per tile and nothing else.
+- two phases, for longer rows with scores asked: phase 1 walks the key blocks for each row's log-sum-exp (QKᵀ and
+  exp2 only, no V, no output); phase 2 walks them again forming the final probabilities exp2(S - LSE) once, which
+  feed both P V (no running rescale) and the column sums. This is A-MoD's App. A.8 done row-major.
+- online softmax, for longer rows without scores (routed token subsets): the usual flash forward.
+
+Why two phases and not one pass with atomically rescaled column sums: a probability's final value is
+exp(S_ij - m_i) · exp(m_i - LSE_i), and the second factor is a different unknown for every ROW i until the row's
+last key block. Row-wise accumulators (the output) can be rescaled by a per-row factor as the max grows; a column sum
+adds many rows, each needing its own factor, so no single rescale fixes it — it would need the whole [BLOCK_M, M]
+probability block kept until the row's LSE is known (A-MoD's A_temp), which fits on chip only for short rows: the
+one-tile path. Past one tile the probabilities must be formed twice or written out (B·H·N² values, slower than
+recomputing them), so phase 1 recomputes QKᵀ and exp2: by the FLOP and exp2 count about half a forward more at long
+N (unmeasured: no GPU was at hand; `tools/bench.py` on a GPU gives the ratios), against a column reduction per tile
+on the one-tile path. Column sums go to a [B, Hq, row blocks, M] buffer summed in PyTorch: no atomics, the same sum
+in the same order every run (the scores choose tokens by top-k; a last-bit wobble could change the choice between
+runs). Its size is M²/BLOCK_M per head — 1/64 of one N×N map; nothing N×N exists.
+
+Backward: delta = rowsum(dO ∘ O) in PyTorch, then one kernel per (key block, kv head[·split], batch) accumulating
+dK, dV over the group's query heads and all query blocks (split partial sums added in PyTorch), and one per (query
+block, head, batch) accumulating dQ — again no atomics. The scores have no gradient.
+
+The softmax scale arrives as a scalar argument; every kernel casts it to fp32 first, since a float64 scalar (what
+torch.compile passes for a Python float) would make the loop-carried row max fp64 and the kernel fail to compile.
 
 Scores are kept in the log2 domain inside the kernels (exp2 with scale·log2 e). fp16/bf16 operands go to `tl.dot`
 with fp32 accumulation; fp32 operands use IEEE precision (no TF32). Triton's CPU interpreter computes bf16 wrongly,
@@ -101,14 +121,18 @@ def _program_tile(IDX, stride_ib, stride_ik, M, D,
     return head, b, offs_d, mask_d, offs, mask, rows
 
 
-def _fwd_kernel(Q, K, V, IDX, OUT, LSE,
+def _fwd_kernel(Q, K, V, IDX, OUT, LSE, PART,
                 stride_qb, stride_qh, stride_qn, stride_qd,
                 stride_kb, stride_kh, stride_kn, stride_kd,
                 stride_vb, stride_vh, stride_vn, stride_vd,
                 stride_ib, stride_ik,
                 M, D, HQ, GROUP, qk_scale,
                 HAS_INDEX: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                SCORES: tl.constexpr, ONE_TILE: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    # a float64 scale (what torch.compile makes of a Python float) would turn every score and the loop-carried row
+    # max into fp64: the kernel works in fp32 whatever it is given
+    qk_scale = tl.cast(qk_scale, tl.float32)
     h, b, offs_d, mask_d, offs_m, mask_m, rows_m = _program_tile(IDX, stride_ib, stride_ik, M, D,
                                                                  BLOCK_M, BLOCK_D, HAS_INDEX)
     bh = b * HQ + h
@@ -116,49 +140,68 @@ def _fwd_kernel(Q, K, V, IDX, OUT, LSE,
     q = _load_tile(Q + b * stride_qb + h * stride_qh, rows_m, mask_m, stride_qn, offs_d, mask_d, stride_qd, UPCAST)
     k_base = K + b * stride_kb + hk * stride_kh
     v_base = V + b * stride_vb + hk * stride_vh
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for start_n in range(0, M, BLOCK_N):
-        offs_n, mask_n, rows_n = _block_rows(IDX, b, stride_ib, stride_ik, start_n, M, BLOCK_N, HAS_INDEX)
+    part = PART + (bh * tl.num_programs(0) + tl.program_id(0)) * M  # this row block's column sums [M]
+    if ONE_TILE:
+        # every key in one tile (BLOCK_N >= M): the exact softmax in one pass, probabilities normalised once
+        offs_n, mask_n, rows_n = _block_rows(IDX, b, stride_ib, stride_ik, 0, M, BLOCK_N, HAS_INDEX)
         k = _load_tile(k_base, rows_n, mask_n, stride_kn, offs_d, mask_d, stride_kd, UPCAST)
         v = _load_tile(v_base, rows_n, mask_n, stride_vn, offs_d, mask_d, stride_vd, UPCAST)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
         s = tl.where(mask_n[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
-    acc = acc / l_i[:, None]
+        m_i = tl.max(s, 1)
+        p = tl.exp2(s - m_i[:, None])
+        l_i = tl.sum(p, 1)
+        p = p * tl.where(mask_m, 1.0 / l_i, 0.0)[:, None]  # rows past M weigh nothing in the column sums
+        acc = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        if SCORES:
+            tl.store(part + offs_n, tl.sum(p, 0), mask=mask_n)
+        lse2 = m_i + tl.log2(l_i)
+    elif SCORES:
+        # phase 1: each row's log-sum-exp over the key blocks (no V, no output)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        for start_n in range(0, M, BLOCK_N):
+            offs_n, mask_n, rows_n = _block_rows(IDX, b, stride_ib, stride_ik, start_n, M, BLOCK_N, HAS_INDEX)
+            k = _load_tile(k_base, rows_n, mask_n, stride_kn, offs_d, mask_d, stride_kd, UPCAST)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+            s = tl.where(mask_n[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
+            m_i = m_new
+        lse2 = m_i + tl.log2(l_i)
+        row_lse2 = tl.where(mask_m, lse2, float("inf"))  # rows past M: probabilities exactly 0
+        # phase 2: the final probabilities, once each: the output and this row block's column sums
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for start_n in range(0, M, BLOCK_N):
+            offs_n, mask_n, rows_n = _block_rows(IDX, b, stride_ib, stride_ik, start_n, M, BLOCK_N, HAS_INDEX)
+            k = _load_tile(k_base, rows_n, mask_n, stride_kn, offs_d, mask_d, stride_kd, UPCAST)
+            v = _load_tile(v_base, rows_n, mask_n, stride_vn, offs_d, mask_d, stride_vd, UPCAST)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+            p = tl.where(mask_n[None, :], tl.exp2(s - row_lse2[:, None]), 0.0)
+            acc += tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            tl.store(part + offs_n, tl.sum(p, 0), mask=mask_n)
+    else:
+        # online softmax (no scores): running max and sum, the output rescaled as the max grows
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for start_n in range(0, M, BLOCK_N):
+            offs_n, mask_n, rows_n = _block_rows(IDX, b, stride_ib, stride_ik, start_n, M, BLOCK_N, HAS_INDEX)
+            k = _load_tile(k_base, rows_n, mask_n, stride_kn, offs_d, mask_d, stride_kd, UPCAST)
+            v = _load_tile(v_base, rows_n, mask_n, stride_vn, offs_d, mask_d, stride_vd, UPCAST)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+            s = tl.where(mask_n[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+        acc = acc / l_i[:, None]
+        lse2 = m_i + tl.log2(l_i)
     o_ptrs = OUT + bh * M * D + offs_m[:, None] * D + offs_d[None, :]
     tl.store(o_ptrs, acc.to(OUT.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
-    tl.store(LSE + bh * M + offs_m, (m_i + tl.log2(l_i)) * 0.6931471805599453, mask=mask_m)
-
-
-def _scores_kernel(Q, K, IDX, LSE, PART,
-                   stride_qb, stride_qh, stride_qn, stride_qd,
-                   stride_kb, stride_kh, stride_kn, stride_kd,
-                   stride_ib, stride_ik,
-                   M, D, HQ, GROUP, qk_scale,
-                   HAS_INDEX: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    h, b, offs_d, mask_d, offs_n, mask_n, rows_n = _program_tile(IDX, stride_ib, stride_ik, M, D,
-                                                                 BLOCK_N, BLOCK_D, HAS_INDEX)
-    bh = b * HQ + h
-    hk = h // GROUP
-    k = _load_tile(K + b * stride_kb + hk * stride_kh, rows_n, mask_n, stride_kn, offs_d, mask_d, stride_kd, UPCAST)
-    q_base = Q + b * stride_qb + h * stride_qh
-    colsum = tl.zeros([BLOCK_N], tl.float32)
-    for start_m in range(0, M, BLOCK_M):
-        offs_m, mask_m, rows_m = _block_rows(IDX, b, stride_ib, stride_ik, start_m, M, BLOCK_M, HAS_INDEX)
-        q = _load_tile(q_base, rows_m, mask_m, stride_qn, offs_d, mask_d, stride_qd, UPCAST)
-        # rows past the end get lse = +inf, so their probabilities are exactly 0
-        lse2 = tl.load(LSE + bh * M + offs_m, mask=mask_m, other=float("inf")) * 1.4426950408889634
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
-        colsum += tl.sum(tl.exp2(s - lse2[:, None]), 0)
-    tl.store(PART + bh * M + offs_n, colsum, mask=mask_n)
+    tl.store(LSE + bh * M + offs_m, lse2 * 0.6931471805599453, mask=mask_m)
 
 
 def _bwd_dkdv_kernel(Q, K, V, DO, IDX, LSE, DELTA, DK, DV,
@@ -170,6 +213,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, IDX, LSE, DELTA, DK, DV,
                      HAS_INDEX: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     # program (key block, kv head·SPLITS + split, b): the split's GROUP / SPLITS query heads
+    qk_scale = tl.cast(qk_scale, tl.float32)  # fp32 whatever the caller passes (see _fwd_kernel)
+    sm_scale = tl.cast(sm_scale, tl.float32)
     pid_h, b, offs_d, mask_d, offs_n, mask_n, rows_n = _program_tile(IDX, stride_ib, stride_ik, M, D,
                                                                      BLOCK_N, BLOCK_D, HAS_INDEX)
     pid = b * HKV * SPLITS + pid_h  # index of this program's (B, Hkv, SPLITS) output slab
@@ -210,6 +255,8 @@ def _bwd_dq_kernel(Q, K, V, DO, IDX, LSE, DELTA, DQ,
                    M, D, HQ, GROUP, qk_scale, sm_scale,
                    HAS_INDEX: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    qk_scale = tl.cast(qk_scale, tl.float32)  # fp32 whatever the caller passes (see _fwd_kernel)
+    sm_scale = tl.cast(sm_scale, tl.float32)
     h, b, offs_d, mask_d, offs_m, mask_m, rows_m = _program_tile(IDX, stride_ib, stride_ik, M, D,
                                                                  BLOCK_M, BLOCK_D, HAS_INDEX)
     bh = b * HQ + h
@@ -238,7 +285,7 @@ def _bwd_dq_kernel(Q, K, V, DO, IDX, LSE, DELTA, DQ,
 def _kernels() -> dict[str, object]:
     """The kernels, wrapped for the compiler or the interpreter (whichever mode Triton was imported in)."""
     wrap = InterpretedFunction if interpreter_enabled() else JITFunction
-    return {fn.__name__: wrap(fn) for fn in (_fwd_kernel, _scores_kernel, _bwd_dkdv_kernel, _bwd_dq_kernel)}
+    return {fn.__name__: wrap(fn) for fn in (_fwd_kernel, _bwd_dkdv_kernel, _bwd_dq_kernel)}
 
 
 def _config(d: int, dtype: torch.dtype, device: torch.device) -> dict[str, object]:
@@ -265,6 +312,41 @@ def _config(d: int, dtype: torch.dtype, device: torch.device) -> dict[str, objec
     }
 
 
+# Bytes of one K tile plus one V tile that the one-tile forward may hold: 64 KiB leaves room for the query tile
+# within the 99 KiB of shared memory of an sm_86/sm_89 block.
+ONE_TILE_KV_BYTES = 64 * 1024
+MAX_ONE_TILE_KEYS = 256  # its score tile [64, 256] in fp32 is 64 registers a thread at 8 warps
+
+
+def one_tile_keys(d: int, dtype: torch.dtype) -> int:
+    """The most attended rows the forward takes as one key tile (the one-pass path) for head dim d and dtype."""
+    block_d = max(16, triton.next_power_of_2(d))
+    itemsize = 4 if dtype == torch.float32 else 2
+    return min(MAX_ONE_TILE_KEYS, ONE_TILE_KV_BYTES // (2 * block_d * itemsize))
+
+
+def forward_config(m: int, d: int, dtype: torch.dtype, scores: bool, max_one_tile: int | None = None
+                   ) -> dict[str, object]:
+    """The forward kernel's configuration for M attended rows (see the module docstring for the three paths).
+
+    Args:
+        m: attended rows (N, or K with a token index).
+        d: head dim.
+        dtype: q/k/v dtype.
+        scores: whether the column sums are wanted.
+        max_one_tile: the most rows taken as one key tile (default `one_tile_keys`; the tests lower it to run the
+            two-phase path on small shapes).
+    """
+    cfg = _config(d, dtype, torch.device("cuda"))
+    limit = one_tile_keys(d, dtype) if max_one_tile is None else max_one_tile
+    one_tile = triton.next_power_of_2(m) <= limit
+    if one_tile:
+        cfg["BLOCK_N"] = max(16, triton.next_power_of_2(m))
+        cfg["num_warps"] = 8 if cfg["BLOCK_M"] * cfg["BLOCK_N"] >= 64 * 128 else 4
+        cfg["num_stages"] = 1  # no key loop to pipeline
+    return {**cfg, "SCORES": scores, "ONE_TILE": one_tile}
+
+
 def _device_of(x: torch.Tensor):
     """Makes x's GPU the current one while launching (Triton launches on the current device)."""
     return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
@@ -277,56 +359,38 @@ def _index_args(token_index: torch.Tensor | None, q: torch.Tensor) -> tuple[torc
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                      token_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Runs the forward kernel.
+                      token_index: torch.Tensor | None = None, scores: bool = False, max_one_tile: int | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Runs the forward kernel, with the A-MoD scores from the same launch when asked.
 
     Args:
         q: [B, Hq, N, d]; k, v: [B, Hkv, N, d] (any strides).
         scale: score scale.
         token_index: optional [B, K] int64 rows to attend among.
+        scores: also return the routing scores (column means of the probabilities over heads and query rows).
+        max_one_tile: see `forward_config`.
 
     Returns:
-        out [B, Hq, M, d] (q's dtype, contiguous) and lse [B, Hq, M] float32 (natural log), M = K or N.
+        out [B, Hq, M, d] (q's dtype, contiguous), lse [B, Hq, M] float32 (natural log), and scores [B, M] float32
+        (None without ``scores``); M = K or N.
     """
     b, hq, n, d = q.shape
     hkv = k.shape[1]
     m = n if token_index is None else token_index.shape[1]
     out = torch.empty(b, hq, m, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(b, hq, m, dtype=torch.float32, device=q.device)
-    cfg = _config(d, q.dtype, q.device)
-    idx, sib, sik = _index_args(token_index, q)
+    cfg = forward_config(m, d, q.dtype, scores, max_one_tile)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]), hq, b)
+    # per (row block, head) column sums, added up below: no atomics, the same sum in the same order every run
+    part = torch.empty(b, hq, grid[0], m, dtype=torch.float32, device=q.device) if scores else lse
+    idx, sib, sik = _index_args(token_index, q)
     with _device_of(q):
         _kernels()["_fwd_kernel"][grid](
-            q, k, v, idx, out, lse, *q.stride(), *k.stride(), *v.stride(), sib, sik,
+            q, k, v, idx, out, lse, part, *q.stride(), *k.stride(), *v.stride(), sib, sik,
             m, d, hq, hq // hkv, scale * LOG2E, HAS_INDEX=token_index is not None, **cfg)
-    return out, lse
-
-
-def attention_scores(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, scale: float,
-                     token_index: torch.Tensor | None = None) -> torch.Tensor:
-    """Runs the key-major score pass: mean over heads and query rows of exp(S - LSE) per key.
-
-    Args:
-        q: [B, Hq, N, d]; k: [B, Hkv, N, d]; lse: [B, Hq, M] from `attention_forward`.
-        scale: score scale used in the forward.
-        token_index: optional [B, K] int64 (the same as in the forward).
-
-    Returns:
-        scores [B, M] float32.
-    """
-    b, hq, _, d = q.shape
-    hkv = k.shape[1]
-    m = lse.shape[-1]
-    partial = torch.empty(b, hq, m, dtype=torch.float32, device=q.device)  # per-head column sums
-    cfg = _config(d, q.dtype, q.device)
-    idx, sib, sik = _index_args(token_index, q)
-    grid = (triton.cdiv(m, cfg["BLOCK_N"]), hq, b)
-    with _device_of(q):
-        _kernels()["_scores_kernel"][grid](
-            q, k, idx, lse, partial, *q.stride(), *k.stride(), sib, sik,
-            m, d, hq, hq // hkv, scale * LOG2E, HAS_INDEX=token_index is not None, **cfg)
-    return partial.sum(dim=1).div_(hq * m)
+    if not scores:
+        return out, lse, None
+    return out, lse, part.sum(dim=(1, 2)).div_(hq * m)
 
 
 def _head_splits(blocks: int, b: int, hkv: int, group: int, device: torch.device) -> int:

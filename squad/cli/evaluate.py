@@ -46,6 +46,12 @@ def add_inference_arguments(p: argparse.ArgumentParser) -> None:
                    "model.mod.aux_loss=true; the share of tokens processed is reported). Default: the saved mode")
 
 
+def add_compile_argument(p: argparse.ArgumentParser) -> None:
+    """``--compile``, shared by evaluate and predict."""
+    p.add_argument("--compile", action="store_true", help="torch.compile the model before running it (inductor: the "
+                   "first batches wait for the compiler, later ones run faster; graph breaks: squad.models.compile)")
+
+
 def format_compute(label: str, compute: dict) -> list[str]:
     """Lines on a model's inference settings and compute (`squad.eval.evaluate.compute_summary`)."""
     lines = []
@@ -85,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batches", type=int, default=0, help="batches to evaluate (0 = the whole split)")
     p.add_argument("--batch-size", type=int, default=8)
     add_inference_arguments(p)
+    add_compile_argument(p)
     p.add_argument("--device", default="cpu", type=device_arg, help="cpu, cuda or cuda:N (default cpu)")
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--out", default=None, help="results JSON (default: eval_<split>.json beside the first checkpoint)")
@@ -106,7 +113,8 @@ def _evaluate(argv: list[str] | None) -> int:
     for path in args.checkpoint:
         try:
             run_ = evaluate_run(load(path), args.data, args.split, tasks, args.batches, args.batch_size, args.device,
-                                args.workers, mone_capacity=args.mone_capacity, mod_inference=args.mod_inference)
+                                args.workers, mone_capacity=args.mone_capacity, mod_inference=args.mod_inference,
+                                compile=args.compile)
         except ValueError as e:
             if len(args.checkpoint) == 1:
                 raise

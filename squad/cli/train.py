@@ -7,7 +7,8 @@
     python tools/train.py --config configs/demo.yaml --set optim.steps=50        # one process (CPU or GPU)
 
 With no GPU, DeepSpeed's CPU accelerator, gloo and fp32 are selected automatically. ``--resume auto`` (default)
-continues the run in --out from its last complete checkpoint.
+continues the run in --out from its last complete checkpoint. ``--set train.compile=true`` runs the training step
+under torch.compile (a key a resume may also change).
 
 ``accelerate launch`` starts N > 1 ranks with --multi_gpu (or --use_deepspeed), on GPUs or CPUs: it runs torchrun.
 Without it, on a machine with fewer than 2 GPUs or with --cpu, accelerate starts ONE process, which stops with an

@@ -93,6 +93,10 @@ class TrainConfig:
     seed: int = 0
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: bf16 on GPUs, fp32 on CPUs
     zero_stage: int = 0
+    # torch.compile the training step's forward (model and losses; DeepSpeed's engine.compile, inductor): the module
+    # keeps its parameters and names, so checkpoints, resume and ZeRO are unchanged. The first steps pay the
+    # compilation (minutes on a CPU); graph breaks that remain: squad.models.compile.
+    compile: bool = False
     tasks_per_image: int = 0  # 0: every image trains every task; k: k tasks sampled per image each step
     log_every: int = 10
     eval_every: int = 0  # 0: only at the start and the end

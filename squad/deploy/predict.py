@@ -57,6 +57,7 @@ from squad.deploy.encode import encode_taskonomy, has_taskonomy_encoding
 from squad.deploy.pictures import picture, save_png, top_k
 from squad.io.files import atomic_save, atomic_write_text, check_writable, sync_tree
 from squad.layers.heads import DenseHead
+from squad.models.compile import compile_model
 from squad.models.inference import inference_settings, set_inference
 from squad.models.single_task import SingleTaskModel
 from squad.models.vit import SquadViT
@@ -285,7 +286,7 @@ def run_model(model: nn.Module, images: torch.Tensor, tasks: Sequence[str]) -> d
 def predict(model: nn.Module, images: str | Path | Iterable[str | Path], out: str | Path,
             tasks: str | Iterable[str] | None = None, *, batch_size: int = 8, device: str | torch.device | None = None,
             encode: Encoding = "npy", mone_capacity: float | None = None, mod_inference: str | None = None,
-            class_names: dict[str, list[str]] | None = None, progress: bool = False) -> dict:
+            class_names: dict[str, list[str]] | None = None, progress: bool = False, compile: bool = False) -> dict:
     """Runs a model on image files and writes, per image and task, a picture and the raw values (module docstring).
 
     Args:
@@ -299,6 +300,7 @@ def predict(model: nn.Module, images: str | Path | Iterable[str | Path], out: st
         mone_capacity, mod_inference: MoNE's e_c and MoD's inference mode (`squad.models.inference.set_inference`).
         class_names: ``{task: names}`` for class tasks, one name per class (shown in the top-5).
         progress: show a progress bar over the images (tqdm, on stderr).
+        compile: torch.compile the model first (in place: `squad.models.compile.compile_model`).
 
     Returns:
         The summary written to ``out/predictions.json``: ``{"checkpoint", "tasks", "encode", "image_size",
@@ -328,6 +330,8 @@ def predict(model: nn.Module, images: str | Path | Iterable[str | Path], out: st
     device = torch.device(device if device is not None else default_device())
     out = check_writable(out, "output folder", folder=True)
     model.eval().to(device)
+    if compile:
+        compile_model(model)
     size = inner.cfg.img_size
     folders = dict(zip(paths, _out_names(paths), strict=True))
     done: list[dict] = []

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from squad.analysis.flops import mod_shares, mone_shares, profile
 from squad.data import build_dataset, eval_loader, report
 from squad.eval.metrics import MetricAccumulator, delta_t
+from squad.models.compile import compile_model
 from squad.models.inference import inference_settings, set_inference
 from squad.models.single_task import SingleTaskModel
 from squad.models.usage import ExpertUsage
@@ -163,7 +164,7 @@ def compute_summary(model, tasks: Sequence[str], usage: ExpertUsage | None = Non
 def evaluate_run(model: SquadViT | SingleTaskModel, data: str | Path, split: str = "val",
                  tasks: Sequence[str] | None = None, batches: int = 0, batch_size: int = 8,
                  device: str | torch.device = "cpu", workers: int = 0, *, mone_capacity: float | None = None,
-                 mod_inference: str | None = None) -> dict:
+                 mod_inference: str | None = None, compile: bool = False) -> dict:
     """Metrics and compute of a model (full or extracted, as `squad.load` returns it) on a split, under inference
     settings.
 
@@ -179,6 +180,7 @@ def evaluate_run(model: SquadViT | SingleTaskModel, data: str | Path, split: str
         mone_capacity: MoNE effective capacity e_c for this evaluation (`set_inference`; default: the saved one).
         mod_inference: MoD inference mode for this evaluation, ``"topk"`` or ``"threshold"`` (`set_inference`;
             default: the saved one).
+        compile: torch.compile the model first (in place: `squad.models.compile.compile_model`).
 
     Returns:
         ``{"metrics": {task: {metric: value}}, "compute": compute_summary, "data": DataReport.as_dict()}``; under
@@ -195,6 +197,8 @@ def evaluate_run(model: SquadViT | SingleTaskModel, data: str | Path, split: str
     names = inner.task_names if tasks is None else [inner.task_names[i] for i in inner.task_index(list(tasks))]
     ds = model_dataset(inner, data, names, split)
     inner.to(device)
+    if compile:
+        compile_model(inner)
     usage = ExpertUsage(inner.task_names)
     counts: dict = {}
     metrics = evaluate(inner, eval_loader(ds, batch_size, workers), list(names), device, batches, usage=usage,

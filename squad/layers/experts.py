@@ -174,13 +174,14 @@ def plan_dispatch(experts: torch.Tensor, num_experts: int, host_sizes: bool = Tr
         host_sizes: read the group sizes to the host now (otherwise only if a looped fallback needs them).
         noop: slots may name no-op experts (indices >= E); False promises they never do, so the sync-free path
             skips zeroing the (empty) tail.
-        sync_free: take the sync-free algorithm (default: for CUDA tensors, or when `FORCE_SYNC_FREE` is set).
+        sync_free: take the sync-free algorithm (default: for CUDA tensors, under torch.compile, or when
+            `FORCE_SYNC_FREE` is set).
 
     Returns:
         The `Dispatch` plan.
     """
-    if sync_free is None:
-        sync_free = experts.is_cuda or FORCE_SYNC_FREE
+    if sync_free is None:  # compiled: no host read either (each would be a graph break)
+        sync_free = experts.is_cuda or FORCE_SYNC_FREE or torch.compiler.is_compiling()
     k = experts.shape[1]
     flat = experts.reshape(-1)  # [M·k]
     sorted_e, order = torch.sort(flat, stable=True)  # rows grouped by expert, token order inside a group
@@ -209,8 +210,11 @@ def native_grouped_mm(*tensors: torch.Tensor) -> bool:
     dtype = tensors[0].dtype
     if dtype not in _NATIVE_DTYPES or (tensors[0].is_cuda and dtype != torch.bfloat16):
         return False
-    for t in tensors:
-        if t.dtype != dtype or t.data_ptr() % 16:
+    compiling = torch.compiler.is_compiling()
+    if compiling and dtype == torch.float32:  # its fake (meta) kernel takes bf16/fp16 only: cannot be traced
+        return False
+    for t in tensors:  # traced tensors have no data pointer: the compiler's own buffers are aligned
+        if t.dtype != dtype or (not compiling and t.data_ptr() % 16):
             return False
         size = t.element_size()
         *batch, rows, cols = t.stride()

@@ -15,8 +15,15 @@ import numpy as np
 import torch
 
 
-@functools.lru_cache(maxsize=256)
+@torch.compiler.assume_constant_result
 def capacity_distribution(e_c: float, num_experts: int = 4, beta: float = 10.0, delta: float = 2.0) -> tuple:
+    """`_capacity_distribution`, which torch.compile calls while tracing and keeps as a constant: the SLSQP solve is
+    host work on constants (and tracing it into scipy fails)."""
+    return _capacity_distribution(e_c, num_experts, beta, delta)
+
+
+@functools.lru_cache(maxsize=256)
+def _capacity_distribution(e_c: float, num_experts: int, beta: float, delta: float) -> tuple:
     """Share of tokens per nested expert (smallest first) for an effective capacity e_c (paper Eq. 3).
 
     Maximises ``Σ_i c_i / δ^(i-1) − β Σ_i c_i log c_i`` subject to ``Σ c_i = 1``, ``Σ c_i / 2^(E-i) = e_c``,

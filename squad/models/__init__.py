@@ -6,6 +6,8 @@ models).
 - single_task.py: `SingleTaskModel`, one task's path through a model (what extraction produces).
 - usage.py: `ExpertUsage`, expert-selection statistics per task and layer (saved with a model; pruning reads them).
 - inference.py: how a loaded model runs at inference (MoNE's e_c, MoD's top-k or threshold: `set_inference`).
+- compile.py: torch.compile of a model in place (`compile_model`: train.compile, --compile) and the graph breaks
+  that remain (`graph_breaks`).
 - surgery.py: building on the meta device and shape-checked weight assignment (`build_on_meta`, `load_assigned`),
   keeping a subset of tasks (`select_tasks`).
 - pruning.py: choosing experts from usage frequencies (θ or keep-top) and pruning MoE layers to them.

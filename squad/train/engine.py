@@ -36,6 +36,7 @@ from squad.io import export_model
 from squad.io.checkpoints import COMPLETE, find_resume_tag, resume_candidates, tag_for
 from squad.io.files import atomic_write_text, write_failure
 from squad.io.weights import read_init_source
+from squad.models import compile as squad_compile
 from squad.models.transfer import initialize_from
 from squad.models.usage import ExpertUsage
 from squad.models.vit import SquadViT, build_model
@@ -204,6 +205,8 @@ class Trainer:
             atomic_write_text(self.run_dir / "ds_config.json", json.dumps(ds_cfg, indent=2), "the DeepSpeed config")
         self.engine, _, _, _ = deepspeed.initialize(model=self.objective, optimizer=optimizer,
                                                     lr_scheduler=scheduler, config=ds_cfg)
+        if self.cfg.train.compile:  # the objective compiled in place: same parameters, names and checkpoints
+            self.engine.compile(backend=squad_compile.BACKEND)
         self.guard = ckpt.guard_engine(self.engine)  # weights_only reads; failed writes reach every rank
         self.model: SquadViT = self.engine.module.model
         self.usage = ExpertUsage(model.task_names)

@@ -66,6 +66,7 @@ SHM_PREFIX = "deepspeed_allreduce_buffer"  # deepspeed/ops/csrc/cpu/comm/shm.cpp
 # Keys that may change when a run resumes: its length and lr floor, clipping, cadences, safety limits, where the
 # (same) data lives, how it is read, and validation. Any other change breaks exact resumption and is refused.
 RESUMABLE_KEYS = (
+    "train.compile",  # how the step runs, not what it computes
     "optim.steps", "optim.epochs", "optim.min_lr", "optim.clip",
     "train.log_every", "train.eval_every", "train.ckpt_every", "train.keep_checkpoints", "train.stop_at",
     "train.max_nonfinite", "train.progress", "train.init",  # init is read only by a fresh start

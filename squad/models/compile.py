@@ -1,0 +1,79 @@
+"""torch.compile for squad models: what `train.compile: true` and the inference tools' ``--compile`` do.
+
+`compile_model` compiles a module in place (`nn.Module.compile`): it keeps its class, parameters and state-dict
+names, so checkpoints, resumption, ZeRO partitioning, extraction and export see the same module. Training compiles
+the step's forward — model and losses — through DeepSpeed's ``engine.compile`` (the same in-place compile);
+evaluation and prediction compile the model they run. The first calls pay the compilation (seconds on a GPU,
+minutes for inductor on a CPU); a new input shape (a last, smaller batch) compiles once more, then shapes are
+dynamic.
+
+What the compiler sees of squad:
+- attention: SDPA, or one opaque custom op per call (``squad::triton_attention`` / ``squad::chunked_attention``,
+  `squad.kernels.library`) with a fake implementation and a registered backward — never a graph break;
+- MoE attention and MoE MLP: data-dependent routing with static shapes (the sort, the group offsets by binary
+  search, `grouped_mm` with device-side offsets, masks instead of host-sized slices);
+- MoNE's capacity distribution (an SLSQP solve on constants) runs while tracing and becomes a constant.
+
+Graph breaks that remain (`graph_breaks` on every shipped config at the tests' widths, torch 2.14; the tests keep
+this list honest):
+- float32 MoE attention / MoE MLP (a CPU run's default precision): `grouped_mm`'s fake kernel takes bf16/fp16 only,
+  so the grouped matmuls fall back to per-expert matmuls sized on the host (``Dispatch.host_sizes``): two breaks per
+  routed layer, the dispatch running eagerly. In bf16 (GPUs' default, or ``train.precision=bf16``) every shipped
+  config but MoNE compiles to one graph.
+- MoNE (``mone_vit_s``): the nested projections (`squad.layers.nested`) write each token group's output through
+  ``out=`` into a strided slice, which dynamo does not trace: the nested linears run eagerly (about ten breaks).
+- MoD threshold inference (``--mod-inference threshold``) reads the widest row's token count on the host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+
+BACKEND = "inductor"  # what train.compile and --compile use (the tests swap in a cheaper one)
+
+
+def compile_model(module: nn.Module, backend: str | Callable | None = None, mode: str | None = None) -> nn.Module:
+    """Compiles ``module`` in place with `torch.compile` and returns it (same object, same parameters).
+
+    Args:
+        module: a `SquadViT`, a `SingleTaskModel`, or any module that calls one.
+        backend: the torch.compile backend (default `BACKEND`, inductor; "aot_eager" traces without generating
+            code).
+        mode: torch.compile's mode (None, "reduce-overhead", "max-autotune", ...).
+    """
+    module.compile(backend=backend or BACKEND, mode=mode)
+    return module
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphBreak:
+    """Where and why dynamo split a graph: ``where`` is "file.py:line" of the innermost squad frame."""
+
+    where: str
+    reason: str
+
+
+def graph_breaks(fn: Callable[..., object], *args) -> tuple[int, list[GraphBreak]]:
+    """Runs `torch._dynamo.explain` on ``fn(*args)``: the number of graphs and the breaks between them.
+
+    Args:
+        fn: a function or module; ``fn(*args)`` is traced (and run) once, nothing is compiled to code.
+        args: its inputs.
+
+    Returns:
+        (graphs, breaks), each break once per (place, reason).
+    """
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(fn)(*args)
+    seen: dict[tuple[str, str], GraphBreak] = {}
+    for item in explained.break_reasons:
+        frames = [f for f in item.user_stack if "site-packages" not in f.filename] or item.user_stack
+        where = f"{frames[-1].filename.rsplit('/', 1)[-1]}:{frames[-1].lineno}" if frames else "?"
+        reason = str(item.reason).strip().splitlines()[0] if str(item.reason).strip() else "?"
+        seen.setdefault((where, reason), GraphBreak(where, reason))
+    torch._dynamo.reset()
+    return explained.graph_count, list(seen.values())

@@ -1,0 +1,157 @@
+"""torch.compile of squad models (issue 20): ``train.compile`` through the trainer with inductor (20 steps, the same
+losses as eager, across a resume, under ZeRO-1), every shipped config under aot_eager against eager, the one graph
+that the routed layers give in bf16, and ``--compile`` on tools/evaluate.py and tools/predict.py.
+
+CPU inductor compiles are slow (about a minute for the trainer test on a shared machine; the FX graph cache makes
+reruns faster), so only the trainer test generates code; the others trace with aot_eager or a counting eager backend.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import squad
+from squad.io import export_model
+from squad.models import compile as squad_compile
+from squad.train.engine import train
+from tests.helpers import MODEL_CONFIGS, ROOT, tiny_config, tiny_model, write_run_config
+
+TASKS = ["depth_euclidean", "class_scene"]
+ROUTED = ("moe", "moa", "mone")  # kinds whose fp32 dispatch still breaks the graph (squad.models.compile)
+
+
+def _losses(run_dir) -> list[float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tensorboard"))
+    acc.Reload()
+    return [e.value for e in acc.Scalars("train/loss/total")]
+
+
+@pytest.mark.slow
+def test_train_compile_gives_eager_losses_over_20_steps_across_a_resume(tmp_path, tiny_data):
+    """``train.compile: true`` (inductor, ZeRO-1, A-MoD routing on the attention scores: the custom op in the
+    compiled graph with its backward) trains to the eager run's losses, stopping at step 10 and resuming."""
+    plan = [{"attn": "dense", "mlp": "dense"}, {"attn": "dense", "mlp": "dense", "mod": "attention"}]
+    path = write_run_config(tmp_path / "tiny.yaml", tiny_data, TASKS, model={"plan": plan},
+                            optim={"steps": 20, "warmup_steps": 2},
+                            train={"log_every": 1, "ckpt_every": 0, "zero_stage": 1})
+    train(squad.load_config(path), tmp_path / "eager", resume="none")
+    compiled = tmp_path / "compiled"
+    with torch._inductor.config.patch(fallback_random=True):  # eager's random streams, should any op draw
+        train(squad.load_config(path, ["train.compile=true", "train.stop_at=10"]), compiled, resume="none")
+        assert len(_losses(compiled)) == 10
+        train(squad.load_config(path, ["train.compile=true"]), compiled)  # resumes at step 10
+    want, got = _losses(tmp_path / "eager"), _losses(compiled)
+    assert len(want) == len(got) == 20
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    assert squad.load_config(compiled / "config.yaml").train.compile is True
+    assert squad.load(compiled / "model.pt").task_names == TASKS  # the exported model loads as any other
+
+
+def _step(fn, model, x, tasks) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Loss and parameter gradients of one forward/backward of ``fn`` (the model or its compiled form)."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1)  # router noise draws the same numbers in both runs
+    out = fn(x, tasks)
+    loss = sum(p.float().square().mean() for p in out.preds.values())
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", MODEL_CONFIGS, ids=lambda p: p.stem)
+def test_every_config_compiles_to_the_eager_step(path):
+    """Every shipped config at test widths: one training forward/backward compiled (aot_eager: dynamo, fake
+    tensors, AOT autograd, no code generation) gives eager's loss and gradients; a config without MoE/MoNE layers
+    is one graph."""
+    cfg = tiny_config(path, ["model.depth=2"]).model
+    torch.manual_seed(0)
+    model = squad.build_model(cfg).train()
+    tasks = model.task_names[:1]  # a model's layers route every task alike: one keeps the trace short
+    x = torch.randn(2, 3, cfg.img_size, cfg.img_size)
+    want_loss, want = _step(model, model, x, tasks)
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    loss, grads = _step(torch.compile(model, backend=counter), model, x, tasks)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
+    assert grads.keys() == want.keys()
+    for name, g in grads.items():
+        torch.testing.assert_close(g, want[name], rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    assert counter.frame_count >= 1
+    if not any(getattr(m, "kind", None) in ROUTED for m in model.modules()):
+        assert counter.frame_count == 1, f"{path.stem}: {counter.frame_count} graphs"
+
+
+@pytest.mark.slow
+def test_routed_layers_trace_to_one_graph_in_bf16():
+    """MoE attention, MoE MLP, per-task routers and task embeddings in bf16 (the GPU's training dtype): dynamo sees
+    one graph for the whole training forward, no break (`squad.models.compile`)."""
+    cfg = tiny_config(ROOT / "configs" / "model" / "modsquad_vit_s.yaml", ["model.depth=2"]).model
+    torch.manual_seed(0)
+    model = squad.build_model(cfg).train().to(torch.bfloat16)
+    x = torch.randn(2, 3, cfg.img_size, cfg.img_size, dtype=torch.bfloat16)
+
+    def step(images):
+        return sum(p.float().square().mean() for p in model(images, model.task_names[:3]).preds.values())
+
+    graphs, breaks = squad_compile.graph_breaks(step, x)
+    assert graphs == 1 and not breaks, breaks
+
+
+@pytest.fixture
+def counting_backend(monkeypatch):
+    """What `compile_model` compiles with during the test: an eager backend that counts the graphs it gets."""
+    counter = CompileCounterWithBackend("eager")
+    monkeypatch.setattr(squad_compile, "BACKEND", counter)
+    torch._dynamo.reset()
+    yield counter
+    torch._dynamo.reset()
+
+
+@pytest.fixture(scope="module")
+def model_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("model") / "model.pt"
+    plan = [{"attn": "dense", "mlp": "dense"}, {"attn": "dense", "mlp": "dense", "mod": "learned"}]
+    export_model(path, tiny_model(TASKS + ["normal"], plan), None)  # one graph: traced in seconds
+    return path
+
+
+def test_evaluate_compile_flag(model_file, tiny_data, tmp_path, load_tool, counting_backend):
+    tool = load_tool("tools/evaluate.py")
+    common = ["--checkpoint", str(model_file), "--data", str(tiny_data), "--batches", "2", "--batch-size", "4"]
+    assert tool.main([*common, "--out", str(tmp_path / "eager.json")]) == 0
+    assert counting_backend.frame_count == 0
+    assert tool.main([*common, "--out", str(tmp_path / "compiled.json"), "--compile"]) == 0
+    assert counting_backend.frame_count >= 1  # the model ran compiled
+    eager, compiled = (json.loads((tmp_path / f).read_text())["metrics"] for f in ("eager.json", "compiled.json"))
+    assert compiled.keys() == eager.keys()
+    for task, metrics in eager.items():
+        for name, value in metrics.items():
+            assert compiled[task][name] == pytest.approx(value, rel=1e-5, abs=1e-7), (task, name)
+
+
+def test_predict_compile_flag(model_file, tmp_path, load_tool, counting_backend):
+    images = tmp_path / "images"
+    images.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(3):
+        Image.fromarray(rng.integers(0, 256, (40 + i, 36, 3), dtype=np.uint8)).save(images / f"{i}.png")
+    tool = load_tool("tools/predict.py")
+    common = ["--checkpoint", str(model_file), "--images", str(images), "--tasks", "depth_euclidean", "--batch-size",
+              "3", "--device", "cpu", "--quiet"]
+    assert tool.main([*common, "--out", str(tmp_path / "eager")]) == 0
+    assert tool.main([*common, "--out", str(tmp_path / "compiled"), "--compile"]) == 0
+    assert counting_backend.frame_count >= 1
+    summary = json.loads((tmp_path / "compiled" / "predictions.json").read_text())
+    assert len(summary["images"]) == 3
+    for entry in summary["images"]:
+        want = np.load(tmp_path / "eager" / entry["out"] / "depth_euclidean.npy")
+        np.testing.assert_allclose(np.load(tmp_path / "compiled" / entry["out"] / "depth_euclidean.npy"), want,
+                                   rtol=1e-5, atol=1e-6)

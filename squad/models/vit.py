@@ -9,6 +9,11 @@ attention, MoE MLP, a learned MoD router, the MoNE router — or sees the task e
 task, so they run on the B images once; the rows fan out to the task rows at the first task-specific block (A-MoD
 scores fan out with them). A model without task-specific blocks (MTL, STL, dense) never fans out: each head reads
 its images' rows of the shared tokens.
+
+Activation checkpointing (`SquadViT.set_activation_checkpointing`) recomputes a block's activations in the
+backward pass instead of keeping them (non-reentrant `torch.utils.checkpoint`, RNG state restored, so router
+noise routes the same); the recomputation runs on a copy of the block's context, so nothing it reports is recorded
+twice.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
 
 from squad.config.loading import load_config
 from squad.config.model import HeadConfig, ModelConfig, SquadConfig
@@ -77,6 +83,8 @@ class SquadViT(nn.Module):
         self.task_embed = nn.Parameter(torch.zeros(t, d)) if cfg.task_embed != "none" else None
         self.register_parameter("task_embed_extra", None)  # [T', D] embeddings of tasks added later (add_task)
         self.record_routing = False  # routers report every token's experts (RouterStats.experts), for analysis
+        self.activation_checkpointing = "none"  # none | blocks | every_n (set_activation_checkpointing)
+        self.checkpoint_every = 1
         specs = cfg.blocks()
         router_block = cfg.mone_router_block()
         blocks = []
@@ -181,6 +189,35 @@ class SquadViT(nn.Module):
             return float(choices[int(torch.randint(len(choices), ()).item())])
         return self.mone_capacity
 
+    def set_activation_checkpointing(self, mode: str = "blocks", every: int = 1) -> None:
+        """Recomputes block activations in the backward pass instead of keeping them (training memory).
+
+        Args:
+            mode: ``"none"``; ``"blocks"`` (every block keeps only its input); ``"every_n"`` (blocks 0, n, 2n, ...:
+                a 1/n share of the blocks recomputed, the others keep their activations).
+            every: n for ``"every_n"`` (>= 1).
+
+        Only passes that build a graph (training mode, gradients enabled) checkpoint; evaluation is unchanged.
+
+        Raises:
+            ValueError: an unknown mode or ``every`` < 1.
+        """
+        if mode not in ("none", "blocks", "every_n"):
+            raise ValueError(f"activation checkpointing must be 'none', 'blocks' or 'every_n', got {mode!r}")
+        if int(every) < 1:
+            raise ValueError(f"activation checkpointing every_n needs n >= 1, got {every}")
+        self.activation_checkpointing = mode
+        self.checkpoint_every = int(every)
+
+    def checkpointed_blocks(self) -> list[int]:
+        """Indices of the blocks whose activations a training pass recomputes in the backward pass."""
+        mode = self.activation_checkpointing
+        if mode == "blocks":
+            return list(range(len(self.blocks)))
+        if mode == "every_n":
+            return list(range(0, len(self.blocks), self.checkpoint_every))
+        return []
+
     def is_task_specific(self, index: int) -> bool:
         """Whether block ``index`` depends on the task: the task embedding is added before it (``every_block``), or
         it holds a per-task router (MoE attention, MoE MLP, learned MoD, MoNE's router) or a routed layer that reads
@@ -199,6 +236,23 @@ class SquadViT(nn.Module):
         """Index of the first task-specific block (`is_task_specific`); ``len(self.blocks)`` when none is: the
         blocks before it run once per image, whatever the number of tasks."""
         return next((i for i in range(len(self.blocks)) if self.is_task_specific(i)), len(self.blocks))
+
+    def _run_block(self, block: nn.Module, x: torch.Tensor, ctx: ForwardContext, recompute: bool) -> torch.Tensor:
+        if not recompute:
+            return block(x, ctx)
+        before = dataclasses.replace(ctx, stats=[])  # the context as this block finds it
+
+        def run(rows: torch.Tensor) -> tuple[torch.Tensor, ForwardContext]:
+            # a fresh copy each call: the backward's recomputation writes into a copy that is dropped
+            own = dataclasses.replace(before, stats=[])
+            return block(rows, own), own
+
+        y, after = checkpoint(run, x, use_reentrant=False, preserve_rng_state=True)
+        for field in dataclasses.fields(ForwardContext):
+            if field.name != "stats":
+                setattr(ctx, field.name, getattr(after, field.name))
+        ctx.stats.extend(after.stats)
+        return y
 
     def forward_tokens(self, x: torch.Tensor, task_ids: torch.Tensor,
                        segments: list[tuple[int, int, int]] | None = None,
@@ -227,6 +281,8 @@ class SquadViT(nn.Module):
             if self.cfg.task_embed == "moe_inputs":
                 ctx.moe_task_embed = emb
         fan_out = self.first_task_block() if rows is not None else 0
+        graph = self.training and torch.is_grad_enabled()
+        recompute = set(self.checkpointed_blocks()) if graph else set()
         # `routed`: the MoNE block x just came from while x is in MoNE's routed token order, else None. Only MoNE
         # blocks see that order (squad.layers.mone): it is undone before any other block and redone after it.
         routed: MoNEBlock | None = None
@@ -242,7 +298,7 @@ class SquadViT(nn.Module):
                 x = ctx.mone.unpermute(x)
                 scores = ctx.attn_scores if routed.want_scores else None  # A-MoD scores for this block, if any
                 ctx.attn_scores = ctx.mone.unpermute(scores) if scores is not None else None
-            x = block(x, ctx)
+            x = self._run_block(block, x, ctx, i in recompute)
             routed = block if is_mone else None
         if routed is not None:
             x = ctx.mone.unpermute(x)

@@ -87,9 +87,10 @@ def test_failed_compile_is_a_row_saying_why(monkeypatch):
     monkeypatch.setattr(torch, "compile", broken)
     cfg, loss = bench_step.load_step_config("mtl_vit_b", bench_step.QUICK_WIDTH + ["model.depth=1"])
     setups = [bench_step.StepSetup(cfg, loss, 2, torch.device("cpu"), torch.float32, compiled=c) for c in (True, False)]
-    failed, ok = bench_step.measure_steps(setups, rate=1e9, repeats=1, warmup=0, tasks=["depth_euclidean"])
+    (failed, ok), rate = bench_step.measure_steps(setups, repeats=1, warmup=0, tasks=["depth_euclidean"], quick=True)
     assert failed == "RuntimeError: inductor says no"
     assert isinstance(ok, bench_step.StepResult) and ok.peak_bytes > ok.resident_bytes > 0
+    assert rate["flops"] > 0 and rate["n"] == 512 and ok.matmul_flops == rate["flops"]
 
 
 @pytest.mark.slow
@@ -98,7 +99,7 @@ def test_compiled_step_runs():
     cfg, loss = bench_step.load_step_config("mtl_vit_b", bench_step.QUICK_WIDTH + ["model.depth=1"])
     setup = bench_step.StepSetup(cfg, loss, 2, torch.device("cpu"), torch.float32, compiled=True,
                                  checkpointing="blocks")
-    (res,) = bench_step.measure_steps([setup], rate=1e9, repeats=1, warmup=0, tasks=["depth_euclidean", "normal"])
+    (res,), _ = bench_step.measure_steps([setup], repeats=1, warmup=0, tasks=["depth_euclidean", "normal"], quick=True)
     assert isinstance(res, bench_step.StepResult), res
     assert res.images_per_s > 0 and res.peak_bytes is None
 

@@ -25,7 +25,7 @@ import torch
 
 import squad
 from squad.bench import step as bench_step
-from squad.bench.step import StepSetup, device_name, matmul_rate, measure_steps, step_macs, width_label
+from squad.bench.step import StepSetup, device_name, measure_steps, step_macs, width_label
 from squad.config.run import RunConfig
 from squad.data import build_dataset
 from squad.models.vit import SquadViT
@@ -125,8 +125,7 @@ def capacity_plan(config: str | Path, gpus: int, *, batch_per_gpu: int | None = 
     small = squad.load_config(config, [*overrides, *width]) if width else cfg
     setup = StepSetup(small.model, cfg.loss, measured_batch, device, dtype,
                       checkpointing=cfg.train.activation_checkpointing, checkpoint_every=cfg.train.checkpoint_every)
-    rate = matmul_rate(device, quick)
-    (res,) = measure_steps([setup], rate["flops"], repeats=2 if quick else 5, warmup=1, tasks=tasks)
+    (res,), rate = measure_steps([setup], repeats=2 if quick else 5, warmup=1, tasks=tasks, quick=quick)
     if isinstance(res, str):
         raise RuntimeError(f"the measured step failed: {res}")
 
@@ -208,12 +207,12 @@ def format_plan(plan: dict) -> str:
         f"{plan['activation_checkpointing']}",
         f"  measured here: {m['step_s'] * 1e3:.1f} ms per step of {m['images']} images ({m['width']}), "
         f"MFU {m['mfu']:.1%}",
-        f"  per device:    step {e['step_s']:.3f} s, {e['images_per_s_per_gpu']:.1f} images/s, memory "
+        f"  per device:    step {e['step_s']:.3g} s, {e['images_per_s_per_gpu']:.3g} images/s, memory "
         f"{gib(e['memory_per_gpu_bytes'])} (model state {gib(e['model_state_bytes'])}, activations "
         f"{gib(e['activation_bytes'])}), {_si(6 * e['macs_per_image'], 'FLOP')} per image",
-        f"  all devices:   {e['images_per_s']:.0f} images/s; the loader must sustain "
-        f"{e['loader_images_per_s_per_gpu']:.1f} images/s per device, {e['loader_images_per_s']:.0f} images/s "
-        f"({e['loader_files_per_s']:.0f} files/s: {e['files_per_image']} per image) in all",
+        f"  all devices:   {e['images_per_s']:.4g} images/s; the loader must sustain "
+        f"{e['loader_images_per_s_per_gpu']:.3g} images/s per device, {e['loader_images_per_s']:.4g} images/s "
+        f"({e['loader_files_per_s']:.4g} files/s: {e['files_per_image']} per image) in all",
         f"  run:           {e['dataset_images']:,} training images, {e['steps_per_epoch']:,} steps per epoch, "
         f"{e['total_steps']:,} steps" + (f" ({e['epochs']:g} epochs)" if e["epochs"] else "")
         + f": {_duration(e['wall_s'])} of training",

@@ -4,9 +4,9 @@ activation checkpointing — the ``train_step`` case of tools/bench.py — and w
 (`squad.bench.plan`).
 
 MFU = 6 × MACs of the step per image × images / step time, against the device's matmul rate measured in the same
-process (`matmul_rate`: bf16 on a GPU, fp32 on the CPU). The MACs of a step (`step_macs`) count what the fused
-step must compute: the blocks before the first task-specific block once per image (shared rows), the rest of the
-backbone and the head once per task (`squad.profile`'s per-task counts).
+process, timed interleaved with the steps (`MatmulProbe`: bf16 on a GPU, fp32 on the CPU). The MACs of a step
+(`step_macs`) count what the fused step must compute: the blocks before the first task-specific block once per image
+(shared rows), the rest of the backbone and the head once per task (`squad.profile`'s per-task counts).
 
 On a GPU the case runs the paper widths in bf16 with 12 images; on the CPU a shrunken width (`CPU_WIDTH`) in fp32,
 so that it runs in seconds: those rows measure the code path, not a GPU's figures.
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from collections.abc import Sequence
 
 import torch
@@ -54,26 +53,26 @@ def step_macs(model: SquadViT, tasks: Sequence[str] | None = None) -> int:
     return round(shared + sum(entry["macs"] - shared for entry in prof["tasks"].values()))
 
 
-def matmul_rate(device: torch.device | str, quick: bool = False) -> dict:
-    """The device's matmul rate, measured: FLOP/s of the fastest of several square matmuls (bf16 8192² on a GPU,
-    fp32 1024² on the CPU; 512² with ``quick``). The fastest, not the median: the rate the device can reach, which
-    other processes on a shared machine only ever lower."""
-    device = torch.device(device)
-    cuda = device.type == "cuda"
-    n = (2048 if quick else 8192) if cuda else (512 if quick else 1024)
-    dtype = torch.bfloat16 if cuda else torch.float32
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    times = []
-    for i in range(12 if quick else 30):
-        t0 = time.perf_counter()
-        a @ b
-        if cuda:
-            torch.cuda.synchronize(device)
-        if i >= 2:  # warm-up
-            times.append(time.perf_counter() - t0)
-    t = min(times)
-    return {"flops": 2 * n**3 / t, "n": n, "dtype": str(dtype).removeprefix("torch."), "seconds": t}
+class MatmulProbe:
+    """A square matmul timed beside the steps, so the device's matmul rate is measured under the conditions the steps
+    see (on a shared machine, the same neighbours): bf16 8192² on a GPU, fp32 1024² on the CPU (2048² / 512² with
+    ``quick``)."""
+
+    def __init__(self, device: torch.device | str, quick: bool = False):
+        device = torch.device(device)
+        cuda = device.type == "cuda"
+        self.n = (2048 if quick else 8192) if cuda else (512 if quick else 1024)
+        self.dtype = torch.bfloat16 if cuda else torch.float32
+        self.a = torch.randn(self.n, self.n, device=device, dtype=self.dtype)
+        self.b = torch.randn(self.n, self.n, device=device, dtype=self.dtype)
+
+    def __call__(self) -> None:
+        self.a @ self.b
+
+    def rate(self, seconds: float) -> dict:
+        """The rate for one matmul taking ``seconds``: FLOP/s and what was measured."""
+        return {"flops": 2 * self.n**3 / seconds, "n": self.n, "dtype": str(self.dtype).removeprefix("torch."),
+                "seconds": seconds}
 
 
 def width_label(cfg: ModelConfig, overrides: Sequence[str]) -> str:
@@ -181,10 +180,15 @@ class StepResult:
                 "compiled": s.compiled, "activation_checkpointing": s.checkpointing, "model": s.config.name}
 
 
-def measure_steps(setups: Sequence[StepSetup], rate: float, repeats: int = 5, warmup: int = 2,
-                  tasks: Sequence[str] | None = None) -> list[StepResult | str]:
-    """Times the setups' steps (over ``tasks``, default all) interleaved (`squad.timing.time_interleaved`); a setup
-    whose first step fails (e.g. torch.compile) gives its error message instead of a result."""
+def measure_steps(setups: Sequence[StepSetup], repeats: int = 5, warmup: int = 2,
+                  tasks: Sequence[str] | None = None, quick: bool = False) -> tuple[list[StepResult | str], dict]:
+    """Times the setups' steps (over ``tasks``, default all) and a `MatmulProbe` interleaved
+    (`squad.timing.time_interleaved`, medians).
+
+    Returns:
+        (one `StepResult` per setup — or, for a setup whose first step fails (e.g. torch.compile), its error message
+        —, the matmul rate the MFUs are against).
+    """
     steps: list[TrainStep | str] = []
     for setup in setups:
         try:
@@ -195,7 +199,10 @@ def measure_steps(setups: Sequence[StepSetup], rate: float, repeats: int = 5, wa
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             steps.append(f"{type(e).__name__}: {first}"[:500])
     ready = [s for s in steps if isinstance(s, TrainStep)]
-    times = iter(time_interleaved(ready, repeats=repeats, warmup=warmup) if ready else [])
+    probe = MatmulProbe(setups[0].device, quick)
+    *step_times, t_probe = time_interleaved([*ready, probe], repeats=repeats, warmup=warmup)
+    rate = probe.rate(t_probe)
+    times = iter(step_times)
     out: list[StepResult | str] = []
     for step in steps:
         if isinstance(step, str):
@@ -204,9 +211,9 @@ def measure_steps(setups: Sequence[StepSetup], rate: float, repeats: int = 5, wa
         t = next(times)
         s = step.setup
         macs = step_macs(step.model, step.tasks)
-        out.append(StepResult(s, t, s.images / t, 6 * macs * s.images / t / rate, step.peak_bytes(), macs, rate,
-                              step.resident_bytes(), step.grad_bytes()))
-    return out
+        out.append(StepResult(s, t, s.images / t, 6 * macs * s.images / t / rate["flops"], step.peak_bytes(), macs,
+                              rate["flops"], step.resident_bytes(), step.grad_bytes()))
+    return out, rate
 
 
 def load_step_config(name: str, overrides: Sequence[str] = ()):
@@ -227,7 +234,6 @@ def bench_train_step(quick: bool = False) -> list[BenchResult]:
     dtype = torch.bfloat16 if cuda else torch.float32
     width = [] if cuda else (QUICK_WIDTH if quick else CPU_WIDTH)
     images = GPU_IMAGES if cuda or not quick else 4
-    rate = matmul_rate(device, quick)
     rows: list[BenchResult] = []
     variants = [(False, "none"), (False, "blocks")] + ([] if quick else [(True, "none"), (True, "blocks")])
     repeats = 3 if quick else (10 if cuda else 5)
@@ -235,7 +241,8 @@ def bench_train_step(quick: bool = False) -> list[BenchResult]:
     for name in STEP_CONFIGS:
         model_cfg, loss_cfg = load_step_config(name, width)
         setups = [StepSetup(model_cfg, loss_cfg, images, device, dtype, compiled, ckpt) for compiled, ckpt in variants]
-        for setup, res in zip(setups, measure_steps(setups, rate["flops"], repeats=repeats), strict=True):
+        results, rate = measure_steps(setups, repeats=repeats, quick=quick)
+        for setup, res in zip(setups, results, strict=True):
             case = f"train_step_{name}_{setup.label}"
             if isinstance(res, str):
                 rows.append(BenchResult(case, math.nan, "", "error", False,
@@ -252,11 +259,11 @@ def bench_train_step(quick: bool = False) -> list[BenchResult]:
         rows.append(BenchResult("train_step_modsquad_vit_b_mfu", res.mfu, target, "MFU", check(res.mfu, target),
                                 {**res.details(), "setup": res.setup.label,
                                  "width": width_label(res.setup.config, width)}))
-    rows.append(_one_backbone_pass(width, images, device, dtype, rate["flops"], repeats))
+    rows.append(_one_backbone_pass(width, images, device, dtype, repeats))
     return rows
 
 
-def _one_backbone_pass(width: Sequence[str], images: int, device, dtype, rate: float, repeats: int) -> BenchResult:
+def _one_backbone_pass(width: Sequence[str], images: int, device, dtype, repeats: int) -> BenchResult:
     """mtl_vit_b: the 13-task step's time over the 1-task step's (one backbone pass, 13 heads: near 1, never 13)."""
     model_cfg, loss_cfg = load_step_config("mtl_vit_b", width)
     setup = StepSetup(model_cfg, loss_cfg, images, device, dtype)

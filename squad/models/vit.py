@@ -238,6 +238,9 @@ class SquadViT(nn.Module):
         return next((i for i in range(len(self.blocks)) if self.is_task_specific(i)), len(self.blocks))
 
     def _run_block(self, block: nn.Module, x: torch.Tensor, ctx: ForwardContext, recompute: bool) -> torch.Tensor:
+        """``block(x, ctx)``; with ``recompute``, under activation checkpointing: the block runs on a copy of the
+        context and what it wrote there (statistics, A-MoD scores, MoNE state) is copied back once, so the
+        backward's recomputation (on another copy) changes nothing the pass recorded."""
         if not recompute:
             return block(x, ctx)
         before = dataclasses.replace(ctx, stats=[])  # the context as this block finds it

@@ -77,7 +77,24 @@ def test_train_step_case_at_quick_sizes(tmp_path):
         assert ckpt["details"]["peak_memory_bytes"] <= eager["details"]["peak_memory_bytes"]
     assert rows["train_step_modsquad_vit_b_mfu"]["unit"] == "MFU"
     ratio = rows["train_step_mtl_vit_b_13_tasks_vs_1_task"]
-    assert ratio["unit"] == "x time" and ratio["value"] > 0
+    assert ratio["unit"] == "x time" and ratio["value"] > 0 and ratio["target"] == "<= 1.5"
+    shared = rows["train_step_mtl_vit_b_shared_vs_copied_rows"]
+    assert shared["unit"] == "x faster" and shared["value"] > 0 and shared["target"] == ">= 5"
+
+
+def test_copied_rows_baseline_is_the_old_layout():
+    """The shared-rows row's baseline computes what the model computes, with the rows copied per task."""
+    model = _model("dense_mtl").eval()
+    images = torch.randn(3, 3, 32, 32)
+    seen = []
+    hook = model.blocks[0].register_forward_hook(lambda m, args, out: seen.append(args[0].shape[0]))
+    with torch.no_grad():
+        old = bench_step.copied_rows_forward(model, images, ["a", "b", "c"])
+        new = model(images, ["a", "b", "c"])
+    hook.remove()
+    assert seen == [9, 3]
+    for t in "abc":
+        assert torch.equal(old.preds[t], new.preds[t]) and torch.equal(old.image_index[t], new.image_index[t])
 
 
 def test_failed_compile_is_a_row_saying_why(monkeypatch):

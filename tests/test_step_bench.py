@@ -77,7 +77,7 @@ def test_train_step_case_at_quick_sizes(tmp_path):
         assert ckpt["details"]["peak_memory_bytes"] <= eager["details"]["peak_memory_bytes"]
     assert rows["train_step_modsquad_vit_b_mfu"]["unit"] == "MFU"
     ratio = rows["train_step_mtl_vit_b_13_tasks_vs_1_task"]
-    assert ratio["unit"] == "x time" and ratio["value"] > 0 and ratio["target"] == "<= 1.5"
+    assert ratio["unit"] == "x time" and ratio["value"] > 0 and ratio["target"] == "<= 2"
     shared = rows["train_step_mtl_vit_b_shared_vs_copied_rows"]
     assert shared["unit"] == "x faster" and shared["value"] > 0 and shared["target"] == ">= 5"
 

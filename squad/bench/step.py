@@ -280,7 +280,7 @@ def copied_rows_forward(model: SquadViT, images: torch.Tensor, tasks: Sequence[s
 
 
 def _one_backbone_pass(width: Sequence[str], images: int, device, dtype, repeats: int) -> list[BenchResult]:
-    """mtl_vit_b's 13-task step: over its 1-task step (one backbone pass and 13 heads: near 1, never 13), and the
+    """mtl_vit_b's 13-task step: over its 1-task step (one backbone pass and 13 heads: below 2, never 13), and the
     step with every image copied per task (`copied_rows_forward`, the layout before shared rows) over it."""
     model_cfg, loss_cfg = load_step_config("mtl_vit_b", width)
     setup = StepSetup(model_cfg, loss_cfg, images, device, dtype)
@@ -289,6 +289,6 @@ def _one_backbone_pass(width: Sequence[str], images: int, device, dtype, repeats
     all_tasks(), one(), copied()
     t_all, t_one, t_copied = time_interleaved([all_tasks, one, copied], repeats=repeats, warmup=1)
     common = {"images": images, "width": width_label(model_cfg, width), "device": device_name(torch.device(device))}
-    return [ratio_row("train_step_mtl_vit_b_13_tasks_vs_1_task", t_all, t_one, "<= 1.5", **common),
+    return [ratio_row("train_step_mtl_vit_b_13_tasks_vs_1_task", t_all, t_one, "<= 2", **common),
             ratio_row("train_step_mtl_vit_b_shared_vs_copied_rows", t_all, t_copied, ">= 5", faster=True,
                       **common)]

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import squad
+from squad.analysis.relations import task_relations
 from squad.deploy.export import ExportedSquad
 from tests.helpers import randomize_routers
 
@@ -180,3 +181,13 @@ def test_export_program_shares_rows():
             direct = model(images, ["a", "b", "c"]).preds
         for t in direct:
             assert torch.equal(wrapped[t], direct[t]), (name, t)
+
+
+@pytest.mark.parametrize("name", ["amod_around_moa", "moa_late"])
+def test_task_relations_unchanged(name):
+    """Task relations read every row's recorded experts (and MoD selections): the same as with copied rows."""
+    images = [torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(2))]
+    model = _model(name)
+    new = task_relations(model, images).to_dict()
+    model.forward = lambda images, tasks=None, assignment=None: _old_forward(model, images, tasks, assignment)
+    assert task_relations(model, images).to_dict() == new

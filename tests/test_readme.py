@@ -23,7 +23,7 @@ How a command is run (the only changes, all here):
   ``torchrun --nproc_per_node`` runs 2 processes;
   launchers get a free ``--master_port`` (accelerate: ``--main_process_port``); a training gets `TRAIN_SETS`
   appended as ``--set`` overrides (the `tests.helpers.TINY` widths, 2 steps of 4 images, no workers, 1 validation
-  batch); finetune_router gets ``--steps 2`` and upcycle the TINY widths (`TOOL_ARGS`);
+  batch); finetune_router gets ``--steps 2``, upcycle the TINY widths and bench ``--quick`` (`TOOL_ARGS`);
 - paths (`PATHS`): ``/data/taskonomy`` is a random Taskonomy tree (`squad.data.write_random_tree`, its split CSV also
   under the names ``tiny`` and ``full``), ``/data/taskonomy_shards`` a scratch folder, ``/data/PASCAL_MT`` and
   ``/data/NYUD_MT`` small synthetic trees in those layouts; ``deepspeed --num_gpus N`` runs at most 2 ranks; a
@@ -80,7 +80,7 @@ SKIPPED = {
 SIZES = {"--n": "32", "--image-size": "32", "--nproc_per_node": "2", "--num-heads": "4"}  # vit_small.pth: 4 heads
 TRAIN_SETS = [*TINY, "model.head_dim=null", "optim.steps=2", "optim.batch_per_rank=4", "data.workers=0",
               "data.val_batches=1", "train.progress=false"]
-TOOL_ARGS = {"finetune_router": ["--steps", "2"],
+TOOL_ARGS = {"finetune_router": ["--steps", "2"], "bench": ["--quick"],
              "upcycle": [a for s in [*TINY, "model.head_dim=null"] for a in ("--set", s)]}  # the TINY model's widths
 PATHS = {"/data/taskonomy_shards": "taskonomy_shards", "/data/taskonomy": "taskonomy", "/data/PASCAL_MT": "PASCAL_MT",
          "/data/NYUD_MT": "NYUD_MT"}

@@ -2,6 +2,10 @@
 
 - harness.py: `BenchResult`, interleaved timing, ratio rows and target checks.
 - cases.py: the case registry (`CASES`) and the model cases (MoE MLP, MoA, fused step, MoD, MoNE, profile table).
+- step.py: the training-step case (`train_step`: images/s, MFU, peak memory; eager/compiled, checkpointing).
+- plan.py: the capacity plan of a training run (``tools/bench.py --plan CONFIG --gpus N``), an estimate from a step
+  measured here.
+- memory.py: peak memory on any device (CUDA's statistics, or every tensor storage followed on the CPU).
 - extract.py: the extracted-model case (parameters and forward time against the full model).
 - data.py: HDF5 shards against the PNG tree.
 The routed-attention kernel's own benchmark lives beside the kernel (squad.kernels.bench).

@@ -85,6 +85,8 @@ CASES: list[Case] = [
          "MoE MLP fwd+bwd / dense MLP of equal active FLOPs (+ DeepSpeed MoE)"),
     Case("moa", "squad.bench.cases:bench_moa", "MoE attention fwd+bwd / multi-query attention of equal active FLOPs"),
     Case("fused_step", "squad.bench.cases:bench_fused_step", "13-task step: one fused pass vs one pass per task"),
+    Case("train_step", "squad.bench.step:bench_train_step",
+         "13-task AdamW step of modsquad_vit_b / mtl_vit_b: img/s, MFU, peak memory; eager/compiled, checkpointing"),
     Case("mod", "squad.bench.cases:bench_mod", "MoD ViT-S (12.5 %, every other block) forward vs dense ViT-S"),
     Case("mone", "squad.bench.cases:bench_mone", "MoNE ViT-S at e_c = 0.3 forward vs dense ViT-S"),
     Case("routed_attention", "squad.kernels.bench:bench_routed_attention", "routed attention with scores vs SDPA"),

@@ -5,6 +5,7 @@
     python tools/bench.py --profile             # params / MACs of every paper config (no timing)
     python tools/bench.py --list
     python tools/bench.py --device cuda --only moe_mlp moa mod mone   # the GPU rows (bf16, CUDA events)
+    python tools/bench.py --plan configs/taskonomy/modsquad_vit_b.yaml --gpus 240   # capacity plan (an estimate)
 
 A case whose module is missing or which fails is printed as an ERROR row (and the exit status is 1); a missed
 target is printed as ``NO`` but is not an error.
@@ -49,7 +50,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", choices=["cpu", "cuda"], default=None,
                    help="where the cases that have GPU rows run (moe_mlp, moa, mod, mone: bf16, paper widths, CUDA "
                         "events); default cuda when a GPU is present, else cpu")
+    plan = p.add_argument_group("capacity plan (squad.bench.plan): a run's step time, memory, images/s, loader rate "
+                                "and wall time on N devices like this machine's, from a step measured here")
+    plan.add_argument("--plan", type=Path, metavar="CONFIG", help="run config to plan (timing cases run only with "
+                      "--only)")
+    plan.add_argument("--gpus", type=int, default=1, help="data-parallel devices (default 1)")
+    plan.add_argument("--batch-per-gpu", type=int, default=None,
+                      help="images per device (default: optim.batch_per_rank)")
+    plan.add_argument("--images", type=int, default=None, help="training images (default: counted in data.root, "
+                      "else estimated)")
+    plan.add_argument("--epochs", type=float, default=None, help="epochs (default: optim.epochs)")
+    plan.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
     args = p.parse_args(argv)
+    if args.plan is not None:
+        if not args.plan.is_file():
+            p.error(f"--plan {args.plan}: no such config file")
+        for key in ("gpus", "batch_per_gpu", "images"):
+            value = getattr(args, key)
+            if value is not None and value < 1:
+                p.error(f"--{key.replace('_', '-')} must be >= 1, got {value}")
+        if args.epochs is not None and args.epochs <= 0:
+            p.error(f"--epochs must be > 0, got {args.epochs}")
     unknown = [n for n in args.only or [] if n not in names]
     if unknown:
         p.error(f"unknown case(s) {', '.join(unknown)}; known: {', '.join(names)}")
@@ -90,8 +111,15 @@ def _bench(argv: list[str] | None) -> int:
     if args.profile:
         print(bench_cases.profile_table())
         report["profile"] = bench_cases.profile_rows()
+    if args.plan is not None:
+        from squad.bench.plan import capacity_plan, format_plan
+
+        plan = capacity_plan(args.plan, args.gpus, batch_per_gpu=args.batch_per_gpu, images=args.images,
+                             epochs=args.epochs, overrides=args.set, quick=args.quick)
+        print(format_plan(plan))
+        report["plan"] = plan
     rows = []
-    if args.only or not args.profile:
+    if args.only or not (args.profile or args.plan is not None):
         def progress(case, case_rows):
             print(f"[{case.name}] done ({len(case_rows)} rows)", file=sys.stderr, flush=True)
 

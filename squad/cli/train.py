@@ -17,8 +17,9 @@ error saying so. The engine is DeepSpeed's under every launcher, and the precisi
 
 The run folder is locked while a run uses it (run.lock names the holder; a second run into it exits 2). A resume
 may change only the keys that keep it exact: optim.steps/epochs/min_lr/clip, train.log_every/eval_every/
-ckpt_every/keep_checkpoints/stop_at/max_nonfinite/progress, data.root/workers/val_split/val_batches (recorded in
-train.log, config.prev.yaml and run_history.jsonl); any other change is refused — start a new run for it.
+ckpt_every/keep_checkpoints/stop_at/max_nonfinite/progress/activation_checkpointing/checkpoint_every, data.root/
+workers/val_split/val_batches (recorded in train.log, config.prev.yaml and run_history.jsonl); any other change is
+refused — start a new run for it.
 """
 
 from __future__ import annotations

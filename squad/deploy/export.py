@@ -59,9 +59,9 @@ class ExportError(ValueError):
 class ExportedSquad(nn.Module):
     """The module torch.export traces: images → {task: prediction}, the model's own forward pass for fixed tasks.
 
-    It lays the rows out as `SquadViT.forward` does for "every image runs every task" (task-major copies of the
-    batch, one segment per task), with the batch size kept symbolic: the eager forward reads host lengths that would
-    fix it.
+    It lays the rows out as `SquadViT.forward` does for "every image runs every task" (task-major task rows, one
+    segment per task, fanned out from the images at the first task-specific block), with the batch size kept
+    symbolic: the eager forward reads host lengths that would fix it.
 
     Args:
         model: the `SquadViT` (an extracted model's inner model).
@@ -80,10 +80,12 @@ class ExportedSquad(nn.Module):
         x0 = model.embed(images)
         b = x0.shape[0]
         t = len(self.tasks)
-        x = x0 if t == 1 else x0.repeat(t, 1, 1)  # task-major: row i·B + j is image j for task i
+        rows = None if t == 1 else torch.arange(b, device=x0.device).repeat(t)  # task row i·B + j reads image j
         ids = torch.cat([torch.full((b,), task, dtype=torch.long, device=x0.device) for task in self.task_ids])
         segments = [(task, i * b, (i + 1) * b) for i, task in enumerate(self.task_ids)]
-        tokens, _ = model.forward_tokens(x, ids, segments)
+        tokens, ctx = model.forward_tokens(x0, ids, segments, rows)
+        if ctx.shared_rows is not None:  # no task-specific block: every head reads the image rows
+            return {name: model.heads[name](tokens) for name in self.tasks}
         return {name: model.heads[name](tokens[i * b : (i + 1) * b]) for i, name in enumerate(self.tasks)}
 
 

@@ -53,6 +53,9 @@ class ForwardContext:
         segments: ``(task, first_row, end_row)`` when the rows are task-major runs known on the host (the model's
             forward always lays them out so); per-task layers then run one grouped matmul over all tasks instead
             of gathering a weight per row.
+        shared_rows: [R] the image row each task row reads while the blocks still run once per image (the blocks
+            before the first task-specific one, `SquadViT.forward_tokens`): those blocks see the B image rows,
+            ``task_ids`` and ``segments`` describe the R task rows they fan out to; None once the rows are per task.
     """
 
     task_ids: torch.Tensor
@@ -64,8 +67,12 @@ class ForwardContext:
     moe_task_embed: torch.Tensor | None = None
     record_routing: bool = False
     segments: list[tuple[int, int, int]] | None = None
+    shared_rows: torch.Tensor | None = None
 
     def per_task_sum(self, values: torch.Tensor) -> torch.Tensor:
-        """Sums row-level values [R, ...] into [T, ...] by task."""
+        """Sums row-level values [R, ...] into [T, ...] by task (values [B, ...] of the image rows while the rows
+        are shared: each counts once for every task row that reads it)."""
+        if self.shared_rows is not None:
+            values = values.index_select(0, self.shared_rows)
         out = values.new_zeros(self.num_tasks, *values.shape[1:])
         return out.index_add(0, self.task_ids, values)

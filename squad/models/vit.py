@@ -3,6 +3,17 @@
 Several tasks run in ONE backbone pass: the batch is tagged with task ids (each image once per task it trains on,
 task-major rows), every router picks its task's weights per row, and the experts of a layer process all tasks'
 tokens together. Rows are independent, so the fused pass equals one pass per task.
+
+Shared rows run once: the blocks before the first task-specific block (one that holds a per-task router — MoE
+attention, MoE MLP, a learned MoD router, the MoNE router — or sees the task embedding) are the same for every
+task, so they run on the B images once; the rows fan out to the task rows at the first task-specific block (A-MoD
+scores fan out with them). A model without task-specific blocks (MTL, STL, dense) never fans out: each head reads
+its images' rows of the shared tokens.
+
+Activation checkpointing (`SquadViT.set_activation_checkpointing`) recomputes a block's activations in the
+backward pass instead of keeping them (non-reentrant `torch.utils.checkpoint`, RNG state restored, so router
+noise routes the same); the recomputation runs on a copy of the block's context, so nothing it reports is recorded
+twice.
 """
 
 from __future__ import annotations
@@ -13,6 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
 
 from squad.config.loading import load_config
 from squad.config.model import HeadConfig, ModelConfig, SquadConfig
@@ -71,6 +83,8 @@ class SquadViT(nn.Module):
         self.task_embed = nn.Parameter(torch.zeros(t, d)) if cfg.task_embed != "none" else None
         self.register_parameter("task_embed_extra", None)  # [T', D] embeddings of tasks added later (add_task)
         self.record_routing = False  # routers report every token's experts (RouterStats.experts), for analysis
+        self.activation_checkpointing = "none"  # none | blocks | every_n (set_activation_checkpointing)
+        self.checkpoint_every = 1
         specs = cfg.blocks()
         router_block = cfg.mone_router_block()
         blocks = []
@@ -175,25 +189,109 @@ class SquadViT(nn.Module):
             return float(choices[int(torch.randint(len(choices), ()).item())])
         return self.mone_capacity
 
-    def forward_tokens(self, x: torch.Tensor, task_ids: torch.Tensor,
-                       segments: list[tuple[int, int, int]] | None = None) -> tuple[torch.Tensor, ForwardContext]:
-        """Runs the blocks on rows x [R, N, D] tagged with ``task_ids`` [R]; returns normed tokens and the context.
+    def set_activation_checkpointing(self, mode: str = "blocks", every: int = 1) -> None:
+        """Recomputes block activations in the backward pass instead of keeping them (training memory).
 
-        ``segments`` — ``(task, first_row, end_row)`` runs when rows are task-major — lets per-task routers run one
-        matmul per task.
+        Args:
+            mode: ``"none"``; ``"blocks"`` (every block keeps only its input); ``"every_n"`` (blocks 0, n, 2n, ...:
+                a 1/n share of the blocks recomputed, the others keep their activations).
+            every: n for ``"every_n"`` (>= 1).
+
+        Only passes that build a graph (training mode, gradients enabled) checkpoint; evaluation is unchanged.
+
+        Raises:
+            ValueError: an unknown mode or ``every`` < 1.
+        """
+        if mode not in ("none", "blocks", "every_n"):
+            raise ValueError(f"activation checkpointing must be 'none', 'blocks' or 'every_n', got {mode!r}")
+        if int(every) < 1:
+            raise ValueError(f"activation checkpointing every_n needs n >= 1, got {every}")
+        self.activation_checkpointing = mode
+        self.checkpoint_every = int(every)
+
+    def checkpointed_blocks(self) -> list[int]:
+        """Indices of the blocks whose activations a training pass recomputes in the backward pass."""
+        mode = self.activation_checkpointing
+        if mode == "blocks":
+            return list(range(len(self.blocks)))
+        if mode == "every_n":
+            return list(range(0, len(self.blocks), self.checkpoint_every))
+        return []
+
+    def is_task_specific(self, index: int) -> bool:
+        """Whether block ``index`` depends on the task: the task embedding is added before it (``every_block``), or
+        it holds a per-task router (MoE attention, MoE MLP, learned MoD, MoNE's router) or a routed layer that reads
+        the task embedding (``moe_inputs``). An A-MoD block around a dense block does not (its scores come from the
+        tokens)."""
+        if self.task_embed is not None and self.cfg.task_embed == "every_block":
+            return True
+        for m in self.blocks[index].modules():
+            if isinstance(m, TaskLinear):
+                return True
+            if isinstance(m, RoutedLayer) and not (isinstance(m, MoDBlock) and m.router is None):
+                return True
+        return False
+
+    def first_task_block(self) -> int:
+        """Index of the first task-specific block (`is_task_specific`); ``len(self.blocks)`` when none is: the
+        blocks before it run once per image, whatever the number of tasks."""
+        return next((i for i in range(len(self.blocks)) if self.is_task_specific(i)), len(self.blocks))
+
+    def _run_block(self, block: nn.Module, x: torch.Tensor, ctx: ForwardContext, recompute: bool) -> torch.Tensor:
+        """``block(x, ctx)``; with ``recompute``, under activation checkpointing: the block runs on a copy of the
+        context and what it wrote there (statistics, A-MoD scores, MoNE state) is copied back once, so the
+        backward's recomputation (on another copy) changes nothing the pass recorded."""
+        if not recompute:
+            return block(x, ctx)
+        before = dataclasses.replace(ctx, stats=[])  # the context as this block finds it
+
+        def run(rows: torch.Tensor) -> tuple[torch.Tensor, ForwardContext]:
+            # a fresh copy each call: the backward's recomputation writes into a copy that is dropped
+            own = dataclasses.replace(before, stats=[])
+            return block(rows, own), own
+
+        y, after = checkpoint(run, x, use_reentrant=False, preserve_rng_state=True)
+        for field in dataclasses.fields(ForwardContext):
+            if field.name != "stats":
+                setattr(ctx, field.name, getattr(after, field.name))
+        ctx.stats.extend(after.stats)
+        return y
+
+    def forward_tokens(self, x: torch.Tensor, task_ids: torch.Tensor,
+                       segments: list[tuple[int, int, int]] | None = None,
+                       rows: torch.Tensor | None = None) -> tuple[torch.Tensor, ForwardContext]:
+        """Runs the blocks on x tagged with ``task_ids`` [R]; returns normed tokens and the context.
+
+        Args:
+            x: [R, N, D], one row per task row; or, with ``rows``, [B, N, D], one row per image.
+            task_ids: [R] model task index of every task row.
+            segments: ``(task, first_row, end_row)`` runs when task rows are task-major: per-task routers then run
+                one matmul per task.
+            rows: [R] the image (row of x) each task row reads. The blocks before the first task-specific one
+                (`first_task_block`) then run once on x's B rows, and the rows fan out (``x[rows]``) at that block.
+
+        Returns:
+            (tokens, ctx). Tokens have one row per task row, except when ``rows`` was given and no block is
+            task-specific: then they are still the B image rows and ``ctx.shared_rows`` (= ``rows``) is set; task
+            row r's tokens are ``tokens[rows[r]]``.
         """
         ctx = ForwardContext(task_ids=task_ids, num_tasks=len(self.task_names),
                              mone_capacity=self._capacity_for_step(), record_routing=self.record_routing,
-                             segments=segments)
+                             segments=segments, shared_rows=rows)
         emb = None
         if self.task_embed is not None:
             emb = self.task_embeddings().index_select(0, task_ids).to(x.dtype)  # [R, D]
             if self.cfg.task_embed == "moe_inputs":
                 ctx.moe_task_embed = emb
+        fan_out = self.first_task_block() if rows is not None else 0
+        graph = self.training and torch.is_grad_enabled()
+        recompute = set(self.checkpointed_blocks()) if graph else set()
         # `routed`: the MoNE block x just came from while x is in MoNE's routed token order, else None. Only MoNE
         # blocks see that order (squad.layers.mone): it is undone before any other block and redone after it.
         routed: MoNEBlock | None = None
-        for block in self.blocks:
+        for i, block in enumerate(self.blocks):
+            if i == fan_out and ctx.shared_rows is not None:
+                x = self._fan_out(x, ctx)
             if emb is not None and self.cfg.task_embed == "every_block":
                 x = x + emb[:, None, :]
             is_mone = isinstance(block, MoNEBlock)
@@ -203,11 +301,22 @@ class SquadViT(nn.Module):
                 x = ctx.mone.unpermute(x)
                 scores = ctx.attn_scores if routed.want_scores else None  # A-MoD scores for this block, if any
                 ctx.attn_scores = ctx.mone.unpermute(scores) if scores is not None else None
-            x = block(x, ctx)
+            x = self._run_block(block, x, ctx, i in recompute)
             routed = block if is_mone else None
         if routed is not None:
             x = ctx.mone.unpermute(x)
         return self.norm(x), ctx
+
+    @staticmethod
+    def _fan_out(x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Image rows [B, N, D] → task rows [R, N, D] (with the A-MoD scores the last shared block left)."""
+        rows = ctx.shared_rows
+        if ctx.mone is not None:  # MoNE's router is task-specific: the rows fan out before it
+            raise RuntimeError("fan-out after a MoNE router: MoNE routing state cannot be shared across tasks")
+        if ctx.attn_scores is not None:
+            ctx.attn_scores = ctx.attn_scores.index_select(0, rows)
+        ctx.shared_rows = None
+        return x.index_select(0, rows)
 
     def forward(self, images: torch.Tensor, tasks: str | Sequence[str] | None = None,
                 assignment: torch.Tensor | None = None) -> SquadOutput:
@@ -218,7 +327,8 @@ class SquadViT(nn.Module):
             tasks: task names or aliases, or one name (``"depth"`` = ``["depth"]``); default: all of the model's
                 tasks. Each task at most once (predictions are keyed by canonical name).
             assignment: optional [B, len(tasks)] bool, which images run which task (default: every image runs
-                every task). Rows are task-major.
+                every task). Task rows are task-major; the blocks before the first task-specific one run once per
+                image (`forward_tokens`).
 
         Returns:
             `SquadOutput` with per-task predictions, the images each task ran on, and the routing statistics.
@@ -246,20 +356,25 @@ class SquadViT(nn.Module):
                 raise ValueError(f"assignment must be [{b}, {len(tasks)}] (images × tasks), "
                                  f"got {list(assignment.shape)}")
             per_task = [assignment[:, j].nonzero().flatten().to(x0.device) for j in range(len(tasks))]
-        rows = torch.cat(per_task)
         task_ids = torch.cat([torch.full((len(p),), t, device=x0.device, dtype=torch.long)
                               for p, t in zip(per_task, tidx, strict=True)])
-        x = x0.index_select(0, rows) if assignment is not None or len(tasks) > 1 else x0
+        # the task rows read image rows: fanned out inside the backbone at its first task-specific block
+        rows = torch.cat(per_task) if assignment is not None or len(tasks) > 1 else None
         segments, start = [], 0
         for t, p in zip(tidx, per_task, strict=True):
             if len(p):
                 segments.append((t, start, start + len(p)))
             start += len(p)
-        tokens, ctx = self.forward_tokens(x, task_ids, segments)
+        tokens, ctx = self.forward_tokens(x0, task_ids, segments, rows)
+        shared = ctx.shared_rows is not None  # no task-specific block: tokens are the B image rows
         preds, index, start = {}, {}, 0
         for t, p in zip(tidx, per_task, strict=True):
             canonical = self.task_names[t]
-            preds[canonical] = self.heads[canonical](tokens[start : start + len(p)])
+            if not shared:
+                own = tokens[start : start + len(p)]
+            else:
+                own = tokens if assignment is None else tokens.index_select(0, p)
+            preds[canonical] = self.heads[canonical](own)
             index[canonical] = p
             start += len(p)
         return SquadOutput(preds, index, ctx.stats)

@@ -193,6 +193,7 @@ class Trainer:
             log.info("train.init=%s not loaded: the run resumes from its checkpoint", self.cfg.train.init)
         if self.init_state is not None:  # a run that resumes loads its checkpoint over these
             model.load_state_dict(self.init_state)
+        model.set_activation_checkpointing(self.cfg.train.activation_checkpointing, self.cfg.train.checkpoint_every)
         self.objective = MultiTaskObjective(model, self.tasks, self.cfg)
         optimizer = torch.optim.AdamW(param_groups(self.objective, o.weight_decay), lr=o.lr, betas=tuple(o.betas),
                                       eps=o.eps)

@@ -70,6 +70,7 @@ RESUMABLE_KEYS = (
     "optim.steps", "optim.epochs", "optim.min_lr", "optim.clip",
     "train.log_every", "train.eval_every", "train.ckpt_every", "train.keep_checkpoints", "train.stop_at",
     "train.max_nonfinite", "train.progress", "train.init",  # init is read only by a fresh start
+    "train.activation_checkpointing", "train.checkpoint_every",  # memory only: same losses and gradients
     "data.root", "data.workers", "data.val_split", "data.val_batches",
 )
 

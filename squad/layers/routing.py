@@ -90,7 +90,9 @@ class TaskLinear(nn.Module):
         r, n, d = x.shape
         if not segments or segments[-1][2] != r:
             raise ValueError(f"segments {list(segments)} do not cover the {r} rows")
-        groups, tasks = segment_groups(tuple(segments), n, x.device)
+        # compiled: the uncached function (dynamo traces through a cache, which it warns could be stale)
+        layout = segment_groups.__wrapped__ if torch.compiler.is_compiling() else segment_groups
+        groups, tasks = layout(tuple(segments), n, x.device)
         if [t for t, _, _ in segments] != list(range(weight.shape[0])):
             weight = weight.index_select(0, tasks)  # [S, D, O]: the runs' tasks in run order
         y = grouped_matmul(x.reshape(r * n, d), weight, groups).view(r, n, -1)

@@ -210,11 +210,10 @@ def finetune_task(run_dir: str | Path, task: str, data: str | Path, cfg: FairFin
     trained = (getattr(full, "meta", {}) or {}).get("extra", {}).get("trained_tasks")
     base, _ = base_without(full, task, trained, False)
     base.to(device).eval()
-    spec = base.get_task(task) if task in base.task_names else None
     train_set = model_dataset(base, data, [task], "train")
     val_loader = eval_loader(model_dataset(base, data, [task], "val"), cfg.batch)
-    first = with_new_task(base, task, "mean", cfg.seed).to(device)
-    spec = spec or first.get_task(task)
+    first = with_new_task(base, task, "mean", cfg.seed).to(device)  # the new task's head and routing, untrained
+    spec = first.get_task(task)
     untrained = _metrics(lambda x: first(x, [task]).preds[task], spec, val_loader, device)
     result = {"key": key, "task": spec.name, "metric": spec.primary_metric, "lower_is_better": spec.lower_is_better,
               "untrained": untrained, "chance": chance_level(data, base, task) if spec.head_kind == "class" else None,

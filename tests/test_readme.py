@@ -73,8 +73,10 @@ SKIPPED = {
     "deepspeed --hostfile hosts --num_nodes 4 --num_gpus 8": "needs 4 nodes with 8 GPUs each; multi-node launching "
     "runs on loopback in test_train.py::test_multi_node_loopback_matches_one_node",
     "python tools/bench.py@": "the full benchmark runs for many minutes; test_bench.py runs it at --quick sizes",
-    "python tools/reproduce.py all --scale small": "the small-scale reproduction trains 50+ models (about an hour); "
+    "python tools/reproduce.py all --scale small": "the small-scale reproduction trains 70+ models (hours); "
     "test_reproduce.py runs every claim at --scale tiny, and the tiny command below runs here",
+    "python tools/reproduce.py modsquad-table2 --scale gpu": "the gpu scale needs a GPU (minutes there, many hours "
+    "on a CPU); test_reproduce.py checks its plan and runs --parallel at tiny scale",
 }
 
 SIZES = {"--n": "32", "--image-size": "32", "--nproc_per_node": "2", "--num-heads": "4"}  # vit_small.pth: 4 heads

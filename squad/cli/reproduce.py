@@ -2,22 +2,27 @@
 
 The embedded data is the synthetic Taskonomy; the report is report.md, PNG figures and results.json.
 
-    python tools/reproduce.py all --scale small --out reports/small            # every claim, 2 seeds, <= 90 min
+    python tools/reproduce.py all --scale small --out reports/small            # every claim, 2 seeds, CPU
     python tools/reproduce.py modsquad-table2 pruning --scale tiny --out /tmp/r  # the plumbing, in minutes
+    python tools/reproduce.py pruning --scale gpu --parallel 8 --out reports/gpu  # one claim at convergence, a GPU
     python tools/reproduce.py all --scale paper --out plans/paper --data /data/taskonomy   # configs + commands
 
-Claims: modsquad-table2 (Mod-Squad Table 2: STL, MTL, M3ViT-like, MoE MLP only, MoE attention only, Mod-Squad;
-Δt, parameters, MACs, step time, peak memory), pruning (extraction at θ and keep-top: parameters vs Δt),
-router-finetune (router / head / full / linear-probe on 0.5-5 % of a new task's data), mi-vs-balance (MI loss vs a
-per-task balance loss: expert-use sparsity, I(T;E), Δt), amod-table3 (dense → MoD with attention routing or a learned
-router, no training then a short fine-tune), mone-budget (one MoNE model with e_c sampled per step vs fixed-e_c
-models, with forward time per e_c), pascal-table3 (Mod-Squad Table 3 on the synthetic PASCAL-Context: STL, MTL,
-Mod-Squad and the pruned Mod-Squad at θ = 0.01; Δm, parameters full vs pruned, MACs, step time); ``all`` for every
-claim.
+Claims: modsquad-table2 (Mod-Squad Table 2: STL, MTL, M3ViT-like, MoE MLP only, MoE attention only, Mod-Squad, and
+an MTL + task embedding control; Δt, parameters, MACs, step time, peak memory), pruning (extraction at θ and
+keep-top: parameters, like with like, vs Δt), router-finetune (router / head / full / linear-probe on fractions of a
+new task's data, every mode with the same budget and stopping rule), mi-vs-balance (MI loss vs a per-task balance
+loss: expert-use sparsity, I(T;E), Δt), amod-table3 (a dense model of 8 blocks trained to a plateau → MoD with
+attention routing or a learned router, no training then a fine-tune of 1,000+ steps), mone-budget (one MoNE model
+with e_c drawn per step from 0.15-0.95, trained at equal FLOPs, vs models trained at e_c 0.2/0.4/0.6/0.8, with
+forward time per e_c), pascal-table3 (Mod-Squad Table 3 on the synthetic PASCAL-Context: STL, MTL, Mod-Squad and the
+pruned Mod-Squad at θ = 0.01; Δm, parameters full vs pruned, MACs, step time); ``all`` for every claim.
 
-Scales: tiny (4 tasks, 32 px, a few steps: minutes), small (13 tasks, 64 px, width 96, 200 steps, 2 seeds: about an
-hour on 2 CPU cores), paper (writes the real-Taskonomy run configs and the ``deepspeed --hostfile`` commands, runs
-nothing). Without --data the synthetic data is rendered into OUT/data/synthetic (`make_data.py synthetic`) and
+Scales: tiny (4 tasks, 32 px, a few steps: minutes), small (13 tasks, 64 px, width 96, 200 steps, 2 seeds: hours on
+2 CPU cores), gpu (13 tasks, 64 px, width 192, depth 6, 2,000 steps of 64 images, 3 seeds: the claims at
+convergence; planned at 25 minutes or less per claim on one H100 with --parallel 8), paper (writes the
+real-Taskonomy run configs and the ``deepspeed --hostfile`` commands, runs nothing). --parallel N trains N runs at
+once, each in a process of its own (one GPU each on a machine with several; on a CPU the cores are split between
+them). Without --data the synthetic data is rendered into OUT/data/synthetic (`make_data.py synthetic`) and
 packed into HDF5 shards in OUT/data/shards (`make_data.py pack`), which the runs read; pascal-table3 renders its
 synthetic PASCAL-Context into OUT/data/pascal and packs it into OUT/data/pascal_shards (or reads --pascal-data).
 
@@ -41,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The arguments of ``tools/reproduce.py`` / ``squad-reproduce``."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("claims", nargs="+", metavar="CLAIM", help="claims to measure (see above), or all")
-    p.add_argument("--scale", choices=["tiny", "small", "paper"], default="small", help="default: small")
+    p.add_argument("--scale", choices=["tiny", "small", "gpu", "paper"], default="small", help="default: small")
     p.add_argument("--out", required=True, help="output folder (report.md, results.json, figures/, runs/)")
     p.add_argument("--seeds", type=int, default=None, help="seeds per run (default: the scale's; small: 2)")
     p.add_argument("--steps", type=int, default=None,
@@ -55,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pascal-table3's PASCAL-Context root: a PASCAL_MT folder or its HDF5 shards (default: the "
                         "synthetic PASCAL-Context rendered and packed into OUT/data at the scale's size; paper: the "
                         "root written into the commands)")
+    p.add_argument("--parallel", type=int, default=1, metavar="N",
+                   help="train N runs at once, each in a process of its own (and router-finetune's fine-tunes); "
+                        "several GPUs: one run each; default 1 (in this process)")
     p.add_argument("--hostfile", default="hostfile", help="paper scale: the DeepSpeed hostfile the commands name")
     return p
 
@@ -84,7 +92,7 @@ def _reproduce(argv: list[str] | None) -> int:
     from squad.reproduce.invocation import reproduce
 
     reproduce(args.claims, args.scale, args.out, seeds=args.seeds, steps=args.steps, data=args.data,
-              pascal=args.pascal_data, hostfile=args.hostfile, command=command)
+              pascal=args.pascal_data, hostfile=args.hostfile, command=command, parallel=args.parallel)
     return 0
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -21,9 +22,10 @@ from squad.data.synthetic.pascal import render_pascal
 from squad.data.synthetic.taskonomy import render_dataset
 from squad.reproduce.claims import CLAIMS, Context, resolve_claims
 from squad.reproduce.paper import write_paper_plan
+from squad.reproduce.parallel import run_jobs
 from squad.reproduce.report import write_report
-from squad.reproduce.runs import Runner, is_done
-from squad.reproduce.scales import Scale, estimate_seconds, format_duration, get_scale, pascal_scale
+from squad.reproduce.runs import Runner, RunSpec, is_done
+from squad.reproduce.scales import Planned, Scale, estimate_seconds, format_duration, get_scale, pascal_scale
 
 
 def say_to(stream=None) -> Callable[[str], None]:
@@ -35,15 +37,41 @@ def say_to(stream=None) -> Callable[[str], None]:
     return say
 
 
+def planned(ctx: Context, spec: RunSpec) -> Planned:
+    """A run as the time plan sees it (family, steps, tasks trained, depth, cost signature)."""
+    model = (spec.base or spec).model
+    depth = model.get("depth", (spec.scale or ctx.scale).depth)
+    fam = spec.family
+    return Planned(fam, spec.steps, len(spec.train_tasks or spec.tasks), depth, ctx.cost_key(spec))
+
+
+def plan_table(scale: str | Scale, claims: Sequence[str] = ("all",), parallel: int = 1, device: str = "cuda",
+               seeds: int | None = None, gpus: int = 1, cores: int = 16) -> dict[str, float]:
+    """Every claim's planned seconds when it runs alone into an empty folder (nothing measured: the constants of
+    `squad.reproduce.scales`), e.g. the gpu scale's plan on one H100 with ``--parallel 8``."""
+    scale = get_scale(scale) if isinstance(scale, str) else scale
+    out = Path("/nonexistent/plan")
+    seeds_ = list(range(seeds or scale.seeds))
+    ctx = Context(scale, seeds_, out / "data", out, Runner(out, scale, out / "data"), device,
+                  pascal=pascal_scale(scale), pascal_data=out / "pascal", parallel=parallel)
+    table = {}
+    for name in resolve_claims(claims):
+        specs = list({s.name: s for s in CLAIMS[name].specs(ctx)}.values())
+        plan = [Planned(s.family, s.steps, len(s.train_tasks or s.tasks),
+                        (s.base or s).model.get("depth", (s.scale or scale).depth)) for s in specs]
+        table[name] = estimate_seconds(plan, {}, scale, [name], len(seeds_), parallel, device, gpus, cores)
+    return table
+
+
 def reproduce(claims: Sequence[str], scale: str = "small", out: str | Path = "reports/small", *,
               seeds: int | None = None, steps: int | None = None, data: str | Path | None = None,
-              pascal: str | Path | None = None, hostfile: str = "hostfile", command: str = "",
+              pascal: str | Path | None = None, hostfile: str = "hostfile", command: str = "", parallel: int = 1,
               say: Callable[[str], None] | None = None) -> Path:
     """Measures ``claims`` at ``scale`` into ``out`` and writes the report; returns its path.
 
     Args:
         claims: claim names (`squad.reproduce.claims.CLAIMS`) or ``"all"``.
-        scale: ``tiny``, ``small`` or ``paper`` (paper writes configs and commands and runs nothing).
+        scale: ``tiny``, ``small``, ``gpu`` or ``paper`` (paper writes configs and commands and runs nothing).
         out: the output folder (report.md, results.json, figures/, runs/, data/).
         seeds: seeds per run (default: the scale's).
         steps: training steps per run instead of the scale's.
@@ -51,13 +79,16 @@ def reproduce(claims: Sequence[str], scale: str = "small", out: str | Path = "re
         pascal: pascal-table3's PASCAL-Context root (default: the synthetic one, rendered likewise).
         hostfile: paper scale: the DeepSpeed hostfile its commands name.
         command: the command line, recorded in the report.
+        parallel: runs trained at once, each in a process of its own (one GPU each where there are several); the
+            fine-tunes of router-finetune run that way too.
         say: where progress lines go (default: stdout).
 
     Returns:
         ``out/report.md`` (paper scale: the commands file).
 
     Raises:
-        ValueError: an unknown claim (listing them), seeds or steps below 1, or an ``out`` holding another scale.
+        ValueError: an unknown claim (listing them), seeds, steps or parallel below 1, or an ``out`` holding another
+            scale.
         FileNotFoundError: ``data`` or ``pascal`` given but missing.
     """
     say = say or say_to()
@@ -66,6 +97,8 @@ def reproduce(claims: Sequence[str], scale: str = "small", out: str | Path = "re
         raise ValueError(f"--seeds must be >= 1, got {seeds}")
     if steps is not None and steps < 1:
         raise ValueError(f"--steps must be >= 1, got {steps}")
+    if parallel < 1:
+        raise ValueError(f"--parallel must be >= 1, got {parallel}")
     scale = get_scale(scale)
     if steps is not None:
         scale = dataclasses.replace(scale, steps=steps)
@@ -78,8 +111,8 @@ def reproduce(claims: Sequence[str], scale: str = "small", out: str | Path = "re
         return Path(plan["commands"])
     t0 = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
-    previous = previous_results(out, scale.name, seeds)
     pscale = pascal_scale(scale, steps)
+    previous = previous_results(out, scale, seeds)
     pascal_only = claims == ["pascal-table3"]
     if pascal_only and not data:  # no Taskonomy run: nothing to render
         root, info = out / "data" / "shards", {}
@@ -87,25 +120,44 @@ def reproduce(claims: Sequence[str], scale: str = "small", out: str | Path = "re
         root, info = taskonomy_data(data, scale, out, say)
     pdata, pinfo = pascal_data(pascal, pscale, out, say) if "pascal-table3" in claims else (None, {})
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    ctx = Context(scale, seeds, root, out, Runner(out, scale, root), device, pascal=pscale, pascal_data=pdata)
+    gpus = torch.cuda.device_count() if device == "cuda" else 0
+    if device == "cpu" and scale.name == "gpu":
+        say("warning: --scale gpu on a machine without a GPU (it will take many hours; --scale small is the CPU's)")
+    ctx = Context(scale, seeds, root, out, Runner(out, scale, root), device, pascal=pscale, pascal_data=pdata,
+                  parallel=parallel)
     specs = list({s.name: s for c in claims for s in CLAIMS[c].specs(ctx)}.values())
     todo = [s for s in specs if not is_done(ctx.runner.path(s))]
     ctx.runner.total = len(specs)
     say(f"{len(claims)} claim{'s' if len(claims) > 1 else ''} at scale {scale.name}, seeds {seeds}: {len(specs)} runs "
-        f"({len(specs) - len(todo)} done already)")
+        f"({len(specs) - len(todo)} done already){f', {parallel} at once' if parallel > 1 else ''}")
+    for s in specs:  # a finished run trained with other settings is refused before anything trains
+        if is_done(ctx.runner.path(s)) and (s.init is None or is_done(ctx.runner.path(s.base or s))):
+            ctx.runner.check_done(s)
     if todo:
-        measured = {}
-        for s in todo:  # measure one step time per family (the cost table re-uses these)
-            fam = s.family if s.family != "mod" else "mtl"
-            key = fam if fam != "stl" else "stl"
+        measured: dict[str, float] = {}
+        for s in todo:  # one step time per cost signature (the cost table re-uses these)
+            key = ctx.cost_key(s)
             if key not in measured:
-                probe = s if s.init is None else next((x for x in specs if x.family == "mtl"), None)
-                if probe is not None:
-                    measured[key] = ctx.cost(probe)["step_s"]
-        plan = [("mtl" if s.family == "mod" else s.family, s.steps, len(s.train_tasks or s.tasks)) for s in todo]
-        estimate = estimate_seconds(plan, measured, scale, claims, len(seeds))
+                measured[key] = ctx.cost(s)["step_s"]
+        msq = next((v for k, v in measured.items() if k.startswith("modsquad:")), None)
+        if msq is not None:
+            measured["modsquad"] = msq
+        plan = [planned(ctx, s) for s in todo]
+        estimate = estimate_seconds(plan, measured, scale, claims, len(seeds), parallel, device, max(1, gpus),
+                                    os.cpu_count() or 1)
+        per_family = {}
+        for s in todo:
+            per_family.setdefault(s.family, measured.get(ctx.cost_key(s)))
         say(f"estimated time {format_duration(estimate)}: {len(todo)} runs to train (seconds per step measured just "
-            f"now: {', '.join(f'{k} {v:.2f}' for k, v in measured.items())}) and the claims' evaluations")
+            f"now: {', '.join(f'{k} {v:.2f}' for k, v in per_family.items() if v is not None)}) and the claims' "
+            f"evaluations")
+        if parallel > 1:
+            ctx.runner.train_all(todo, parallel, gpus)
+    if parallel > 1:
+        jobs = [j for c in claims if CLAIMS[c].jobs is not None for j in CLAIMS[c].jobs(ctx)]
+        if jobs:
+            say(f"{len(jobs)} post-training jobs, {parallel} at once")
+            run_jobs(jobs, parallel, say, gpus)
     results = dict(previous)
     for name in claims:
         say(f"claim {name}")
@@ -115,10 +167,11 @@ def reproduce(claims: Sequence[str], scale: str = "small", out: str | Path = "re
     seconds = time.perf_counter() - t0
     cache = out / "cache" / "claims.json"
     cache.parent.mkdir(parents=True, exist_ok=True)
-    cache.write_text(json.dumps({"scale": scale.name, "seeds": seeds, "claims": results}) + "\n")
+    cache.write_text(json.dumps({"scale": scale.name, "settings": scale_key(scale), "seeds": seeds,
+                                 "claims": results}) + "\n")
     meta = {"command": command, "scale": scale, "scale_settings": dataclasses.asdict(scale), "seeds": seeds,
-            "data": {"root": str(root), "manifest": info}, "seconds": seconds,
-            "data_line": data_line(pdata, pinfo) if pascal_only else data_line(root, info),
+            "data": {"root": str(root), "manifest": info}, "seconds": seconds, "parallel": parallel,
+            "device": device, "data_line": data_line(pdata, pinfo) if pascal_only else data_line(root, info),
             "duration": format_duration(seconds),
             "runs": {"total": len(specs), "trained": ctx.runner.trained, "skipped": ctx.runner.skipped}}
     if pdata is not None:
@@ -201,13 +254,25 @@ def data_line(root: Path, info: dict) -> str:
             + (f" ({text})" if text else ""))
 
 
-def previous_results(out: Path, scale: str, seeds: list[int]) -> dict:
-    """The claims an earlier invocation measured in ``out`` (kept in the report), if at the same scale and seeds."""
+def scale_key(scale: Scale) -> dict:
+    """The settings of a scale as plain data (what earlier results in a folder must match to be kept)."""
+    return json.loads(json.dumps(dataclasses.asdict(scale)))
+
+
+def previous_results(out: Path, scale: Scale, seeds: list[int]) -> dict:
+    """The claims an earlier invocation measured in ``out`` (kept in the report), if at the same scale, with the
+    same settings (steps, widths ...) and seeds.
+
+    Raises:
+        ValueError: ``out`` holds a report at another scale.
+    """
     cache = out / "cache" / "claims.json"
     if not cache.is_file():
         return {}
     data = json.loads(cache.read_text())
-    if data.get("scale") != scale:
+    if data.get("scale") != scale.name:
         raise ValueError(f"--out {out} holds a report at scale {data.get('scale')}; use another --out for scale "
-                         f"{scale}")
-    return data["claims"] if data.get("seeds") == seeds else {}
+                         f"{scale.name}")
+    if data.get("seeds") != seeds or data.get("settings") != scale_key(scale):
+        return {}
+    return data["claims"]

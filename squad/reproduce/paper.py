@@ -21,9 +21,20 @@ from pathlib import Path
 
 import yaml
 
-from squad.reproduce.claims import CLAIMS, PASCAL_METHODS, Context, method_spec, pascal_ctx, pascal_spec, pretrain_spec
+from squad.reproduce.claims import (
+    CLAIMS,
+    PASCAL_METHODS,
+    Context,
+    amod_dense_spec,
+    held_out,
+    method_spec,
+    mone_spec,
+    pascal_ctx,
+    pascal_spec,
+    pretrain_spec,
+)
 from squad.reproduce.runs import FAMILIES, Runner, RunSpec, paper_config_dict
-from squad.reproduce.scales import HELD_OUT, PASCAL_THETA, get_scale, pascal_scale
+from squad.reproduce.scales import PASCAL_THETA, get_scale, pascal_scale
 
 PLACEHOLDER = "/path/to/taskonomy"
 PASCAL_PLACEHOLDER = "/path/to/PASCAL_MT"
@@ -94,7 +105,10 @@ def write_paper_plan(claims: Sequence[str], out: str | Path, seeds: int, data: s
         "`TASKONOMY` to the dataset root (or pass --data when writing the plan).\n\n"
         "The short fine-tune of the A-MoD-adapted models (amod-table3) starts from the adapted weights, which "
         "tools/train.py cannot load; at paper scale the plan scores the adapted models with no training "
-        "(tools/adapt_pretrained.py) — the small scale measures the fine-tune in-process.\n"
+        "(tools/adapt_pretrained.py) — the small scale measures the fine-tune in-process.\n\n"
+        "router-finetune's commands run tools/finetune_router.py at one lr per mode; the comparison the report makes "
+        "(every mode at the same budget, its lr and stopping step chosen on held-out training images) is "
+        "`squad.reproduce.finetune.finetune_task`, which the in-process scales run.\n"
         + ("\npascal-table3 trains on the real PASCAL-Context (set `PASCAL` to the PASCAL_MT folder, or pass "
            "--pascal-data): its configs are configs/pascal_context/*_vit_s.yaml (Table 3's ViT-S at 512 px, batch 8, "
            "100 epochs) with each run's heads and seed; the pruned model is every task extracted at θ = "
@@ -118,20 +132,20 @@ def _post_training(claims: Sequence[str], ctx: Context, out: Path) -> list[str]:
                              f"--out {_q(run / 'extracted' / f'{task}_top{scale.keep_top:g}.pt')}")
         if "router-finetune" in claims:
             run = runs / pretrain_spec(ctx, seed).name
-            for task in HELD_OUT:
+            for task in held_out(ctx):
                 lines.append(f"python tools/finetune_router.py --checkpoint {_q(run)} --task {task} --data "
                              f"\"$TASKONOMY\" --fractions {','.join(f'{f:g}' for f in scale.finetune_fractions)} "
                              f"--mode router,head,full,linear-probe --steps {scale.finetune_steps} --seed {seed} "
                              f"--save-dir {_q(run / 'finetune')} --out {_q(run / 'finetune' / f'{task}.json')}")
         if "amod-table3" in claims:
-            run = runs / method_spec(ctx, "mtl", seed).name
+            run = runs / amod_dense_spec(ctx, seed).name
             for routing in ("attention", "learned"):
                 lines.append(f"python tools/adapt_pretrained.py --checkpoint {_q(run)} --capacity "
                              f"{scale.amod_capacity:g} --routing {routing} --data \"$TASKONOMY\" "
                              f"--out {_q(run / f'amod-{routing}.pt')}")
         if "mone-budget" in claims:
-            run = runs / f"mone-sampled-s{seed}"
-            for e_c in scale.mone_grid:
+            run = runs / mone_spec(ctx, seed, None).name
+            for e_c in scale.mone_fixed:
                 lines.append(f"python tools/evaluate.py --checkpoint {_q(run)} --data \"$TASKONOMY\" "
                              f"--mone-capacity {e_c:g} --out {_q(run / f'eval_ec{e_c:g}.json')}")
             for e_c in scale.mone_fixed:
@@ -145,7 +159,8 @@ def _post_training(claims: Sequence[str], ctx: Context, out: Path) -> list[str]:
             for file in stl:
                 lines.append(f"python tools/evaluate.py --checkpoint {_q(file.parent)} --data \"$TASKONOMY\" "
                              f"--split test --out {_q(file)}")
-            families = [f for f in ("mtl", "m3vit", "moe_mlp", "moe_attn", "modsquad") if "modsquad-table2" in claims]
+            families = [f for f in ("mtl", "mtl_embed", "m3vit", "moe_mlp", "moe_attn", "modsquad")
+                        if "modsquad-table2" in claims]
             families += ["modsquad", "modsquad_balance"] if "mi-vs-balance" in claims else []
             for f in dict.fromkeys(families):
                 run = runs / method_spec(ctx, f, seed).name

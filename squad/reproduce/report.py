@@ -87,8 +87,11 @@ def _sanitize(obj):
     return obj
 
 
-def _save(fig, path: Path) -> str:
+def _save(fig, path: Path, stamp: str = "") -> str:
+    """Writes a figure with ``stamp`` (its scale, seeds and steps) under it."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    if stamp:
+        fig.text(0.5, -0.02, stamp, ha="center", va="top", fontsize=7, color="dimgray")
     for ax in fig.axes:  # plain tick values (no "+5.049e1" offset above the axis)
         try:
             ax.ticklabel_format(axis="y", useOffset=False)
@@ -99,6 +102,12 @@ def _save(fig, path: Path) -> str:
     return f"figures/{path.name}"
 
 
+def _finite_mean(values) -> float:
+    """The mean of the values that are numbers (NaN when none is: a bar left out)."""
+    mean = spread([v for v in values if v is not None])["mean"]
+    return mean if math.isfinite(mean) else float("nan")
+
+
 def _errorbar_points(ax, xs, per_seed: Sequence[Sequence[float]], **kw) -> None:
     means = [spread(v)["mean"] for v in per_seed]
     stds = [spread(v)["std"] for v in per_seed]
@@ -107,7 +116,7 @@ def _errorbar_points(ax, xs, per_seed: Sequence[Sequence[float]], **kw) -> None:
 
 
 # ------------------------------------------------------------------------------------------------- figures
-def fig_table2(data: dict, folder: Path) -> list[str]:
+def fig_table2(data: dict, folder: Path, stamp: str = "") -> list[str]:
     """Mean Δt per method with the seed spread (bars, sd) and every seed (dots); Δt per task per method."""
     methods = [k for k in data["methods"] if k != "stl"]
     labels = [data["methods"][k]["label"] for k in methods]
@@ -122,13 +131,13 @@ def fig_table2(data: dict, folder: Path) -> list[str]:
     ax.set_xticks(range(len(methods)), labels, rotation=20, ha="right", fontsize=8)
     ax.set_ylabel("Δt vs STL (%)")
     ax.set_title("Mean Δt over tasks (bar: mean ± sd over seeds; dots: seeds)", fontsize=9)
-    files = [_save(fig, folder / "modsquad-table2_dt.png")]
+    files = [_save(fig, folder / "modsquad-table2_dt.png", stamp)]
     tasks = data["tasks"]
     fig, ax = plt.subplots(figsize=(max(7, 0.6 * len(tasks) + 2), 3.8))
     width = 0.8 / len(methods)
     for i, k in enumerate(methods):
         per = data["methods"][k]["per_task"]
-        means = [np.nanmean([p.get(t, np.nan) if p.get(t) is not None else np.nan for p in per]) for t in tasks]
+        means = [_finite_mean([p.get(t) for p in per]) for t in tasks]
         ax.bar(np.arange(len(tasks)) + (i - (len(methods) - 1) / 2) * width, means, width,
                label=data["methods"][k]["label"])
     ax.axhline(0, color="grey", lw=0.8)
@@ -136,11 +145,11 @@ def fig_table2(data: dict, folder: Path) -> list[str]:
     ax.set_ylabel("Δt vs STL (%)")
     ax.legend(fontsize=7, ncol=3)
     ax.set_title("Δt per task (mean over seeds)", fontsize=9)
-    files.append(_save(fig, folder / "modsquad-table2_dt_per_task.png"))
+    files.append(_save(fig, folder / "modsquad-table2_dt_per_task.png", stamp))
     return files
 
 
-def fig_pruning(data: dict, folder: Path) -> list[str]:
+def fig_pruning(data: dict, folder: Path, stamp: str = "") -> list[str]:
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
     for label, p in data["points"].items():
         rs, ds = spread(p["ratio"]), spread(p["dt"])
@@ -150,14 +159,14 @@ def fig_pruning(data: dict, folder: Path) -> list[str]:
     ax.errorbar(1.0, fs["mean"], yerr=fs["std"] if math.isfinite(fs["std"]) else 0, marker="s", color="black",
                 capsize=3, label="full model")
     ax.axvline(0.6, color="grey", ls="--", lw=0.8)
-    ax.set_xlabel("parameters / full model (mean over tasks)")
+    ax.set_xlabel("parameters / full model with the task's head only (mean over tasks)")
     ax.set_ylabel("Δt vs STL (%)")
     ax.set_title("Extracted single-task models (mean ± sd over seeds)", fontsize=9)
     ax.legend(fontsize=7)
-    return [_save(fig, folder / "pruning_curve.png")]
+    return [_save(fig, folder / "pruning_curve.png", stamp)]
 
 
-def fig_finetune(data: dict, folder: Path) -> list[str]:
+def fig_finetune(data: dict, folder: Path, stamp: str = "") -> list[str]:
     tasks = list(data["tasks"])
     fig, axes = plt.subplots(1, len(tasks), figsize=(5 * len(tasks), 3.6), squeeze=False)
     for ax, task in zip(axes[0], tasks, strict=True):
@@ -172,12 +181,19 @@ def fig_finetune(data: dict, folder: Path) -> list[str]:
         ax.set_xticks(xs, [f"{x:g} %" for x in xs])
         ax.set_xlabel("training data")
         ax.set_ylabel(f"{t['metric']} ({'lower' if t['lower_is_better'] else 'higher'} is better)")
-        ax.set_title(task, fontsize=9)
+        stl = spread(t.get("stl") or [])["mean"]
+        if math.isfinite(stl):
+            ax.axhline(stl, color="black", ls="--", lw=0.8, label="STL, whole split")
+        chance = spread([c for c in t.get("chance") or [] if c is not None])["mean"]
+        if math.isfinite(chance):
+            ax.axhline(chance, color="grey", ls=":", lw=0.8, label="chance")
+        ax.set_title(f"{task}{'' if t.get('learnable', True) else ' (not learnable at this scale: apart)'}",
+                     fontsize=9)
         ax.legend(fontsize=7)
-    return [_save(fig, folder / "router-finetune_curves.png")]
+    return [_save(fig, folder / "router-finetune_curves.png", stamp)]
 
 
-def fig_usage(data: dict, folder: Path) -> list[str]:
+def fig_usage(data: dict, folder: Path, stamp: str = "") -> list[str]:
     variants = list(data["variants"])
     layers = list(data["variants"][variants[0]]["maps"] or {})
     if not layers:
@@ -202,10 +218,10 @@ def fig_usage(data: dict, folder: Path) -> list[str]:
     fig.suptitle("P(expert | task) on the validation split (first seed)", fontsize=9)
     fig.tight_layout()
     fig.colorbar(im, ax=axes.ravel().tolist(), fraction=0.02, pad=0.02)
-    return [_save(fig, folder / "mi-vs-balance_usage.png")]
+    return [_save(fig, folder / "mi-vs-balance_usage.png", stamp)]
 
 
-def fig_amod(data: dict, folder: Path) -> list[str]:
+def fig_amod(data: dict, folder: Path, stamp: str = "") -> list[str]:
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
     for routing, r in data["routings"].items():
         curves = r["curves"]
@@ -219,13 +235,14 @@ def fig_amod(data: dict, folder: Path) -> list[str]:
     ax.set_ylabel("Δt vs the dense model (%)")
     ax.set_title(f"Dense → MoD at capacity {data['capacity']:g} (mean ± sd over seeds)", fontsize=9)
     ax.legend(fontsize=7)
-    return [_save(fig, folder / "amod-table3_recovery.png")]
+    return [_save(fig, folder / "amod-table3_recovery.png", stamp)]
 
 
-def fig_mone(data: dict, folder: Path) -> list[str]:
+def fig_mone(data: dict, folder: Path, stamp: str = "") -> list[str]:
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.6))
     grid = [float(k) for k in data["sampled"]]
-    _errorbar_points(a1, grid, [data["sampled"][k]["dt"] for k in data["sampled"]], label="one model, e_c sampled")
+    _errorbar_points(a1, grid, [data["sampled"][k]["dt"] for k in data["sampled"]],
+                     label=f"adaptive model (e_c drawn per step, {data.get('adaptive_steps', '?')} steps)")
     fixed = [float(k) for k in data["fixed_models"]]
     _errorbar_points(a1, fixed, [data["fixed_models"][k]["dt"] for k in data["fixed_models"]], linestyle="none",
                      label="trained at that e_c")
@@ -241,12 +258,12 @@ def fig_mone(data: dict, folder: Path) -> list[str]:
     a3.plot(grid, [spread(data["sampled"][k]["macs"])["mean"] / 1e6 for k in data["sampled"]], color="tab:red",
             marker="x", label="MMACs / image / task")
     a3.set_ylabel("MMACs / image / task", color="tab:red")
-    a2.set_title("Forward time and MACs of the sampled model", fontsize=9)
+    a2.set_title("Forward time and MACs of the adaptive model", fontsize=9)
     fig.tight_layout()
-    return [_save(fig, folder / "mone-budget_ec.png")]
+    return [_save(fig, folder / "mone-budget_ec.png", stamp)]
 
 
-def fig_pascal(data: dict, folder: Path) -> list[str]:
+def fig_pascal(data: dict, folder: Path, stamp: str = "") -> list[str]:
     """Δm per method with the seed spread (bars: mean ± sd; dots: seeds), and Δm per task per method."""
     methods = [k for k in data["methods"] if k != "stl"]
     colours = {"pascal_mtl": "tab:blue", "pascal_modsquad": "tab:orange", "pruned": "tab:red",
@@ -270,7 +287,7 @@ def fig_pascal(data: dict, folder: Path) -> list[str]:
     width = 0.8 / len(methods)
     for i, k in enumerate(methods):
         per = data["methods"][k]["per_task"]
-        means = [np.nanmean([p.get(t) if p.get(t) is not None else np.nan for p in per]) for t in tasks]
+        means = [_finite_mean([p.get(t) for p in per]) for t in tasks]
         ax2.bar(np.arange(len(tasks)) + (i - (len(methods) - 1) / 2) * width, means, width,
                 color=colours.get(k, "tab:grey"), label=data["methods"][k]["label"])
     ax2.axhline(0, color="grey", lw=0.8)
@@ -279,7 +296,7 @@ def fig_pascal(data: dict, folder: Path) -> list[str]:
     ax2.legend(fontsize=7)
     ax2.set_title("Δ per task (mean over seeds)", fontsize=9)
     fig.tight_layout()
-    return [_save(fig, folder / "pascal-table3_dm.png")]
+    return [_save(fig, folder / "pascal-table3_dm.png", stamp)]
 
 
 FIGURES = {"modsquad-table2": fig_table2, "pruning": fig_pruning, "router-finetune": fig_finetune,
@@ -311,10 +328,12 @@ def _section_table2(d: dict) -> list[str]:
 
 
 def _section_pruning(d: dict) -> list[str]:
-    rows = [["full model", "1.000", _ms(d["full"]["dt"])]]
+    rows = [["full model", "1.000", "1.000", "1.000", _ms(d["full"]["dt"])]]
     for label, p in d["points"].items():
-        rows.append([label, _ms(p["ratio"], "{:.3f}"), _ms(p["dt"])])
-    return _table(["extraction", "parameters / full (mean over tasks)", "Δt % vs STL"], rows)
+        rows.append([label, _ms(p["ratio"], "{:.3f}"), _ms(p["ratio_max"], "{:.3f}"), _ms(p["paper_ratio"], "{:.3f}"),
+                     _ms(p["dt"])])
+    return _table(["extraction", "parameters / full with the task's head (mean over tasks)", "(largest over tasks)",
+                   "paper's count: / full with all heads (largest)", "Δt % vs STL"], rows)
 
 
 def _section_finetune(d: dict) -> list[str]:
@@ -323,11 +342,23 @@ def _section_finetune(d: dict) -> list[str]:
         sizes = list(t["runs"][0]["table"]["router"])
         images = t["runs"][0]["images"]
         arrow = "lower" if t["lower_is_better"] else "higher"
+        chance = [c for c in t.get("chance", []) if c is not None]
+        apart = "" if t.get("learnable", True) else " — not learnable by STL at this scale: reported apart"
         out += [f"{task}: {t['metric']} on the validation split ({arrow} is better; untrained head "
-                f"{_ms([r['untrained'].get(t['metric']) for r in t['runs']], '{:.4f}')}):", ""]
-        rows = [[mode] + [_ms([r["table"][mode][s] for r in t["runs"]], "{:.4f}") for s in sizes]
+                f"{_ms([r['untrained'].get(t['metric']) for r in t['runs']], '{:.2f}')}; STL on the whole training "
+                f"split {_ms(t.get('stl', []), '{:.2f}')}"
+                + (f"; chance {_ms(chance, '{:.2f}')}" if chance else "") + f"){apart}:", ""]
+        rows = [[mode] + [_ms([r["table"][mode][s] for r in t["runs"]], "{:.2f}") for s in sizes]
                 for mode in d["modes"]]
-        rows.append(["images"] + [str(images.get(s, "–")) for s in sizes])
+        rows.append(["images (learned from + held out)"]
+                    + [f"{images[s]['fit']} + {images[s]['held']}" if s in images else "–" for s in sizes])
+        out += _table(["mode"] + [f"{float(s):.1%}" for s in sizes], rows)
+        chosen = {}
+        for run in t["runs"]:
+            for c in run["chosen"]:
+                chosen.setdefault((c["mode"], c["size"]), []).append(f"{c['lr']:g} @ {c['best_step']}")
+        rows = [[mode] + [", ".join(chosen.get((mode, s), [])) for s in sizes] for mode in d["modes"]]
+        out += [f"{task}: the lr and the stopping step each mode chose on its held-out images (per seed):", ""]
         out += _table(["mode"] + [f"{float(s):.1%}" for s in sizes], rows)
     return out
 
@@ -343,6 +374,7 @@ def _section_mi(d: dict) -> list[str]:
 
 def _section_amod(d: dict) -> list[str]:
     rows = []
+    head_steps: list[str] = []
     for routing, r in d["routings"].items():
         curves = r["curves"]
         steps = [s for s, _ in curves[0]] if curves and curves[0] else []
@@ -351,7 +383,20 @@ def _section_amod(d: dict) -> list[str]:
         rows.append([f"{routing} routing", *cells, _ms([f["feature_cosine"] for f in fid], "{:.3f}"),
                      _ms([f["top1_agreement"] for f in fid], "{:.3f}")])
         head_steps = [f"step {s}" for s in steps]
-    return _table(["adapted model", *head_steps, "feature cosine (no training)", "top-1 agreement"], rows)
+    out = _table(["adapted model (Δt % vs the dense model)", *head_steps, "feature cosine (no training)",
+                  "top-1 agreement"], rows)
+    dense = d.get("dense") or []
+    if dense:
+        tasks = d.get("tasks") or list(dense[0].get("metrics", {}))
+        rows = [[f"seed {i}", *[_num(info["metrics"].get(t), "{:.3f}") for t in tasks],
+                 _num(info.get("loss_before"), "{:.4f}"), _num(info.get("loss_last"), "{:.4f}"),
+                 _num(100 * info["drop"] if info.get("drop") is not None else None, "{:+.1f} %"),
+                 "yes" if info.get("at_plateau") else "no"] for i, info in enumerate(dense)]
+        out += ["The dense model before adaptation (its validation metric; its training loss over the 4th and the "
+                "last fifth of training, and the fall between them):", ""]
+        out += _table(["dense model", *[f"{t} {get_task(t).primary_metric}" for t in tasks], "loss, 4th fifth",
+                       "loss, last fifth", "fall", "plateau"], rows)
+    return out
 
 
 def _section_mone(d: dict) -> list[str]:
@@ -360,17 +405,20 @@ def _section_mone(d: dict) -> list[str]:
         f = d["fixed_models"].get(k)
         rows.append([k, _ms(s["dt"]), _ms(f["dt"]) if f else "–", _big(spread(s["macs"])["mean"]),
                      _ms([1e3 * v for v in s["forward_s"]], "{:.1f}")])
-    return _table(["e_c", "Δt % one model (sampled e_c)", "Δt % model trained at e_c", "MACs / image / task",
-                   "forward ms / batch"], rows)
+    return _table(["e_c", f"Δt % adaptive model ({d.get('adaptive_steps', '?')} steps, iso-FLOPs)",
+                   "Δt % model trained at e_c", "MACs / image / task", "forward ms / batch"], rows)
 
 
 def _section_pascal(d: dict) -> list[str]:
     rows = []
     for m in d["methods"].values():
-        ratio = _ms(m["ratio"], "{:.3f}") if m.get("ratio") else "–"
-        rows.append([m["label"], _big(m.get("params")), ratio, _big(m.get("macs")), _num(m.get("step_s"), "{:.3f}"),
-                     _num(m.get("peak_mib"), "{:.0f}"), _ms(m["dm"]), ", ".join(_num(v) for v in m["dm"])])
-    out = _table(["method", "params", "params / Mod-Squad (pruned)", "MACs / image / task", "s / train step",
+        ratio = f"{_ms(m['ratio'], '{:.3f}')} (largest {_ms(m['ratio_max'], '{:.3f}')})" if m.get("ratio") else "–"
+        paper = _ms(m["paper_ratio"], "{:.3f}") if m.get("paper_ratio") else "–"
+        rows.append([m["label"], _big(m.get("params")), ratio, paper, _big(m.get("macs")),
+                     _num(m.get("step_s"), "{:.3f}"), _num(m.get("peak_mib"), "{:.0f}"), _ms(m["dm"]),
+                     ", ".join(_num(v) for v in m["dm"])])
+    out = _table(["method", "params", "params / Mod-Squad with the task's head (mean over tasks)",
+                  "paper's count: / Mod-Squad with every head (largest)", "MACs / image / task", "s / train step",
                   "peak MiB", "Δm % (mean ± sd)", "Δm per seed"], rows)
     head = ["task", "metric"] + [m["label"] for m in d["methods"].values()] + ["paper (real data)"]
     rows = []
@@ -393,7 +441,9 @@ SECTIONS = {"modsquad-table2": _section_table2, "pruning": _section_pruning, "ro
 
 def _shows(comparisons: Sequence[dict]) -> str:
     """One sentence on what the numbers show: which comparisons hold, which do not (at most 6 named per kind)."""
-    groups = {"holds": "holds beyond the seed spread", "within noise": "within the seed spread",
+    if not comparisons:
+        return "no comparison counts in the verdict (see the preconditions and what is reported apart)."
+    groups = {"holds": "holds (by the rule above)", "within noise": "within the seed spread",
               "reversed": "reversed", "one seed": "measured on one seed only (no spread)"}
     parts = []
     for status, text in groups.items():
@@ -430,8 +480,10 @@ def write_report(out: Path, claims: dict[str, dict], meta: dict) -> Path:
     order = [c for c in CLAIMS if c in claims]
     for name in order:
         d = claims[name]
-        d["verdict"] = verdict(d["comparisons"])
-        d["figures"] = FIGURES[name](d, figures)
+        d["verdict"] = verdict(d["comparisons"], d.get("preconditions", ()))
+        stamp = (f"scale {scale.name} · {len(meta['seeds'])} seed{'s' if len(meta['seeds']) != 1 else ''} · "
+                 f"{d.get('budget', f'{scale.steps} steps')}")
+        d["figures"] = FIGURES[name](d, figures, stamp)
     lines = ["# Reproducing the papers' claims with squad", "",
              f"Made by `{meta['command']}` ({scale_line(scale, meta['seeds'])}; data: {meta['data_line']}). "
              f"This invocation took {meta['duration']}; training all {meta['runs']['total']} runs took "
@@ -449,9 +501,17 @@ def write_report(out: Path, claims: dict[str, dict], meta: dict) -> Path:
         c = CLAIMS[name]
         lines += [f"## {name}", "", f"*{c.source}.* **Claim:** {c.statement}", "",
                   f"Verdict: **{d['verdict']}**", ""]
+        lines += [f"Measured at scale {scale.name}, {len(meta['seeds'])} seed(s), {d.get('budget', '')}.", ""]
         lines += SECTIONS[name](d)
+        if d.get("preconditions"):
+            lines += ["Preconditions of a fair test (one not met makes the claim inconclusive):", ""]
+            lines += _table(["precondition", "detail", "status"],
+                            [[p["label"], p.get("detail", ""), f"**{p['status']}**"] for p in d["preconditions"]])
         lines += ["Comparisons (the rule above):", ""] + _comparisons(d["comparisons"])
         lines += [f"What the numbers show: {_shows(d['comparisons'])}", ""]
+        if d.get("apart"):
+            lines += ["Reported apart (controls, and tasks the test cannot use; not part of the verdict):", ""]
+            lines += _comparisons(d["apart"])
         lines += [f"![{name}]({f})" for f in d["figures"]] + [""]
         lines += [f"- {n}" for n in d.get("notes", [])] + [""]
     report = out / "report.md"

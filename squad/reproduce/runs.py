@@ -10,6 +10,12 @@ with ``squad.load`` and the other tools.
 A run may start from given weights (``RunSpec.init``: the A-MoD fine-tune of an adapted dense model); those are
 loaded into the model before the engine looks for a checkpoint to resume, so a resumed run continues its own.
 
+Every finished run records its settings in ``reproduce.json`` (`settings_of`: the run config without the paths and
+the logging keys), and a later invocation that plans the same run name with other settings (steps, lr, widths,
+tasks, seed, data ...) is refused instead of reusing it. `Runner.train_all` trains an invocation's runs before the
+claims look at them, N at once in processes of their own with ``--parallel N`` (`squad.reproduce.parallel`); the
+runs that start from another run's weights wait for the first wave.
+
 `measure_cost` gives the cost side of Mod-Squad's Table 2: seconds per training step and peak training memory of a
 run's model (forward, backward and AdamW step on one batch; peak memory above the memory in use before the model was
 built: on a GPU from ``torch.cuda.max_memory_allocated``, on Linux from the process's peak resident set, which it
@@ -36,6 +42,7 @@ from squad.config.loading import load_config
 from squad.config.run import RunConfig
 from squad.data import build_dataset, collate
 from squad.models.vit import build_model
+from squad.reproduce.parallel import Job, run_jobs
 from squad.reproduce.scales import Scale, format_duration, width_overrides
 from squad.train.engine import train
 from squad.train.objective import MultiTaskObjective
@@ -53,11 +60,14 @@ class Family:
     loss: tuple[tuple[str, object], ...] = ()
     dataset: str = "taskonomy"  # data.dataset of its runs
     paper_run: str | None = None  # its real-data run config under configs/ (paper scale; default: Taskonomy's)
+    model: tuple[tuple[str, object], ...] = ()  # model keys of its own on top of the paper config
 
 
 FAMILIES: dict[str, Family] = {
     "stl": Family("stl_vit_b", "STL"),
     "mtl": Family("mtl_vit_b", "MTL"),
+    # table2's control: MTL with the per-block task embedding the Mod-Squad families have (no experts)
+    "mtl_embed": Family("mtl_vit_b", "MTL + task embedding", model=(("task_embed", "every_block"),)),
     "m3vit": Family("m3vit_vit_b", "M3ViT-like"),
     "moe_mlp": Family("moe_mlp_only_vit_b", "MoE MLP only"),
     "moe_attn": Family("moe_attn_only_vit_b", "MoE attention only"),
@@ -68,6 +78,7 @@ FAMILIES: dict[str, Family] = {
                                 ("w_balance", 0.01))),
     "mone": Family("mone_vit_s", "MoNE"),
     "mod": Family("mtl_vit_b", "MoD (adapted)"),  # the adapted dense model's fine-tune (its plan comes from init)
+    "mod_stl": Family("stl_vit_b", "MoD (adapted)"),  # the same from a single-task dense model
     # pascal-table3: Mod-Squad Table 3's ViT-S models on PASCAL-Context
     "pascal_stl": Family("stl_vit_s_pascal", "STL", dataset="pascal_context",
                          paper_run="pascal_context/stl_vit_s.yaml"),
@@ -96,6 +107,9 @@ class RunSpec:
         warmup: warm-up steps (default: the scale's).
         scale: the scale this run trains at instead of the invocation's (pascal-table3's own scale).
         data: the dataset root instead of the invocation's (pascal-table3's PASCAL-Context).
+        base: the run whose weights ``init`` starts from (trained first; its step time stands in for this run's
+            in the time plan).
+        epochs_factor: paper scale: its epochs are the schedule's times this (MoNE's iso-FLOPs adaptive model).
     """
 
     name: str
@@ -111,6 +125,8 @@ class RunSpec:
     warmup: int | None = None
     scale: Scale | None = None
     data: Path | None = None
+    base: RunSpec | None = None
+    epochs_factor: float = 1.0
 
 
 def _merge(base: dict, extra: dict) -> dict:
@@ -135,6 +151,7 @@ def model_section(family: str, scale: Scale, tasks: Sequence[str], extra: dict |
         model = _merge(model, width_overrides(scale, paper.model.head_dim,
                                               (paper.model.embed_dim, paper.model.num_heads)))
     model["heads"] = list(tasks)
+    model = _merge(model, dict(fam.model))
     model = _merge(model, extra or {})
     loss = to_dict(paper.loss)
     loss.update(dict(fam.loss))
@@ -180,6 +197,8 @@ def paper_config_dict(spec: RunSpec, scale: Scale, data_root: str) -> dict:
     out["data"] = {**to_dict(base.data), "root": data_root, **({"tasks": list(spec.train_tasks)}
                                                                if spec.train_tasks is not None else {})}
     out["optim"] = to_dict(base.optim)
+    if spec.epochs_factor != 1.0 and out["optim"].get("epochs"):
+        out["optim"]["epochs"] = round(out["optim"]["epochs"] * spec.epochs_factor)
     out["train"] = {**to_dict(base.train), "seed": spec.seed}
     return out
 
@@ -232,6 +251,39 @@ def final_metrics(run_dir: Path) -> dict[str, dict[str, float]]:
     return history[-1][1]
 
 
+_UNSETTLED = {"data": ("root", "workers"), "train": ("log_every", "ckpt_every", "keep_checkpoints", "progress")}
+
+
+def settings_of(cfg: dict, out: Path) -> dict:
+    """What a run's results depend on: its run config dict without the keys that change nothing but where files go
+    or what is logged. The data root is kept relative to ``out`` when it lies inside it (the folder may move)."""
+    settings = json.loads(json.dumps(cfg, default=str))
+    root = Path(settings["data"]["root"])
+    try:
+        settings["data"]["root_key"] = str(root.resolve().relative_to(Path(out).resolve()))
+    except ValueError:
+        settings["data"]["root_key"] = str(root)
+    for section, keys in _UNSETTLED.items():
+        for k in keys:
+            settings[section].pop(k, None)
+    return settings
+
+
+def _differences(a, b, prefix: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for k in sorted(set(a) | set(b)) for d in _differences(a.get(k), b.get(k), f"{prefix}{k}.")]
+    return [] if a == b else [f"{prefix.rstrip('.')}: {a!r} (trained) vs {b!r} (planned)"]
+
+
+def train_run(cfg: dict, run_dir: str, init_state: dict | None, record: dict) -> None:
+    """Trains one run into ``run_dir`` and writes its ``reproduce.json`` (``record`` and the training seconds); the
+    body of `Runner.ensure` and of a `--parallel` child process."""
+    t0 = time.perf_counter()
+    train(load_config(cfg, cls=RunConfig), run_dir, "auto", init_state=init_state)
+    record = {**record, "train_seconds": time.perf_counter() - t0}
+    (Path(run_dir) / "reproduce.json").write_text(json.dumps(record, indent=2) + "\n")
+
+
 class Runner:
     """Trains the runs of an invocation into ``out/runs``, skipping finished ones, with a progress line per run."""
 
@@ -252,36 +304,76 @@ class Runner:
     def say(self, text: str) -> None:
         print(f"[reproduce] {text}", file=self.stream, flush=True)
 
+    def config(self, spec: RunSpec) -> dict:
+        """The run config dict of ``spec`` at its scale and data (an ``init`` run: the model config it starts from)."""
+        return run_config_dict(spec, spec.scale or self.scale, spec.data or self.data_root)
+
+    def record(self, spec: RunSpec, cfg: dict) -> dict:
+        return {"family": spec.family, "seed": spec.seed, "steps": spec.steps, "settings": settings_of(cfg, self.out)}
+
+    def check_done(self, spec: RunSpec, cfg: dict | None = None) -> None:
+        """Refuses a finished run trained with other settings than ``spec`` plans (naming the differences)."""
+        run_dir = self.path(spec)
+        file = run_dir / "reproduce.json"
+        done = json.loads(file.read_text()) if file.is_file() else {}
+        steps = done.get("steps")
+        if steps is not None and steps != spec.steps:
+            raise ValueError(f"{run_dir} was trained for {steps} steps, this invocation plans {spec.steps}: use "
+                             f"another --out (or the same --steps) so that every run of a report has the same budget")
+        if "settings" in done:
+            planned = settings_of(cfg or self.config(spec), self.out)
+            diff = _differences(done["settings"], planned)
+            if diff:
+                raise ValueError(f"{run_dir} was trained with other settings than this invocation plans "
+                                 f"({'; '.join(diff[:4])}{' ...' if len(diff) > 4 else ''}): use another --out")
+
+    def _where(self) -> str:
+        self.count += 1
+        return f"run {self.count}/{self.total}" if self.total else f"run {self.count}"
+
     def ensure(self, spec: RunSpec) -> Path:
         """The finished run folder of ``spec``, trained now unless it is done already."""
         run_dir = self.path(spec)
         if spec.name in self.seen:
             return run_dir
         self.seen[spec.name] = run_dir
-        self.count += 1
-        where = f"run {self.count}/{self.total}" if self.total else f"run {self.count}"
         if is_done(run_dir):
-            record = run_dir / "reproduce.json"
-            steps = json.loads(record.read_text()).get("steps") if record.is_file() else None
-            if steps is not None and steps != spec.steps:
-                raise ValueError(f"{run_dir} was trained for {steps} steps, this invocation plans {spec.steps}: "
-                                 f"use another --out (or the same --steps) so that every run of a report has the "
-                                 f"same budget")
+            self.check_done(spec)
             self.skipped += 1
-            self.say(f"{where} {spec.name}: done already, skipped")
+            self.say(f"{self._where()} {spec.name}: done already, skipped")
             return run_dir
-        cfg = run_config(spec, self.scale, self.data_root)  # the spec's own scale and data when it has them
+        cfg = self.config(spec)
         init = spec.init()[1] if spec.init is not None else None
         t0 = time.perf_counter()
-        train(cfg, run_dir, "auto", init_state=init)
+        train_run(cfg, str(run_dir), init, self.record(spec, cfg))
         seconds = time.perf_counter() - t0
         self.trained += 1
-        (run_dir / "reproduce.json").write_text(json.dumps(
-            {"family": spec.family, "seed": spec.seed, "steps": spec.steps, "train_seconds": seconds}, indent=2)
-            + "\n")
-        self.say(f"{where} {spec.name}: trained {spec.steps} steps in {format_duration(seconds)} "
+        self.say(f"{self._where()} {spec.name}: trained {spec.steps} steps in {format_duration(seconds)} "
                  f"({seconds / max(1, spec.steps):.2f} s/step with set-up and validation)")
         return run_dir
+
+    def train_all(self, specs: Sequence[RunSpec], parallel: int, gpus: int = 0) -> None:
+        """Trains every unfinished run of ``specs``, ``parallel`` at once in processes of their own
+        (`squad.reproduce.parallel`); the runs that start from another run's weights (``init``) go in a second wave.
+        The claims then find them done (`ensure`)."""
+        waves = ([s for s in specs if s.init is None], [s for s in specs if s.init is not None])
+        for wave in waves:
+            jobs, names = [], {}
+            for spec in wave:
+                run_dir = self.path(spec)
+                if spec.name in self.seen or is_done(run_dir):
+                    continue
+                cfg = self.config(spec)
+                init = spec.init()[1] if spec.init is not None else None
+                jobs.append(Job(spec.name, train_run, {"cfg": cfg, "run_dir": str(run_dir), "init_state": init,
+                                                       "record": self.record(spec, cfg)},
+                                what=f"trained {spec.steps} steps"))
+                names[spec.name] = run_dir
+            if not jobs:
+                continue
+            for name in run_jobs(jobs, parallel, self.say, gpus, label=lambda job: f"{self._where()} {job.name}"):
+                self.seen[name] = names[name]
+                self.trained += 1
 
 
 # ------------------------------------------------------------------------------------------------ cost

@@ -1,22 +1,40 @@
-"""The three scales of tools/reproduce.py: widths, images, step budgets and seeds, and the time plan of each.
+"""The scales of tools/reproduce.py: widths, images, step budgets and seeds, and the time plan of each.
 
 * ``tiny``: the plumbing, in a few minutes (the tests run it): 4 tasks, 32 px, width 32, a handful of steps.
-* ``small``: the claims measured on the synthetic Taskonomy on a 2-core CPU in at most 90 minutes with 2 seeds:
-  all 13 tasks at 64 px, the demo's widths (ViT of width 96, depth 4, 4 heads), 200 steps of 16 images per run.
+* ``small``: the claims measured on the synthetic Taskonomy on a 2-core CPU with 2 seeds: all 13 tasks at 64 px, the
+  demo's widths (ViT of width 96, depth 4, 4 heads), 200 steps of 16 images per run (``--steps`` to shorten).
+* ``gpu``: the claims tested at convergence on the synthetic data on one GPU (or several): all 13 tasks at 64 px, a
+  ViT of width 192, depth 6, 6 heads, 1,500 steps of 64 images per run (96k images: ~21 passes over the 4,500
+  training images; at the demo widths 600 steps of 16 images already closed most of the multi-task deficit,
+  MEASURED.md), 3 seeds; ``--parallel N`` trains N runs at once (one GPU is far from busy at these widths). The plan
+  (`plan_table` in squad.reproduce.invocation, from the constants below: unmeasured) is at most 25 minutes per claim
+  on one H100 with ``--parallel 10``; runs resume, so an interrupted claim continues where it stopped.
 * ``paper``: ViT-B/16 (ViT-S/16 for MoNE) at 224 px on the real Taskonomy with the paper's schedule (100 epochs,
   batch 1440); nothing runs: the run configs and the ``deepspeed --hostfile`` commands are written.
 
+Claims with budgets of their own (the same at every ``--steps``):
+
+* amod-table3 adapts a dense model of ``amod_depth`` blocks on ``amod_tasks`` trained for ``amod_dense_steps`` (to a
+  plateau: the claim checks it from the training loss), then fine-tunes each adapted model ``amod_steps`` steps —
+  small and gpu: depth 8, at least 1,000 fine-tune steps; tiny: depth 2, a few steps (plumbing only).
+* router-finetune learns each held-out task from ``finetune_fractions`` of the training split, every mode with the same
+  AdamW budget (``finetune_steps`` of ``finetune_batch``), its lr picked from ``finetune_lrs`` and its stopping point
+  from ``finetune_evals`` evaluations on a held-out ``finetune_holdout`` share of those images.
+* mone-budget trains the adaptive model (e_c drawn per step from ``mone_grid``, the paper's 0.15 … 0.95) for the
+  training FLOPs of the e_c = 1 model's ``steps`` (iso-FLOPs, as the paper's Fig. 5b) beside models trained at each
+  e_c of ``mone_fixed`` for ``steps``.
+
 pascal-table3 runs beside each scale on its own synthetic PASCAL-Context (`pascal_scale`, `PASCAL_SETTINGS`: the 5
-tasks; tiny 16 images at 32 px, 3 steps of 4; small 320 images at 64 px, 100 steps of 16 — estimated 11 min at 2 seeds
-from step times measured beside another reproduction on the 2-core machine; paper: configs/pascal_context/'s ViT-S
-at 512 px).
+tasks; tiny 16 images at 32 px, 3 steps of 4; small 320 images at 64 px, 100 steps of 16; gpu 2,000 images, 1,500
+steps of 64; paper: configs/pascal_context/'s ViT-S at 512 px).
 
 Every method family keeps its paper config's structure (the layer plan, which layers are routed, the losses, the
 top-k share of the experts); `width_overrides` shrinks the widths to a scale's.
 
 `estimate_seconds` is the time plan printed before a run starts. Its step times are the ones the run measured a
 moment before (`squad.reproduce.runs.measure_cost`), so the estimate follows the machine it runs on; the constants
-below are the small-scale figures measured on the 2-core development machine, used where nothing is measured yet.
+below fill in the rest: on a CPU the small-scale figures measured on the 2-core development machine, on a GPU the
+one-H100 figures of MEASURED.md (`GPU_DEMO_STEP_SECONDS`). `plan_table` gives every claim's planned time.
 """
 
 from __future__ import annotations
@@ -49,7 +67,7 @@ class Scale:
     images: int  # synthetic images rendered when --data is not given (6:1:1 train/val/test buildings)
     buildings: int | None
     batch: int  # images per step
-    steps: int  # optimiser steps of every training run (STL, multi-task, MoNE)
+    steps: int  # optimiser steps of every training run (STL, multi-task, MoNE at a fixed e_c)
     lr: float
     warmup: int
     seeds: int  # default --seeds
@@ -58,14 +76,19 @@ class Scale:
     thetas: tuple[float, ...]  # pruning thresholds
     keep_top: float  # pruning by share of experts kept per layer
     finetune_fractions: tuple[float, ...]  # router-finetune training-set shares
-    finetune_steps: int
+    finetune_steps: int  # AdamW steps of every mode (the linear probe too)
     finetune_batch: int
-    finetune_lr: float
+    finetune_lrs: tuple[float, ...]  # the lr grid each mode picks from on the held-out images
+    finetune_holdout: float  # share of each fraction's images held out to pick the lr and the stopping step
+    finetune_evals: int  # held-out evaluations along each fine-tune (the best one is kept: the stopping rule)
     amod_capacity: float
-    amod_steps: int  # fine-tune of the adapted models (A-MoD)
+    amod_depth: int  # blocks of the dense model A-MoD adapts
+    amod_tasks: tuple[str, ...]  # its tasks (the paper: ImageNet classification; here the scene class)
+    amod_dense_steps: int  # its training, to a plateau
+    amod_steps: int  # fine-tune of the adapted models
     amod_evals: int  # validations during that fine-tune (the recovery curve)
-    mone_grid: tuple[float, ...]  # e_c at which MoNE models are evaluated
-    mone_fixed: tuple[float, ...]  # e_c of the fixed-budget MoNE models (1.0 is the baseline of the curve)
+    mone_grid: tuple[float, ...]  # e_c the adaptive MoNE model draws from at every training step
+    mone_fixed: tuple[float, ...]  # e_c of the fixed-budget MoNE models (1.0 is the baseline of Δt)
     mone_experts: int
     cost_steps: int  # measured training steps per method (step time and peak memory)
     time_repeats: int  # forward passes timed per MoNE e_c
@@ -75,32 +98,48 @@ class Scale:
         return self.name == "paper"
 
 
-_COMMON = dict(thetas=(0.0, 0.001, 0.01, 0.03), keep_top=0.4, finetune_fractions=(0.005, 0.01, 0.02, 0.05),
-               amod_capacity=0.5, mone_grid=(0.2, 0.4, 0.6, 0.8, 1.0), mone_experts=4)
+MONE_GRID = tuple(round(0.15 + 0.1 * i, 2) for i in range(9))  # the MoNE paper's {0.15, 0.25, …, 0.95}
+_COMMON = dict(thetas=(0.0, 0.001, 0.01, 0.03), keep_top=0.4, amod_capacity=0.5, mone_grid=MONE_GRID,
+               mone_experts=4, amod_tasks=("class_scene",))
 
 SCALES: dict[str, Scale] = {
     "tiny": Scale(name="tiny", tasks=("class_object", "class_scene", "depth_euclidean", "normal"), img_size=32,
                   patch_size=8, embed_dim=32, depth=2, num_heads=2, moa_experts=4, moa_top_k=2, moa_head_dim=16,
                   moe_experts=4, moe_top_k=2, images=32, buildings=8, batch=4, steps=3, lr=1e-3, warmup=1, seeds=1,
-                  workers=0, calib_batches=1, finetune_steps=2, finetune_batch=4, finetune_lr=1e-3, amod_steps=2,
-                  amod_evals=1, mone_fixed=(0.2, 1.0), cost_steps=2, time_repeats=2,
-                  **_COMMON),
+                  workers=0, calib_batches=1, finetune_fractions=(0.25, 0.5), finetune_steps=2, finetune_batch=4,
+                  finetune_lrs=(1e-3, 1e-2), finetune_holdout=0.25, finetune_evals=1, amod_depth=2,
+                  amod_dense_steps=4, amod_steps=2, amod_evals=1, mone_fixed=(0.2, 1.0), cost_steps=2,
+                  time_repeats=2, **_COMMON),
+    # fractions: the paper's 0.5-5 % of 3.8 M images are 19k-190k images; 0.5 % of this data's 1,500 training
+    # images would be 8, so small learns from 75 to 750 images (5-50 %)
     "small": Scale(name="small", tasks=TASK_NAMES, img_size=64, patch_size=8, embed_dim=96, depth=4, num_heads=4,
                    moa_experts=8, moa_top_k=4, moa_head_dim=24, moe_experts=8, moe_top_k=2, images=2000,
                    buildings=16, batch=16, steps=200, lr=1e-3, warmup=20, seeds=2, workers=1, calib_batches=8,
-                   finetune_steps=60, finetune_batch=8, finetune_lr=1e-3, amod_steps=60, amod_evals=3,
-                   mone_fixed=(0.2, 0.6, 1.0), cost_steps=6, time_repeats=5, **_COMMON),
+                   finetune_fractions=(0.05, 0.1, 0.2, 0.5), finetune_steps=150, finetune_batch=16,
+                   finetune_lrs=(1e-4, 1e-3, 1e-2), finetune_holdout=0.2, finetune_evals=5, amod_depth=8,
+                   amod_dense_steps=1500, amod_steps=1000, amod_evals=4, mone_fixed=(0.2, 0.4, 0.6, 0.8, 1.0),
+                   cost_steps=6, time_repeats=5, **_COMMON),
+    "gpu": Scale(name="gpu", tasks=TASK_NAMES, img_size=64, patch_size=8, embed_dim=192, depth=6, num_heads=6,
+                 moa_experts=12, moa_top_k=6, moa_head_dim=32, moe_experts=8, moe_top_k=2, images=6000, buildings=24,
+                 batch=64, steps=1500, lr=1e-3, warmup=100, seeds=3, workers=2, calib_batches=16,
+                 finetune_fractions=(0.02, 0.05, 0.1, 0.25), finetune_steps=300, finetune_batch=32,
+                 finetune_lrs=(1e-4, 1e-3, 1e-2), finetune_holdout=0.2, finetune_evals=6, amod_depth=8,
+                 amod_dense_steps=4000, amod_steps=1500, amod_evals=6, mone_fixed=(0.2, 0.4, 0.6, 0.8, 1.0),
+                 cost_steps=10, time_repeats=20, **_COMMON),
     "paper": Scale(name="paper", tasks=TASK_NAMES, img_size=224, patch_size=16, embed_dim=768, depth=12, num_heads=12,
                    moa_experts=24, moa_top_k=12, moa_head_dim=64, moe_experts=16, moe_top_k=4, images=0,
                    buildings=None, batch=12, steps=0, lr=2e-4, warmup=0, seeds=1, workers=8, calib_batches=64,
-                   finetune_steps=200, finetune_batch=8, finetune_lr=1e-3, amod_steps=0, amod_evals=0,
-                   mone_fixed=(0.2, 0.4, 0.6, 0.8, 1.0), cost_steps=0, time_repeats=20, **_COMMON),
+                   finetune_fractions=(0.005, 0.01, 0.02, 0.05), finetune_steps=200, finetune_batch=8,
+                   finetune_lrs=(1e-4, 1e-3, 1e-2), finetune_holdout=0.2, finetune_evals=5, amod_depth=12,
+                   amod_dense_steps=0, amod_steps=0, amod_evals=0, mone_fixed=(0.2, 0.4, 0.6, 0.8, 1.0),
+                   cost_steps=0, time_repeats=20, **_COMMON),
 }
 
 # Seconds per training step at small scale (batch 16, 64 px, width 96, depth 4, fp32, one process, all 13 tasks;
 # STL: one single-task model): the CPU seconds of one thread measured on the 2-core development machine
 # (`measure_cost`'s ``cpu_s`` with torch.set_num_threads(1)) divided by 1.7, the speed-up of two threads. Used by
-# `estimate_seconds` only for the families this invocation did not measure.
+# `estimate_seconds` only for the families this invocation did not measure (the MTL + task embedding control and the
+# adapted MoD model step as MTL does).
 SMALL_STEP_SECONDS: dict[str, float] = {
     "stl": 0.076 / 1.7, "mtl": 0.72 / 1.7, "m3vit": 0.92 / 1.7, "moe_mlp": 0.88 / 1.7, "moe_attn": 0.72 / 1.7,
     "modsquad": 0.99 / 1.7, "modsquad_balance": 1.1 / 1.7, "mone": 0.62 / 1.7,
@@ -109,12 +148,49 @@ DATA_SHARE = 0.2  # reading and augmenting the batches (HDF5 shards, one loader 
 # Per training run at small scale with 13 tasks: DeepSpeed set-up, the validations at step 0 and at the end (250
 # images, every task), the checkpoint and model.pt; a single-task (STL) run costs about a tenth of it.
 RUN_OVERHEAD_S = 20.0
-# Post-training work per claim and seed at small scale (extraction, fine-tuning, evaluations), seconds, measured
-# with `--steps 2 --seeds 1` on the development machine while other jobs shared it (load ~5).
+# Post-training work per claim and seed at small scale besides router-finetune's fine-tunes (extraction,
+# evaluations, usage statistics, forward timing), seconds, measured with `--steps 2 --seeds 1` on the development
+# machine while other jobs shared it (load ~5).
 SMALL_EXTRA_SECONDS: dict[str, float] = {
-    "modsquad-table2": 60.0, "pruning": 100.0, "router-finetune": 110.0, "mi-vs-balance": 20.0, "amod-table3": 40.0,
-    "mone-budget": 30.0, "pascal-table3": 70.0,
+    "modsquad-table2": 60.0, "pruning": 100.0, "router-finetune": 40.0, "mi-vs-balance": 20.0, "amod-table3": 40.0,
+    "mone-budget": 60.0, "pascal-table3": 70.0,
 }
+# One fine-tune step of router-finetune (one task, AdamW) against one training step of Mod-Squad with every task at
+# the same batch: the forward and backward of one task's rows (1/13 of them), about half of the modes stopping the
+# backward at the head. An estimate (not measured on its own).
+FINETUNE_STEP_SHARE = 0.6 / 13
+
+# On a GPU (MEASURED.md, one H100, bf16): a reproduction run at the demo widths (D 96, depth 4, 16 images, 64 px)
+# took 0.04 s per step for a single-task model and 0.14 s for Mod-Squad with 13 tasks, and "the GPU idles: per-step
+# overhead, not arithmetic". The other families are placed between by their CPU ratios to Mod-Squad. While the GPU
+# idles a step's time follows the number of layers launched, not the widths or the batch: the plan scales these by
+# depth / 4. Not measured at the gpu scale's widths (D 192, batch 64): `estimate_seconds` uses the step times the
+# invocation measures before it starts wherever it can.
+GPU_DEMO_STEP_SECONDS: dict[str, float] = {
+    "stl": 0.04, **{f: 0.14 * v / SMALL_STEP_SECONDS["modsquad"] for f, v in SMALL_STEP_SECONDS.items() if f != "stl"},
+}
+GPU_DEMO_DEPTH = 4
+GPU_RUN_OVERHEAD_S = 15.0  # per 13-task run: set-up, two validations, model.pt (assumed, not measured)
+# Post-training work per claim and seed on one GPU besides router-finetune's fine-tunes (assumed, not measured).
+GPU_EXTRA_SECONDS: dict[str, float] = {
+    "modsquad-table2": 20.0, "pruning": 60.0, "router-finetune": 20.0, "mi-vs-balance": 15.0, "amod-table3": 20.0,
+    "mone-budget": 30.0, "pascal-table3": 40.0,
+}
+# --parallel N on one GPU: N runs at once share a GPU that one run leaves mostly idle. Each further run is assumed to
+# add 0.75 of a run's throughput up to one run per 1.5 CPU cores (a run keeps a thread busy launching kernels, and
+# its data-loader workers take about half a core); not measured. Several GPUs: one run each (N ≤ GPUs: N times the
+# throughput). On a CPU the runs share the cores: no gain is planned (their set-up overlaps; nothing more).
+GPU_PARALLEL_EFFICIENCY = 0.75
+
+
+def parallel_speedup(parallel: int, device: str = "cpu", gpus: int = 1, cores: int = 16) -> float:
+    """The planned throughput of ``parallel`` runs at once, in runs (see `GPU_PARALLEL_EFFICIENCY`)."""
+    if parallel <= 1 or device != "cuda":
+        return 1.0
+    if gpus > 1:
+        return float(min(parallel, gpus))
+    usable = min(parallel, max(1, int(cores / 1.5)))
+    return 1.0 + GPU_PARALLEL_EFFICIENCY * (usable - 1)
 
 
 # pascal-table3 runs on its own data (the synthetic PASCAL-Context, squad.data.synthetic.pascal) with the 5 PASCAL
@@ -125,6 +201,7 @@ SMALL_EXTRA_SECONDS: dict[str, float] = {
 PASCAL_SETTINGS: dict[str, dict] = {
     "tiny": dict(images=16, img_size=32, batch=4, steps=3, thetas=(0.01,), calib_batches=1),
     "small": dict(images=320, img_size=64, batch=16, steps=100, thetas=(0.01,), calib_batches=4),
+    "gpu": dict(images=2000, img_size=64, batch=64, steps=1500, thetas=(0.01,), calib_batches=8),
     "paper": dict(images=0, img_size=512, batch=8, thetas=(0.01,)),  # widths: configs/pascal_context/ (ViT-S)
 }
 PASCAL_THETA = 0.01  # the pruned model of Table 3: every task extracted at θ = 1 % (the paper's main runs)
@@ -146,7 +223,7 @@ def pascal_scale(scale: Scale, steps: int | None = None) -> Scale:
 
 
 def get_scale(name: str) -> Scale:
-    """The scale called ``name`` (tiny, small or paper).
+    """The scale called ``name`` (tiny, small, gpu or paper).
 
     Raises:
         ValueError: an unknown name (the scales are listed).
@@ -186,35 +263,87 @@ def _size(scale: Scale) -> float:
     return tokens * scale.embed_dim**2 * scale.depth * scale.batch
 
 
-def estimate_seconds(plan: list[tuple[str, int, int]], step_seconds: dict[str, float], scale: Scale,
-                     claims: list[str] | None = None, seeds: int = 1) -> float:
+@dataclasses.dataclass(frozen=True)
+class Planned:
+    """A training run still to do, as the time plan sees it."""
+
+    family: str  # a method family (`squad.reproduce.runs.FAMILIES`)
+    steps: int
+    tasks: int  # tasks trained
+    depth: int  # blocks
+    key: str = ""  # its cost signature: a step time measured for it is looked up by this key
+
+
+def _cost_family(family: str) -> str:
+    return {"mod": "mtl", "mod_stl": "stl", "mtl_embed": "mtl"}.get(family, family)
+
+
+def planned_step_seconds(p: Planned, scale: Scale, device: str = "cpu") -> float:
+    """Seconds per step of a planned run from the constants above (nothing measured for it)."""
+    fam = _cost_family(p.family)
+    depth = p.depth / scale.depth
+    if device == "cuda":
+        launch = scale.depth / GPU_DEMO_DEPTH  # launch-bound: per-step time follows the layers
+        if fam.startswith("pascal_"):
+            base = GPU_DEMO_STEP_SECONDS["stl" if fam == "pascal_stl" else "modsquad"] * (5 / 13 if fam != "pascal_stl"
+                                                                                       else 1.0)
+            return base * launch
+        base = GPU_DEMO_STEP_SECONDS.get(fam, max(GPU_DEMO_STEP_SECONDS.values()))
+        return base * launch * depth * (1.0 if fam == "stl" else max(1, p.tasks) / len(TASK_NAMES))
+    if fam.startswith("pascal_"):
+        pratio = _size(pascal_scale(scale)) / _size(pascal_scale(SCALES["small"])) \
+            if scale.name in PASCAL_SETTINGS else 1.0
+        return PASCAL_SMALL_STEP_SECONDS.get(fam, 0.45) * pratio
+    ratio = _size(scale) / _size(SCALES["small"])
+    per = SMALL_STEP_SECONDS.get(fam, max(SMALL_STEP_SECONDS.values())) * ratio * depth
+    return per * (1.0 if fam == "stl" else p.tasks / len(TASK_NAMES))
+
+
+def finetune_seconds(scale: Scale, modsquad_step_s: float, tasks: int) -> float:
+    """router-finetune's fine-tunes per seed: every task, fraction, mode and lr (`FINETUNE_STEP_SHARE` of a Mod-Squad
+    step at the fine-tune batch), with its held-out and validation evaluations (a fifth more)."""
+    runs = tasks * len(scale.finetune_fractions) * 4 * len(scale.finetune_lrs)
+    per = modsquad_step_s * FINETUNE_STEP_SHARE * scale.finetune_batch / scale.batch
+    return 1.2 * runs * scale.finetune_steps * per
+
+
+def estimate_seconds(plan: list[Planned], step_seconds: dict[str, float], scale: Scale,
+                     claims: list[str] | None = None, seeds: int = 1, parallel: int = 1, device: str = "cpu",
+                     gpus: int = 1, cores: int = 16) -> float:
     """The planned wall time of an invocation: the training runs still to do, and the claims' other work.
 
     Args:
-        plan: (family, steps, tasks) of every run still to train.
-        step_seconds: seconds per step per family measured just before (STL: per single-task model).
-        scale: the scale (small-scale constants, scaled by the relative compute of a step, fill in the rest).
+        plan: every run still to train.
+        step_seconds: seconds per step measured just before, by cost signature (`Planned.key`).
+        scale: the scale (the constants above fill in what was not measured).
         claims: the claims measured (their post-training work is added).
         seeds: seeds per run.
+        parallel: runs trained at once (``--parallel``); the fine-tunes of router-finetune run that way too.
+        device: ``cpu`` or ``cuda``.
+        gpus, cores: of the machine (`parallel_speedup`).
     """
+    gpu = device == "cuda"
+    speedup = parallel_speedup(parallel, device, gpus, cores)
     ratio = _size(scale) / _size(SCALES["small"])
-    pratio = _size(pascal_scale(scale)) / _size(pascal_scale(SCALES["small"])) if scale.name in PASCAL_SETTINGS else 1
-    total = sum(max(5.0, SMALL_EXTRA_SECONDS.get(c, 0.0) * (pratio if c == "pascal-table3" else ratio))
-                for c in claims or []) * seeds
-    for family, steps, tasks in plan:
-        if family.startswith("pascal_"):  # pascal-table3's runs: 5 tasks on the synthetic PASCAL-Context
-            per = step_seconds.get(family, PASCAL_SMALL_STEP_SECONDS.get(family, 0.45) * pratio)
-            share = 0.3 if family == "pascal_stl" else 1.0
-            total += steps * per * (1 + DATA_SHARE) + 1.0 + PASCAL_RUN_OVERHEAD_S * share * min(1.0, pratio)
-            continue
-        if family in step_seconds:
-            per = step_seconds[family]
+    extra_table = GPU_EXTRA_SECONDS if gpu else SMALL_EXTRA_SECONDS
+    serial = sum(max(5.0, extra_table.get(c, 0.0) * (1.0 if gpu else ratio)) for c in claims or []) * seeds
+    jobs = 0.0
+    if "router-finetune" in (claims or []):
+        msq = step_seconds.get("modsquad") or planned_step_seconds(Planned("modsquad", 1, len(scale.tasks),
+                                                                           scale.depth), scale, device)
+        held = sum(1 for t in HELD_OUT if t in scale.tasks)
+        jobs += finetune_seconds(scale, msq, held) * seeds
+    train = 0.0
+    for p in plan:
+        per = step_seconds.get(p.key) or planned_step_seconds(p, scale, device)
+        if p.family.startswith("pascal_"):
+            share = 0.3 if p.family == "pascal_stl" else 1.0
+            overhead = (GPU_RUN_OVERHEAD_S if gpu else PASCAL_RUN_OVERHEAD_S) * share
         else:
-            per = SMALL_STEP_SECONDS.get(family, max(SMALL_STEP_SECONDS.values())) * ratio
-            per *= 1.0 if family == "stl" else tasks / len(TASK_NAMES)
-        share = 0.1 if family == "stl" else tasks / len(TASK_NAMES)
-        total += steps * per * (1 + DATA_SHARE) + 1.0 + RUN_OVERHEAD_S * share * min(1.0, ratio)
-    return total
+            share = 0.1 if p.family == "stl" else p.tasks / len(TASK_NAMES)
+            overhead = (GPU_RUN_OVERHEAD_S if gpu else RUN_OVERHEAD_S * min(1.0, ratio)) * max(0.1, share)
+        train += p.steps * per * (1 + DATA_SHARE) + 1.0 + overhead
+    return train / speedup + jobs / speedup + serial
 
 
 def format_duration(seconds: float) -> str:

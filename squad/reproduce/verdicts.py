@@ -1,9 +1,9 @@
 """Judging a claim: paired per-seed comparisons, the verdict rule written into the report, and Δt.
 
 `compare` turns one quantity per seed on each side into ``holds`` / ``reversed`` / ``within noise`` / ``one seed``;
-`verdict` turns a claim's comparisons into ``reproduced`` / ``not reproduced`` / ``inconclusive`` (`RULE` says how, in
-the words the report prints). `delta` is Mod-Squad's Δt per task and its mean, leaving out tasks whose baseline
-metric is zero (where Δt is undefined).
+`precondition` records what a fair test needs; `verdict` turns a claim's comparisons and preconditions into
+``reproduced`` / ``not reproduced`` / ``inconclusive`` (`RULE` says how, in the words the report prints). `delta`
+is Mod-Squad's Δt per task and its mean, leaving out tasks whose baseline metric is zero (where Δt is undefined).
 """
 
 from __future__ import annotations
@@ -20,9 +20,12 @@ RULE = (
     "widths). For a comparison 'A > B' the per-seed differences d = A − B are taken, and the noise is the largest "
     "of the sample standard deviations over seeds of d, of A and of B. The comparison **holds** when every d > 0 "
     "and their mean exceeds the noise (the ordering holds beyond the seed spread), it is **reversed** when every "
-    "d < 0 and −mean exceeds the noise, and it is **within noise** otherwise. 'A ≥ B − m' (equal or better, or "
-    "close within a margin m) holds unless A − B + m is reversed in that sense. 'A ≤ c' for a fixed bound holds "
-    "when every seed's A ≤ c and is reversed when every seed's A > c. A claim is **reproduced** when all its "
+    "d < 0 and −mean exceeds the noise, and it is **within noise** otherwise. 'A ≥ B − m' (not worse than B by more "
+    "than a margin m; m = 0: equal or better) takes d = A − B + m: it **holds** only when every seed's d > 0, is "
+    "**reversed** when every d < 0 and −mean exceeds the noise, and is **within noise** otherwise. 'A ≤ c' for a "
+    "fixed bound holds when every seed's A ≤ c and is reversed when every seed's A > c. Some claims also name "
+    "preconditions of a fair test (e.g. the dense model A-MoD adapts has reached a plateau); a precondition that is "
+    "not met makes the claim inconclusive whatever its comparisons say. A claim is **reproduced** when all its "
     "comparisons hold, **not reproduced** when one is reversed, and **inconclusive** otherwise — and always with "
     "fewer than 2 seeds (no spread to judge against)."
 )
@@ -72,18 +75,22 @@ def compare(label: str, a: Sequence[float], b: Sequence[float], kind: str = "gre
     else:
         ahead = all(v > 0 for v in d) and mean > noise
         behind = all(v < 0 for v in d) and -mean > noise
-        if kind == "greater":
-            status = "holds" if ahead else "reversed" if behind else "within noise"
-        else:
-            status = "reversed" if behind else "holds"
+        if kind == "not_worse":  # non-inferiority: every seed must be on the right side of the margin
+            ahead = all(v > 0 for v in d)
+        status = "holds" if ahead else "reversed" if behind else "within noise"
     return {"label": label, "kind": kind, "margin": margin, "a": [p[0] for p in pairs], "b": [p[1] for p in pairs],
             "diffs": d, "mean": mean, "std": std, "noise": noise, "status": status}
 
 
-def verdict(comparisons: Sequence[dict]) -> str:
-    """``reproduced`` / ``not reproduced`` / ``inconclusive`` from the comparisons (`RULE`)."""
+def precondition(label: str, met: bool, detail: str = "") -> dict:
+    """A condition a claim's test needs to be fair (`RULE`): ``{"label", "status": "met" | "not met", "detail"}``."""
+    return {"label": label, "status": "met" if met else "not met", "detail": detail}
+
+
+def verdict(comparisons: Sequence[dict], preconditions: Sequence[dict] = ()) -> str:
+    """``reproduced`` / ``not reproduced`` / ``inconclusive`` from the comparisons and preconditions (`RULE`)."""
     statuses = [c["status"] for c in comparisons]
-    if not statuses or "one seed" in statuses:
+    if not statuses or "one seed" in statuses or any(p["status"] != "met" for p in preconditions):
         return "inconclusive"
     if all(s == "holds" for s in statuses):
         return "reproduced"

@@ -152,7 +152,13 @@ def reflect_index(n: int, radius: int) -> torch.Tensor:
 @functools.lru_cache(maxsize=16)
 def gaussian_matrix(n: int, sigma: float) -> torch.Tensor:
     """``[n, n]`` matrix B with ``B @ x`` = `gaussian_kernel` convolved along a length-n axis with `reflect_index`
-    borders (scipy's ``gaussian_filter1d(x, sigma, mode="reflect")``). Cached: do not modify it."""
+    borders (scipy's ``gaussian_filter1d(x, sigma, mode="reflect")``). Cached: do not modify it. Never an
+    inference tensor (the cache outlives `torch.inference_mode`), so autograd may save it."""
+    with torch.inference_mode(False):
+        return _gaussian_matrix(n, sigma)
+
+
+def _gaussian_matrix(n: int, sigma: float) -> torch.Tensor:
     kernel = gaussian_kernel(sigma)
     taps = len(kernel)
     band = torch.zeros(n, n + taps - 1)

@@ -240,6 +240,22 @@ def test_task_linear_one_grouped_matmul_equals_per_task_matmuls(order, bias):
         bank(x, task_ids, [(0, 0, 1), (1, 2, start)])  # a gap
 
 
+def test_a_layout_first_seen_in_inference_mode_trains():
+    """The per-layout cache outlives inference mode: a layout first met while evaluating (`torch.inference_mode`)
+    serves a later training step with the same layout (its tensors are not inference tensors)."""
+    bank = TaskLinear(3, 4, 2)
+    segments = [(2, 0, 1), (0, 1, 3)]  # not every task in order: the runs' task tensor is used in autograd
+    task_ids = torch.tensor([2, 0, 0])
+    x = torch.randn(3, 5, 4)
+    X.segment_groups.cache_clear()
+    with torch.inference_mode():
+        expect = bank(x, task_ids, segments)
+    y = bank(x, task_ids, segments)
+    y.sum().backward()
+    torch.testing.assert_close(y.detach(), expect)
+    assert bank.weight.grad is not None
+
+
 @pytest.mark.parametrize("scaled", [False, True])
 def test_nested_projection_into_the_residual_equals_padding_then_adding(scaled):
     """``r + s · nested_out(x)`` without a full-width projection: values and every gradient equal the zero-padded

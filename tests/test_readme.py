@@ -67,7 +67,7 @@ INLINE = re.compile(r"^(python3? tools/\S+\.py|(deepspeed|torchrun|accelerate|ma
 # Commands that cannot run here (matched at the start of the command), each with its reason.
 SKIPPED = {
     "make demo": "the whole demo: creates .venv and trains for ~5 minutes; its steps are the commands below",
-    "make test": "runs this test suite",
+    "make test@": "runs this test suite",
     "make test-fast": "runs the quick part of this test suite",
     "make lint-imports": "`make test` runs it before the tests (CI: .ci/run)",
     "deepspeed --hostfile hosts --num_nodes 4 --num_gpus 8": "needs 4 nodes with 8 GPUs each; multi-node launching "

@@ -143,7 +143,7 @@ def segment_groups(segments: tuple[tuple[int, int, int], ...], tokens_per_row: i
 
     Returns:
         (groups over the R·N token rows, [S] long task of each run). Cached: a step's layout recurs every step, so
-        its few device ints are copied once.
+        its few device ints are copied once (never as inference tensors, so evaluation and training share them).
 
     Raises:
         ValueError: the runs do not tile the rows in order.
@@ -156,10 +156,13 @@ def segment_groups(segments: tuple[tuple[int, int, int], ...], tokens_per_row: i
         end = last
     sizes = [(last - first) * tokens_per_row for _, first, last in segments]
     ends = list(itertools.accumulate(sizes))
-    host = host_ints(sizes + ends + [task for task, _, _ in segments], device)
     s = len(segments)
-    groups = Groups(counts=host[:s], offsets=host[s : 2 * s].to(torch.int32), sizes=sizes, tail=False,
-                    sync_free=device.type == "cuda")
+    # Outside inference mode even when called inside it: the cached tensors outlive the call, and a tensor made in
+    # inference mode could not be saved for backward by a later training step with the same layout.
+    with torch.inference_mode(False):
+        host = host_ints(sizes + ends + [task for task, _, _ in segments], device)
+        offsets = host[s : 2 * s].to(torch.int32)
+    groups = Groups(counts=host[:s], offsets=offsets, sizes=sizes, tail=False, sync_free=device.type == "cuda")
     return groups, host[2 * s :]
 
 

@@ -8,11 +8,32 @@ machines costs more than the spinning saves.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import sys
+from collections.abc import Iterator
 
 _MALLOC_TUNED = False
+
+SINGLE_THREADED = dict.fromkeys(("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"), "1")
+"""Environment for worker processes that are the parallelism themselves (a pool of renderers, parallel runs on a
+CPU): one BLAS/OpenMP thread each; idle BLAS threads spinning on 2 cores cost more than the small matmuls gain."""
+
+
+@contextlib.contextmanager
+def environment(values: dict[str, str]) -> Iterator[None]:
+    """``os.environ`` with ``values`` set inside the block (for the processes started there), restored after."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def launch_rank() -> int | None:

@@ -17,7 +17,6 @@ a run's train.log — says why).
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import dataclasses
 import logging
@@ -25,10 +24,11 @@ import multiprocessing
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import wait
 
 from squad.distributed import free_port, prepare_environment
+from squad.runtime import environment
 
 
 @dataclasses.dataclass
@@ -40,19 +40,6 @@ class Job:
     kwargs: dict
     what: str = ""  # how the progress line describes it when it ends (e.g. "trained 200 steps")
 
-
-@contextlib.contextmanager
-def _environ(values: dict[str, str]) -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _die_with_parent() -> None:
@@ -131,7 +118,7 @@ def _schedule(pending: list[Job], free: list[int], running: dict, ended: list[st
     while pending or running:
         while pending and free and not failed:
             job, slot = pending.pop(0), free.pop(0)
-            with _environ(child_environment(slot, parallel, gpus)):
+            with environment(child_environment(slot, parallel, gpus)):
                 proc = mp.Process(target=_child, args=(job.target, job.kwargs), name=f"reproduce-{job.name}")
                 proc.start()
             running[proc.sentinel] = (job, proc, slot, time.perf_counter())

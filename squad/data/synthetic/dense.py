@@ -22,9 +22,8 @@ import json
 import math
 import os
 import shutil
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
@@ -35,6 +34,7 @@ from PIL import Image
 
 from squad.data.synthetic.render import Box, Camera, Cylinder, Material, Room, Scene, Sphere, View, render_view
 from squad.io.files import atomic_save, atomic_write_text, sync_tree
+from squad.runtime import SINGLE_THREADED, environment
 
 RGB = tuple[float, float, float]
 Shape = Box | Sphere | Cylinder
@@ -253,20 +253,6 @@ def prepare_out(out: Path, manifest_name: str, overwrite: bool, dataset: str) ->
     manifest.unlink()
 
 
-@contextmanager
-def _single_threaded_children() -> Iterator[None]:
-    keys = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
-    saved = {k: os.environ.get(k) for k in keys}
-    os.environ.update(dict.fromkeys(keys, "1"))
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
 
 def start_render(out: str | Path, n: int, image_size: int, seed: int, overwrite: bool, manifest_name: str,
                  dataset: str, folders: Sequence[str]) -> tuple[Path, list[tuple[tuple[int, ...], slice]]]:
@@ -297,7 +283,7 @@ def run_jobs(fn: Callable[[Any], Any], jobs: Sequence[Any], workers: int | None)
     """``fn`` over ``jobs`` in order, in ``workers`` spawned processes (default: up to 2 CPUs; 1 = in process)."""
     workers = min(2, os.cpu_count() or 1) if workers is None else workers
     if workers > 1 and len(jobs) > 1:
-        with _single_threaded_children(), ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
+        with environment(SINGLE_THREADED), ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
             return list(pool.map(fn, jobs, chunksize=max(1, len(jobs) // (8 * workers))))
     return [fn(job) for job in jobs]
 

@@ -52,9 +52,7 @@ import logging
 import math
 import os
 import shutil
-from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
@@ -78,6 +76,7 @@ from squad.data.synthetic.render import (
     render_view,
 )
 from squad.io.files import atomic_save, atomic_write_bytes, atomic_write_text, removed_on_failure, sync_tree
+from squad.runtime import SINGLE_THREADED, environment
 
 logger = logging.getLogger(__name__)
 
@@ -587,22 +586,6 @@ def _clear_previous(out: Path, overwrite: bool) -> None:
     manifest.unlink()
 
 
-@contextmanager
-def _single_threaded_children() -> Iterator[None]:
-    """Processes spawned inside this block start with one BLAS/OpenMP thread each (the pool is the parallelism;
-    idle BLAS threads spinning on 2 cores cost more than the small matmuls gain)."""
-    keys = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
-    saved = {k: os.environ.get(k) for k in keys}
-    os.environ.update(dict.fromkeys(keys, "1"))
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
 
 def render_dataset(
     out: str | Path,
@@ -648,7 +631,7 @@ def render_dataset(
     made = [out / domain for domain in DOMAINS] + [csv, out / "synthetic.json"]
     with removed_on_failure(made, f"the render in {out}"):  # a full disk leaves nothing behind
         if workers > 1 and len(jobs) > 1:
-            with _single_threaded_children(), ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
+            with environment(SINGLE_THREADED), ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
                 results = list(pool.map(_render_room, jobs, chunksize=max(1, len(jobs) // (8 * workers))))
         else:
             results = [_render_room(job) for job in jobs]

@@ -90,13 +90,14 @@ def _sanitize(obj):
 def _save(fig, path: Path, stamp: str = "") -> str:
     """Writes a figure with ``stamp`` (its scale, seeds and steps) under it."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    if stamp:
-        fig.text(0.5, -0.02, stamp, ha="center", va="top", fontsize=7, color="dimgray")
     for ax in fig.axes:  # plain tick values (no "+5.049e1" offset above the axis)
         try:
             ax.ticklabel_format(axis="y", useOffset=False)
         except AttributeError:  # an axis without a scalar formatter (a colour bar, a log axis)
             pass
+    if stamp:  # below everything drawn (rotated tick labels reach below the axes)
+        bottom = fig.get_tightbbox(fig.canvas.get_renderer()).y0 / fig.get_figheight()
+        fig.text(0.5, bottom - 0.01, stamp, ha="center", va="top", fontsize=7, color="dimgray")
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return f"figures/{path.name}"

@@ -14,20 +14,12 @@ import pytest
 
 import squad
 from squad.config.run import RunConfig
-from squad.reproduce.claims import (
-    CLAIMS,
-    Context,
-    cached,
-    finetune_judgement,
-    iso_flops_factor,
-    method_spec,
-    mone_spec,
-    plateau,
-)
+from squad.reproduce.claims import CLAIMS, finetune_judgement, plateau
 from squad.reproduce.finetune import FairFinetune, holdout_split, load_cached
 from squad.reproduce.invocation import plan_table
 from squad.reproduce.runs import Runner, settings_of
 from squad.reproduce.scales import get_scale, parallel_speedup
+from squad.reproduce.specs import Context, cached, iso_flops_factor, method_spec, mone_spec
 from squad.reproduce.verdicts import RULE, VERDICTS, compare, precondition, verdict
 from tests.helpers import PY, ROOT, tool_env
 
@@ -438,7 +430,6 @@ def test_parallel_trains_runs_in_processes_of_their_own(tmp_path):
 
 
 def test_run_configs_keep_each_familys_structure(tmp_path):
-    from squad.reproduce.claims import Context, method_spec
     from squad.reproduce.runs import Runner, run_config
     from squad.reproduce.scales import get_scale
 

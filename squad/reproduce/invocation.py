@@ -20,12 +20,13 @@ import torch
 from squad.data.offline.pack import pack_shards
 from squad.data.synthetic.pascal import render_pascal
 from squad.data.synthetic.taskonomy import render_dataset
-from squad.reproduce.claims import CLAIMS, Context, resolve_claims
+from squad.reproduce.claims import CLAIMS, resolve_claims
 from squad.reproduce.paper import write_paper_plan
 from squad.reproduce.parallel import run_jobs
 from squad.reproduce.report import write_report
 from squad.reproduce.runs import Runner, RunSpec, is_done
 from squad.reproduce.scales import Planned, Scale, estimate_seconds, format_duration, get_scale, pascal_scale
+from squad.reproduce.specs import Context
 
 
 def say_to(stream=None) -> Callable[[str], None]:

@@ -21,8 +21,10 @@ from pathlib import Path
 
 import yaml
 
-from squad.reproduce.claims import (
-    CLAIMS,
+from squad.reproduce.claims import CLAIMS
+from squad.reproduce.runs import FAMILIES, Runner, RunSpec, paper_config_dict
+from squad.reproduce.scales import PASCAL_THETA, get_scale, pascal_scale
+from squad.reproduce.specs import (
     PASCAL_METHODS,
     Context,
     amod_dense_spec,
@@ -33,8 +35,6 @@ from squad.reproduce.claims import (
     pascal_spec,
     pretrain_spec,
 )
-from squad.reproduce.runs import FAMILIES, Runner, RunSpec, paper_config_dict
-from squad.reproduce.scales import PASCAL_THETA, get_scale, pascal_scale
 
 PLACEHOLDER = "/path/to/taskonomy"
 PASCAL_PLACEHOLDER = "/path/to/PASCAL_MT"

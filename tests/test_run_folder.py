@@ -15,9 +15,9 @@ import pytest
 import yaml
 
 from squad.distributed import free_port
-from squad.io.checkpoints import complete_tags, find_resume_tag
-from squad.train import checkpoint as ckpt
+from squad.train import checkpointer as ckpt
 from squad.train import run_folder as rf
+from squad.train.checkpointer import complete_tags, find_resume_tag
 from squad.train.objective import nonfinite_stop
 from tests.helpers import DEEPSPEED, PY, ROOT, tool_env
 
@@ -113,8 +113,8 @@ def test_nonfinite_stop_says_what_works(tmp_path):
     msg = str(nonfinite_stop(3, 7, tmp_path))
     assert "3 non-finite losses in a row at step 7" in msg
     assert "new run with a lower optim.lr" in msg and "cannot change on resume" in msg and "no checkpoint" in msg
-    (tmp_path / "checkpoints" / "step00000005").mkdir(parents=True)
-    ckpt.mark_complete(tmp_path / "checkpoints", "step00000005", 5, keep=2)
+    (tmp_path / "checkpoints" / ckpt.SAVING / "step00000005").mkdir(parents=True)
+    ckpt.commit_tag(tmp_path / "checkpoints", "step00000005", {"step": 5}, keep=2)
     assert "resume this run from its last checkpoint (step00000005" in str(nonfinite_stop(3, 7, tmp_path))
 
 

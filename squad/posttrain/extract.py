@@ -241,14 +241,15 @@ def extract_to_file(model: SquadViT, task: str, out: str | Path, *, theta: float
                           f"task embedding")
     if data is not None and eval_split:
         try:
-            loader, n_eval = _loader(model, data, name, eval_split, batch_size, workers)
+            loader, _ = _loader(model, data, name, eval_split, batch_size, workers)
         except (EmptyDatasetError, ValueError) as e:
             log.warning("no held-out metrics: %s", e)
         else:
-            before = evaluate(model, loader, [name], device, eval_batches)[name]
+            scored: dict = {}  # the images actually scored (--eval-batches N: N batches, not the whole split)
+            before = evaluate(model, loader, [name], device, eval_batches, counts=scored)[name]
             usage_after = ExpertUsage(ext.model.task_names)
             after = evaluate(ext.model, loader, [name], device, eval_batches, usage=usage_after)[name]
-            report["metrics"] = {"split": eval_split, "images": n_eval, "full": before, "extracted": after}
+            report["metrics"] = {"split": eval_split, "images": scored["images"], "full": before, "extracted": after}
             report["compute"] = compute_summary(ext.model, [name], usage_after)
     out = Path(out)
     save_extracted(out, ext, report)

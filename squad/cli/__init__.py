@@ -168,10 +168,13 @@ def _leave_rank(code: int) -> None:
 
 def device_arg(name: str) -> str:
     """The ``type=`` of every tool's ``--device``: a device this machine has (else argparse's exit 2, naming it).
+    ``cpu`` is taken without importing torch; a GPU is asked about through torch.
 
     Returns:
         `name` unchanged (the tools pass the string on).
     """
+    if name == "cpu":
+        return name
     from squad.distributed import check_device
 
     try:
@@ -179,6 +182,36 @@ def device_arg(name: str) -> str:
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e).removeprefix("--device ")) from None  # argparse names the flag
     return name
+
+
+def require_paths(checkpoint: str | list[str] | None = None, data: str | None = None) -> None:
+    """Refuses a ``--checkpoint`` or ``--data`` that does not exist before the tool imports anything heavy (exit 2
+    at once; `squad.load` and the data readers say the same after loading torch).
+
+    Raises:
+        FileNotFoundError: naming the path.
+    """
+    from pathlib import Path
+
+    for path in [checkpoint] if isinstance(checkpoint, str) else checkpoint or []:
+        if not Path(path).exists():
+            raise FileNotFoundError(f"model file not found: {path}")
+    if data is not None:
+        missing_data(data)
+
+
+def missing_data(root: str, dataset: str | None = None) -> None:
+    """Refuses a data root that does not exist, saying how to make one (torch-free: `require_paths`, the train tool).
+
+    Raises:
+        FileNotFoundError: naming the folder.
+    """
+    from pathlib import Path
+
+    if not Path(root).exists():
+        kind = f" --dataset {dataset}" if dataset not in (None, "taskonomy") else ""
+        raise FileNotFoundError(f"data root {root} does not exist. Make a small synthetic one with: python "
+                                f"tools/make_data.py synthetic{kind} --out {root} (or point it at the real data)")
 
 
 def rerun_with_passive_omp(module: str) -> None:

@@ -38,7 +38,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from squad.cli import run
+from squad.cli import require_paths, run
 from squad.cli.evaluate import add_inference_arguments
 
 TOLERANCE = 1e-4  # max |exported − squad| the check accepts (the programs are exact on the CPU: 0 in the tests)
@@ -67,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _export(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
+    require_paths(args.checkpoint)  # before anything heavy is imported
 
     import torch
 

@@ -33,7 +33,7 @@ import argparse
 import logging
 import sys
 
-from squad.cli import device_arg, run
+from squad.cli import device_arg, require_paths, run
 from squad.cli.evaluate import add_compile_argument, add_inference_arguments
 
 _SHOWN = 20  # images whose top-1 classes are printed
@@ -77,6 +77,7 @@ def _predict(argv: list[str] | None) -> int:
     logging.basicConfig(level=logging.INFO, format="[squad] %(message)s")
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+    require_paths(args.checkpoint)  # before anything heavy is imported
 
     from tqdm.contrib.logging import logging_redirect_tqdm
 

@@ -35,7 +35,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from squad.cli import rerun_with_passive_omp, run
+from squad.cli import missing_data, rerun_with_passive_omp, run
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,11 +71,7 @@ def preflight(args: argparse.Namespace):
 
     cfg = load_config(args.config, args.set, cls=RunConfig)
     out = Path(args.out or Path("runs") / Path(args.config).stem)
-    if not Path(cfg.data.root).exists():  # the readers say the same (squad.data.build_dataset), after torch
-        kind = f" --dataset {cfg.data.dataset}" if cfg.data.dataset not in (None, "taskonomy") else ""
-        raise FileNotFoundError(f"data.root: {cfg.data.root} does not exist. Make a small synthetic one with: python "
-                                f"tools/make_data.py synthetic{kind} --out {cfg.data.root} (or pass --set "
-                                f"data.root=PATH)")
+    missing_data(cfg.data.root, cfg.data.dataset)
     init_file(cfg, out, args.resume, args.overwrite)
     lock = lock_before_start(out)
     try:

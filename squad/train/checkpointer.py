@@ -684,10 +684,9 @@ def commit_tag(ckpt_dir: Path, tag: str, record: dict, keep: int) -> None:
 
 
 def _remove_save(staging: Path) -> None:
-    """Removes a save in progress (``.saving/<tag>``), and ``.saving`` when no other is left in it."""
-    shutil.rmtree(staging, ignore_errors=True)
-    with contextlib.suppress(OSError):
-        staging.parent.rmdir()
+    """Removes a save in progress: ``.saving`` with the tag and the recovery scripts DeepSpeed copied beside it (a run
+    saves one tag at a time)."""
+    shutil.rmtree(staging.parent, ignore_errors=True)
 
 
 def remove_interrupted_saves(ckpt_dir: Path) -> list[str]:

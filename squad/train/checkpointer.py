@@ -17,7 +17,7 @@ Layout of ``<run>/checkpoints/``::
 
 Resuming: `resolve_resume` turns ``--resume`` (auto, none, a run, its checkpoints folder, a tag) into the candidate
 tags, best first (torch-free: the run folder's checks and the tools use it before anything heavy starts).
-`Checkpointer.plan` reads every file of the first candidate with ``weights_only`` on all ranks together
+`Checkpointer.plan_resume` reads every file of the first candidate with ``weights_only`` on all ranks together
 (`select_tag`): an unsafe file stops the run, a damaged tag is named and the one before it tried. If the tag was
 written on another topology, the plan names the conversion that lets this run load it; `Checkpointer.load` converts
 and loads it with DeepSpeed.
@@ -448,9 +448,9 @@ class EngineGuard:
 class Checkpointer:
     """One run's checkpoints: plans and loads the resume, saves on a cadence and on signals (module docstring).
 
-    Call order: `plan` (every rank, before ``deepspeed.initialize``: its `ds_config` goes into the engine's config),
-    `attach` (the engine), `load`, then `save` after every step and `save_final` at the end. `close` restores the
-    signal handlers.
+    Call order: `plan_resume` (every rank, before ``deepspeed.initialize``: its `ds_config` goes into the engine's
+    config), `attach` (the engine), `load`, then `save` after every step and `save_final` at the end; `close` on the
+    way out.
 
     Args:
         run_dir: the run folder.
@@ -468,14 +468,14 @@ class Checkpointer:
         self.signals = SignalWatch(train.save_on_signal, announce=rank == 0)
         self.signals.at_exit(self.discard)
         self.total_steps = 0
-        self.plan_: LoadPlan | None = None
+        self.plan: LoadPlan | None = None
         self.engine: Any = None
         self.guard: EngineGuard | None = None
         self.last_saved: int | None = None  # the step of the newest checkpoint of this run
         self._saving: Path | None = None
 
     # ---------------------------------------------------------------------------------------------- resume
-    def plan(self, source: ResumeSource | None) -> LoadPlan | None:
+    def plan_resume(self, source: ResumeSource | None) -> LoadPlan | None:
         """Chooses the tag to load (every rank: `select_tag`) and the conversion this run's topology needs.
 
         Raises:
@@ -488,12 +488,12 @@ class Checkpointer:
         saved = Topology.of_tag(source.ckpt_dir / tag)
         conversion = next((c for c in CONVERSIONS if saved is not None and c.needed(saved, self.topology)), None)
         skipped = [source.ckpt_dir / t for t in source.tags[: source.tags.index(tag)]]
-        self.plan_ = LoadPlan(source.ckpt_dir, tag, skipped, saved, conversion)
-        return self.plan_
+        self.plan = LoadPlan(source.ckpt_dir, tag, skipped, saved, conversion)
+        return self.plan
 
     def ds_config(self) -> dict:
         """DeepSpeed config keys the planned load needs (a converted tag's), merged into the run's."""
-        plan = self.plan_
+        plan = self.plan
         return plan.conversion.ds_config() if plan is not None and plan.conversion is not None else {}
 
     def attach(self, engine: Any, total_steps: int) -> None:
@@ -507,7 +507,7 @@ class Checkpointer:
         without a plan. Every rank calls it."""
         from squad.distributed import barrier, broadcast_object
 
-        plan = self.plan_
+        plan = self.plan
         if plan is None:
             return None
         load_dir = plan.ckpt_dir

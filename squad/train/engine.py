@@ -205,7 +205,7 @@ class Trainer:
                                       eps=o.eps)
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda s: lr_lambda(s, warmup, self.total_steps, o.lr, o.min_lr))
-        plan = self.checkpointer.plan(source)  # every rank reads the tag it will load (a damaged one is passed over)
+        plan = self.checkpointer.plan_resume(source)  # every rank reads the tag it loads (damaged: passed over)
         ds_cfg = {**deepspeed_config(self.cfg, self.cuda), **self.checkpointer.ds_config()}
         self.engine, _, _, _ = deepspeed.initialize(model=self.objective, optimizer=optimizer,
                                                     lr_scheduler=scheduler, config=ds_cfg)

@@ -47,7 +47,7 @@ from squad.train.checkpointer import Checkpointer
 from squad.train.objective import MultiTaskObjective, nonfinite_stop
 from squad.train.optim import lr_lambda, param_groups, warmup_note
 from squad.train.run_folder import RunFolder, RunLock, ShmSegments, init_file, lock_before_start
-from squad.train.stops import TrainingError
+from squad.train.stops import Preempted, TrainingError
 
 log = logging.getLogger("squad.train")
 
@@ -533,14 +533,15 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: str | None = "auto", *, o
     """
     trainer = Trainer(cfg, run_dir, resume, overwrite=overwrite, allow_world_size_change=allow_world_size_change,
                       init_state=init_state, lock=lock)
-    finished = False
+    stopped = False
     try:
-        path = trainer.train()
-        finished = True
-        return path
+        return trainer.train()
+    except (KeyboardInterrupt, Preempted):
+        stopped = True  # on its way out, a launcher may signal this rank again: ignored then, not fatal
+        raise
     finally:
         trainer.folder.close()  # the lock first: nothing may stop this rank before it is released
-        trainer.checkpointer.close(finished)  # an interrupted save removed; the signals' handlers restored
+        trainer.checkpointer.close(finished=not stopped)  # a save in progress discarded; the handlers restored
         if trainer.log_handler is not None:
             logging.getLogger("squad").removeHandler(trainer.log_handler)
             trainer.log_handler.close()

@@ -46,6 +46,17 @@ def launch_rank() -> int | None:
     return None
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this id runs on this host (someone else's included)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
 def launch_world() -> int | None:
     """The number of ranks the launcher started (deepspeed, torchrun, MPI), readable before any process group
     exists; None when no launcher variable says."""

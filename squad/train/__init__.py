@@ -10,7 +10,8 @@
 - losses.py: mutual-information loss (all-reduced with autograd), switch/cv² balance, uncertainty weighting.
 - optim.py: AdamW parameter groups (no decay on norms/biases/embeddings) and the warm-up + cosine schedule.
 - run_folder.py: the run folder's lock, the config and world-size checks on resume (before torch is imported),
-  fresh starts over a run, and the /dev/shm segments DeepSpeed's CPU comm op leaves.
+  fresh starts over a run.
+- shm.py: the /dev/shm segments DeepSpeed's CPU communication op leaves, freed.
 Process-group helpers (`squad.distributed`) and CPU-rank tuning (`squad.runtime`) sit at the package top: data,
 evaluation and analysis use them too.
 """

@@ -46,7 +46,8 @@ from squad.tasks import get_task
 from squad.train.checkpointer import Checkpointer
 from squad.train.objective import MultiTaskObjective, nonfinite_stop
 from squad.train.optim import lr_lambda, param_groups, warmup_note
-from squad.train.run_folder import RunFolder, RunLock, ShmSegments, init_file, lock_before_start
+from squad.train.run_folder import RunFolder, RunLock, init_file, lock_before_start
+from squad.train.shm import ShmSegments
 from squad.train.stops import Preempted, TrainingError
 
 log = logging.getLogger("squad.train")

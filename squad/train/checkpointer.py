@@ -27,8 +27,12 @@ and loads it with DeepSpeed.
 the converted tag (`Conversion.convert`). Today's one is `Universal`: ZeRO-1/2 (and bf16) optimizer state is
 partitioned by data-parallel rank, so a tag written by N ranks loads on M through DeepSpeed's universal checkpoint
 (``deepspeed.checkpoint.ds_to_universal``, then ``checkpoint.load_universal``), optimizer state exact. Expert
-parallelism adds its own (per-expert shards re-sharded to another expert-parallel size): a new `Topology` field
-(``expert_parallel``), recorded in COMPLETE by `Checkpointer.save`, and a `Conversion` appended to `CONVERSIONS`.
+parallelism plugs in the same way: `Checkpointer.save` records the expert-parallel size in COMPLETE beside the world
+size, `Topology` reads it back (an ``expert_parallel`` field, 1 for tags without it), and a `Conversion` appended to
+`CONVERSIONS` re-shards the per-expert files (weights and their optimizer state) from the saved expert-parallel size
+to the current one into ``.convert/<tag>``; `Conversion.after_load` restores anything DeepSpeed's own load leaves out.
+Conversions are tried in order and the first that `Conversion.needed` says applies is used; one that must follow
+another (re-sharded experts, then universal ZeRO state) can run the other inside its `Conversion.convert`.
 
 Saving (`Checkpointer.save`) is collective: rank 0 prepares ``.saving/<tag>``, DeepSpeed writes every rank's files
 (`EngineGuard` records a failed write instead of leaving the other ranks in DeepSpeed's barrier), every rank reports
@@ -38,7 +42,7 @@ file; the previous checkpoint stays the latest.
 
 Signals (`SignalWatch`): the first of ``train.save_on_signal`` (default SIGTERM, SIGUSR1) asks for a stop; the
 engine all-reduces the request with the step's loss check, so every rank agrees at the same step boundary with no
-extra collective, and `Checkpointer.due` turns it into a save and `Preempted` (exit 75, EX_TEMPFAIL: rerun to resume).
+extra collective, and `Checkpointer.save` turns it into a save and `Preempted` (exit 75, EX_TEMPFAIL: rerun to resume).
 A signal during a save lets it finish, then stops. A second signal, at least `SignalWatch.REPEAT_S` after the first,
 exits at once (128 + its number), discarding a save in progress; launchers that forward a signal they received too
 (``deepspeed.launcher.launch``) deliver it twice within milliseconds, which counts once.

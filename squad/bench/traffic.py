@@ -1,0 +1,336 @@
+"""What a piece of PyTorch code asks of a GPU, counted op by op on any machine: kernels, host syncs, atomic ops,
+FLOPs and bytes read + written.
+
+A `TrafficRecorder` (a `TorchDispatchMode`) sees every aten op that reaches a kernel, forward and backward alike,
+and prices it from its operands' shapes and dtypes alone — nothing is timed, so the counts are exact and the same on
+every machine. Code runs on the ``meta`` device at full size (no memory, no arithmetic: a ViT-B block at 12 images ×
+13 tasks costs milliseconds to record) or on real tensors. With ``cuda_path=True`` (the default) the CUDA
+algorithm of squad's routed layers is forced (`squad.layers.experts.FORCE_SYNC_FREE`), so what is recorded is the
+path a GPU takes.
+
+What counts as what:
+
+- **kernel**: an op that launches work. Views, metadata ops and allocations without a fill (``empty``) launch
+  nothing and move no bytes.
+- **bytes**: every distinct input tensor read once at its logical size (a stride-0 expanded dimension counts once),
+  every output written once; an in-place op reads and writes its target. Real kernels may read an operand twice
+  (a matmul's tiles) or fuse two ops: this is the traffic the op graph implies, the quantity that decides
+  memory-bound kernels.
+- **FLOPs**: 2·m·n·k for matmuls (``mm``, ``addmm``, ``bmm``, ``baddbmm``, grouped matmuls), 4·B·H·Nq·Nk·d for an
+  attention forward and 10·B·H·Nq·Nk·d for its backward (the flash form recomputes the scores), convolution by its
+  output; element-wise work is not counted as FLOPs (it is priced by its bytes).
+- **host sync**: an op whose result the host must wait for (``_local_scalar_dense`` behind ``.item()``/``int()``,
+  ``nonzero``, ``masked_select``, ``unique``, ``bincount`` without a length, ``repeat_interleave`` without an output
+  size) and every ``Tensor.tolist()``; on ``meta`` tensors a host read cannot return a value and raises
+  `HostReadOnMeta` after it is recorded.
+- **atomic**: ops that accumulate into shared rows (``index_add``, ``index_put`` with ``accumulate``,
+  ``scatter_add``/``scatter_reduce``, ``index_reduce``, embedding and embedding-bag backward, ``bincount``).
+- **pin**: ``pin_memory`` (not allowed inside a compiled region on CUDA).
+
+Example::
+
+    grad = torch.randn_like(x)          # made outside: only the layer's own work is recorded
+    with TrafficRecorder() as rec:
+        layer(x).backward(grad)
+    print(rec.summary().table())
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+aten = torch.ops.aten
+
+_NO_KERNEL = {
+    "empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "lift_fresh", "detach", "alias",
+    "_reshape_alias", "set_", "resize_", "_unsafe_view", "view", "as_strided", "sym_size", "sym_stride",
+    "sym_numel", "sym_storage_offset", "is_same_size", "_has_compatible_shallow_copy_type", "record_stream",
+    "is_pinned", "_local_scalar_dense_meta",
+}
+_SYNC = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique", "_unique2", "unique_dim",
+         "unique_consecutive", "nonzero_static_meta"}
+_ATOMIC = {"index_add", "index_add_", "scatter_add", "scatter_add_", "scatter_reduce", "scatter_reduce_",
+           "index_reduce", "index_reduce_", "embedding_dense_backward", "_embedding_bag_backward",
+           "_embedding_bag_dense_backward", "_embedding_bag_per_sample_weights_backward", "bincount", "histc",
+           "_index_put_impl_"}
+_PIN = {"_pin_memory", "pin_memory"}
+_MATMUL = {"mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "grouped_mm", "_scaled_grouped_mm", "addmv", "mv",
+           "dot", "vdot", "_addmm_activation"}
+_ATTENTION_FWD = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                  "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_attention_math",
+                  "_scaled_dot_product_flash_attention_for_cpu", "_flash_attention_forward",
+                  "_efficient_attention_forward", "scaled_dot_product_attention")
+
+
+class HostReadOnMeta(RuntimeError):
+    """A host read (``.item()``, ``.tolist()``, ``nonzero``...) on a meta tensor: it is recorded as a sync, but no
+    value exists to return. Record such code on real tensors."""
+
+
+@dataclasses.dataclass
+class OpRecord:
+    """One launched op: its aten name, FLOPs, bytes and flags."""
+
+    op: str
+    flops: float = 0.0
+    bytes_read: float = 0.0
+    bytes_written: float = 0.0
+    sync: bool = False
+    atomic: bool = False
+    pin: bool = False
+    matmul: bool = False
+    dtype: str = ""
+
+    @property
+    def bytes(self) -> float:
+        return self.bytes_read + self.bytes_written
+
+
+@dataclasses.dataclass
+class Traffic:
+    """The totals of a recording, with the records behind them.
+
+    Attributes:
+        records: every launched op in the order it ran.
+    """
+
+    records: list[OpRecord]
+
+    @property
+    def kernels(self) -> int:
+        return len(self.records)
+
+    @property
+    def syncs(self) -> int:
+        return sum(r.sync for r in self.records)
+
+    @property
+    def atomics(self) -> int:
+        return sum(r.atomic for r in self.records)
+
+    @property
+    def pins(self) -> int:
+        return sum(r.pin for r in self.records)
+
+    @property
+    def flops(self) -> float:
+        return sum(r.flops for r in self.records)
+
+    @property
+    def bytes(self) -> float:
+        return sum(r.bytes for r in self.records)
+
+    @property
+    def matmul_bytes(self) -> float:
+        return sum(r.bytes for r in self.records if r.matmul)
+
+    def largest_atomic_bytes(self) -> float:
+        """Bytes written by the largest atomic op (0 if none): a few tiny per-task sums are harmless, an atomic
+        scatter of every routed row is not."""
+        return max((r.bytes_written for r in self.records if r.atomic), default=0.0)
+
+    def by_op(self) -> list[tuple[str, int, float, float]]:
+        """(op, calls, GFLOP, GB) per aten op name, most bytes first."""
+        table: dict[str, list[float]] = {}
+        for r in self.records:
+            row = table.setdefault(r.op, [0, 0.0, 0.0])
+            row[0] += 1
+            row[1] += r.flops
+            row[2] += r.bytes
+        rows = [(op, int(c), f / 1e9, b / 1e9) for op, (c, f, b) in table.items()]
+        return sorted(rows, key=lambda row: -row[3])
+
+    def totals(self) -> dict:
+        """The summary as plain numbers (JSON-ready)."""
+        return {"kernels": self.kernels, "host_syncs": self.syncs, "atomics": self.atomics, "pins": self.pins,
+                "gflop": self.flops / 1e9, "gbytes": self.bytes / 1e9,
+                "largest_atomic_mbytes": self.largest_atomic_bytes() / 1e6}
+
+    def table(self, top: int = 20) -> str:
+        """The per-op table as text (``top`` rows, most bytes first)."""
+        lines = [f"{'op':<44}{'calls':>6}{'GFLOP':>10}{'GB':>9}"]
+        lines += [f"{op:<44}{calls:>6}{gf:>10.2f}{gb:>9.3f}" for op, calls, gf, gb in self.by_op()[:top]]
+        t = self.totals()
+        lines.append(f"{'total':<44}{t['kernels']:>6}{t['gflop']:>10.2f}{t['gbytes']:>9.3f}  "
+                     f"syncs {t['host_syncs']}  atomics {t['atomics']}  pins {t['pins']}")
+        return "\n".join(lines)
+
+
+def _logical_bytes(t: torch.Tensor) -> float:
+    """Bytes of the distinct elements a tensor view addresses (an expanded, stride-0 dimension counts once)."""
+    n = 1
+    for size, stride in zip(t.shape, t.stride(), strict=True):
+        if stride != 0:
+            n *= size
+    return float(n * t.element_size()) if t.numel() else 0.0
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    flat, _ = tree_flatten(tree)
+    return [x for x in flat if isinstance(x, torch.Tensor)]
+
+
+def _matmul_flops(name: str, args: Sequence, out: torch.Tensor) -> float:
+    """2·m·n·k of a matmul-family op from its operands (grouped forms: every row once against its group's weight)."""
+    if name in ("addmm", "_addmm_activation", "baddbmm"):
+        a, b = args[1], args[2]
+    else:
+        a, b = args[0], args[1]
+    if name in ("_grouped_mm", "grouped_mm", "_scaled_grouped_mm"):
+        if a.dim() == 2 and b.dim() == 3:  # [R, K] x [G, K, N]: each row against one group's weight
+            return 2.0 * a.shape[0] * a.shape[1] * b.shape[2]
+        if a.dim() == 2 and b.dim() == 2:  # [K, R] x [R, N] -> [G, K, N]: each row once
+            return 2.0 * a.shape[0] * a.shape[1] * b.shape[1]
+        return 2.0 * out.numel() * a.shape[-1]  # 3D x 3D: batched
+    if name in ("dot", "vdot"):
+        return 2.0 * a.numel()
+    if name in ("mv", "addmv"):
+        return 2.0 * a.numel()
+    return 2.0 * out.numel() * a.shape[-1]  # mm / bmm: [.., m, k] x [.., k, n]
+
+
+def _attention_flops(name: str, args: Sequence) -> float:
+    """Scores and weighted values: 4·B·H·Nq·Nk·d forward, 10·B·H·Nq·Nk·d backward (the flash backward recomputes
+    the scores), from q [B, H, Nq, d] and k [B, H(kv), Nk, d]."""
+    q, k = args[0], args[1]
+    if q.dim() < 4 or k.dim() < 4:
+        return 0.0
+    b, h, nq, d = q.shape[0], q.shape[1], q.shape[-2], q.shape[-1]
+    nk = k.shape[-2]
+    per = b * h * nq * nk * d
+    return (10.0 if "backward" in name else 4.0) * per
+
+
+def _conv_flops(args: Sequence, out: torch.Tensor) -> float:
+    weight = args[1]
+    return 2.0 * out.numel() * math.prod(weight.shape[1:])
+
+
+class TrafficRecorder(TorchDispatchMode):
+    """Records every launched aten op's FLOPs, bytes, syncs and atomics (see the module docstring).
+
+    Args:
+        cuda_path: force the algorithm CUDA tensors take in squad's routed layers while recording (default True).
+    """
+
+    def __init__(self, cuda_path: bool = True):
+        super().__init__()
+        self.cuda_path = cuda_path
+        self.records: list[OpRecord] = []
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self):
+        if self.cuda_path:
+            self._stack.enter_context(force_cuda_path())
+        self._stack.enter_context(_recorded_tolist(self))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._stack.close()
+
+    def summary(self) -> Traffic:
+        return Traffic(list(self.records))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        inputs = _tensors((args, kwargs))
+        if name in _SYNC:
+            self.records.append(OpRecord(name, bytes_read=sum(map(_logical_bytes, inputs)), sync=True))
+            if any(t.device.type == "meta" for t in inputs):
+                raise HostReadOnMeta(f"host read ({name}) on a meta tensor: record this code on real tensors")
+            return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if func.is_view or name in _NO_KERNEL:
+            return out
+        self.records.append(self._price(func, name, args, kwargs, inputs, out))
+        return out
+
+    def _price(self, func, name: str, args, kwargs, inputs: list[torch.Tensor], out) -> OpRecord:
+        outputs = _tensors(out)
+        written: list[torch.Tensor] = []
+        for i, arg in enumerate(func._schema.arguments):  # in-place / out=: the written arguments are the outputs
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                written += _tensors(kwargs.get(arg.name, args[i] if i < len(args) else None))
+        in_place = bool(written) and not any(a.name == "out" for a in func._schema.arguments
+                                             if a.alias_info is not None and a.alias_info.is_write)
+        written_ids = {id(t) for t in written}
+        written = written or outputs
+        seen: set[int] = set()
+        read = 0.0
+        for t in inputs:  # an out= buffer is only written; an in-place target is read and written
+            if id(t) in seen or (id(t) in written_ids and not in_place):
+                continue
+            seen.add(id(t))
+            read += _logical_bytes(t)
+        record = OpRecord(name, bytes_read=read, bytes_written=sum(map(_logical_bytes, written)),
+                          dtype=str(outputs[0].dtype).removeprefix("torch.") if outputs else "")
+        base = name.rstrip("_")  # in-place forms (addmm_) cost what their functional form does
+        if base in _MATMUL:
+            record.matmul = True
+            record.flops = _matmul_flops(base, args, outputs[0] if outputs else written[0])
+        elif name.startswith(_ATTENTION_FWD) or "attention" in name:
+            record.matmul = True
+            record.flops = _attention_flops(name, args)
+        elif name in ("convolution", "_convolution", "conv2d"):
+            record.matmul = True
+            record.flops = _conv_flops(args, outputs[0])
+        elif name == "convolution_backward":
+            record.matmul = True
+            record.flops = 2.0 * _conv_flops(args[1:], args[0])
+        record.atomic = name in _ATOMIC or (name in ("index_put", "index_put_") and _accumulates(args, kwargs))
+        record.pin = name in _PIN
+        return record
+
+
+def _accumulates(args, kwargs) -> bool:
+    value = kwargs.get("accumulate", args[3] if len(args) > 3 else False)
+    return bool(value)
+
+
+@contextlib.contextmanager
+def force_cuda_path() -> Iterator[None]:
+    """Inside the block squad's routed layers take the algorithm CUDA tensors take, on any device."""
+    from squad.layers import experts
+
+    saved = experts.FORCE_SYNC_FREE
+    experts.FORCE_SYNC_FREE = True
+    try:
+        yield
+    finally:
+        experts.FORCE_SYNC_FREE = saved
+
+
+@contextlib.contextmanager
+def _recorded_tolist(recorder: TrafficRecorder) -> Iterator[None]:
+    """``Tensor.tolist`` reads the device without an aten op: count it as a host sync while recording."""
+    original = torch.Tensor.tolist
+
+    def tolist(self):
+        recorder.records.append(OpRecord("tolist", bytes_read=_logical_bytes(self), sync=True))
+        if self.device.type == "meta":
+            raise HostReadOnMeta("host read (tolist) on a meta tensor: record this code on real tensors")
+        return original(self)
+
+    torch.Tensor.tolist = tolist
+    try:
+        yield
+    finally:
+        torch.Tensor.tolist = original
+
+
+def record(fn: Callable[[], object], cuda_path: bool = True) -> Traffic:
+    """Runs ``fn()`` under a `TrafficRecorder` and returns what it launched."""
+    with TrafficRecorder(cuda_path=cuda_path) as rec:
+        fn()
+    return rec.summary()

@@ -1,6 +1,7 @@
 """The conditional layers' GPU algorithms against their CPU ones (float64, on CPU tensors), and the GPU-only checks.
 
-The sync-free path of MoE MLP / MoE attention (`squad.layers.experts.FORCE_SYNC_FREE` runs it on the CPU), the
+The CUDA path of MoE MLP / MoE attention (the grouped-GEMM kernel ops; `squad.kernels.device.force_cuda_path` runs it
+on the CPU, where the ops take their PyTorch reference), the
 grouped per-task routers, capacity dropping without a histogram, MoNE's nested projections into the residual and
 MoD's in-place scatter must give today's outputs and gradients on odd shapes, empty experts, all tokens on one
 expert, no-op experts and capacity drops. Tests marked ``gpu`` run the layers on CUDA in bf16 (sync debug mode,
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 
 import squad
 from squad.config.model import BlockSpec, MoAConfig, MoDConfig, MoEConfig, MoNEConfig, RouterConfig
+from squad.kernels.device import force_cuda_path
 from squad.layers import experts as X
 from squad.layers.attention import attend
 from squad.layers.block import Block
@@ -137,9 +139,9 @@ MOE = {
 @pytest.mark.parametrize("name", list(MOE))
 @pytest.mark.parametrize("one_expert", [False, True], ids=["spread", "one_expert"])
 def test_sync_free_layers_equal_cpu_layers(name, one_expert, monkeypatch):
-    """MoE MLP (no-op experts, capacity drops, no bias) and MoE attention: forward, input and parameter gradients of
-    the sync-free path equal the CPU path's, on 3 tasks in task-major runs of odd length (float64; MoE attention in
-    float32, the attention kernels' widest type)."""
+    """MoE MLP (no-op experts, capacity drops, no bias) and MoE attention (routed and dense all-head projections):
+    forward, input and parameter gradients of the CUDA path equal the CPU path's, on 3 tasks in task-major runs of
+    odd length (float64; MoE attention in float32, the attention kernels' widest type)."""
     rows, n = 5, 7
     dtype, tol = (torch.float32, 2e-6) if name == "moa" else (torch.float64, 1e-12)
     task_ids = torch.tensor([0, 0, 2, 2, 2])
@@ -148,23 +150,28 @@ def test_sync_free_layers_equal_cpu_layers(name, one_expert, monkeypatch):
     if one_expert:  # every token's first choice is expert 0
         x0[..., 0] = 3.0
     outs = []
-    for force in (False, True):
-        monkeypatch.setattr(X, "FORCE_SYNC_FREE", force)
+    forms = [None, "routed", "dense"] if name == "moa" else [None, None]
+    for force, form in zip((False, True, True), forms, strict=False):
+        if form is not None:
+            monkeypatch.setattr(MoEAttention, "projections", lambda self, *a, f=form: f)
         layer = _layer(MOE[name], dtype)
         if one_expert:
             with torch.no_grad():
                 layer.router.gate.weight[:, 0, 0] = 20.0
         x = x0.clone().requires_grad_()
         ctx = ForwardContext(task_ids=task_ids, num_tasks=3, segments=segments)
-        y = layer(x, ctx)
+        with force_cuda_path(force):
+            y = layer(x, ctx)
         loss = (y * torch.linspace(-1, 1, y.numel(), dtype=dtype).view_as(y)).sum() + ctx.stats[0].mass.pow(2).sum()
         params = [p for p in layer.parameters()]
-        outs.append([y, ctx.stats[0].counts, *torch.autograd.grad(loss, [x, *params], allow_unused=True)])
-    for a, b in zip(*outs, strict=True):
-        if a is None:
-            assert b is None
-        else:
-            torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+        with force_cuda_path(force):
+            outs.append([y, ctx.stats[0].counts, *torch.autograd.grad(loss, [x, *params], allow_unused=True)])
+    for other in outs[1:]:
+        for a, b in zip(outs[0], other, strict=True):
+            if a is None:
+                assert b is None
+            else:
+                torch.testing.assert_close(a, b, rtol=tol, atol=tol)
 
 
 def test_sync_free_path_never_reads_the_device(monkeypatch):
@@ -183,10 +190,9 @@ def test_sync_free_path_never_reads_the_device(monkeypatch):
 
     makers = [lambda: MoEMlp(32, 48, MoEConfig(num_experts=4, top_k=2, noop_experts=1, capacity_factor=1.0), 3),
               lambda: MoEAttention(32, MoAConfig(num_experts=4, top_k=2, head_dim=16), 3)]
-    monkeypatch.setattr(X, "FORCE_SYNC_FREE", True)
-    for make in makers:
-        run(make)
-    monkeypatch.setattr(X, "FORCE_SYNC_FREE", False)
+    with force_cuda_path():
+        for make in makers:
+            run(make)
     with pytest.raises((RuntimeError, NotImplementedError)):
         run(makers[0])
 

@@ -5,7 +5,7 @@ A `TrafficRecorder` (a `TorchDispatchMode`) sees every aten op that reaches a ke
 and prices it from its operands' shapes and dtypes alone — nothing is timed, so the counts are exact and the same on
 every machine. Code runs on the ``meta`` device at full size (no memory, no arithmetic: a ViT-B block at 12 images ×
 13 tasks costs milliseconds to record) or on real tensors. With ``cuda_path=True`` (the default) the CUDA
-algorithm of squad's routed layers is forced (`squad.layers.experts.FORCE_SYNC_FREE`), so what is recorded is the
+algorithm of squad's routed layers is forced (`squad.kernels.device.force_cuda_path`), so what is recorded is the
 path a GPU takes.
 
 What counts as what:
@@ -45,6 +45,8 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from squad.kernels import device
 
 aten = torch.ops.aten
 
@@ -276,7 +278,9 @@ class TrafficRecorder(TorchDispatchMode):
         record = OpRecord(name, bytes_read=read, bytes_written=sum(map(_logical_bytes, written)),
                           dtype=str(outputs[0].dtype).removeprefix("torch.") if outputs else "")
         base = name.rstrip("_")  # in-place forms (addmm_) cost what their functional form does
-        if base in _MATMUL:
+        if func.namespace == "squad" and name in SQUAD_OPS:
+            SQUAD_OPS[name](record, args)
+        elif base in _MATMUL:
             record.matmul = True
             record.flops = _matmul_flops(base, args, outputs[0] if outputs else written[0])
         elif name.startswith(_ATTENTION_FWD) or "attention" in name:
@@ -300,15 +304,10 @@ def _accumulates(args, kwargs) -> bool:
 
 @contextlib.contextmanager
 def force_cuda_path() -> Iterator[None]:
-    """Inside the block squad's routed layers take the algorithm CUDA tensors take, on any device."""
-    from squad.layers import experts
-
-    saved = experts.FORCE_SYNC_FREE
-    experts.FORCE_SYNC_FREE = True
-    try:
+    """Inside the block squad's routed layers take the algorithm CUDA tensors take, on any device
+    (`squad.kernels.device.force_cuda_path`)."""
+    with device.force_cuda_path():
         yield
-    finally:
-        experts.FORCE_SYNC_FREE = saved
 
 
 @contextlib.contextmanager
@@ -334,3 +333,39 @@ def record(fn: Callable[[], object], cuda_path: bool = True) -> Traffic:
     with TrafficRecorder(cuda_path=cuda_path) as rec:
         fn()
     return rec.summary()
+
+
+# ------------------------------------------------------------------------------ squad's own custom ops
+# The grouped GEMMs of the routed layers (`squad.kernels.grouped`) are one launch each: their FLOPs are the
+# multiply-adds of every sorted row (rows past the last group, zero-filled, counted too: an upper bound), and an
+# input read through a row index (a token's row gathered once per slot) is counted once per row that reads it, the
+# traffic a GPU pays when the gathered rows miss in cache.
+
+
+def _rows_read(t: torch.Tensor, rows: torch.Tensor | None) -> float:
+    """Bytes of ``t`` as read through ``rows`` (each indexed row once per index), or once when not indexed."""
+    if rows is None:
+        return _logical_bytes(t)
+    return float(rows.numel() * t.shape[1] * t.element_size())
+
+
+def _price_grouped_mm(record: OpRecord, args: Sequence) -> None:
+    a, a_rows, w, rows = args[0], args[1], args[2], args[8]
+    record.matmul = True
+    record.flops = 2.0 * rows * w.shape[1] * w.shape[2]
+    record.bytes_read += _rows_read(a, a_rows) - _logical_bytes(a)
+
+
+def _price_grouped_wgrad(record: OpRecord, args: Sequence) -> None:
+    a, a_rows, b, b_rows = args[0], args[1], args[2], args[3]
+    rows = (a_rows if a_rows is not None else a).shape[0]
+    record.matmul = True
+    record.flops = 2.0 * rows * a.shape[1] * b.shape[1]
+    record.bytes_read += _rows_read(a, a_rows) - _logical_bytes(a) + _rows_read(b, b_rows) - _logical_bytes(b)
+
+
+SQUAD_OPS: dict[str, Callable[[OpRecord, Sequence], None]] = {
+    "grouped_mm": _price_grouped_mm,
+    "grouped_wgrad": _price_grouped_wgrad,
+}
+"""Pricing of ``squad::`` custom ops by their name (the ops' schemas: `squad.kernels.grouped`)."""

@@ -12,12 +12,11 @@ import math
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from squad.config.model import MoEConfig
 from squad.layers.base import ExpertLayer, select_rows
 from squad.layers.context import ForwardContext
-from squad.layers.experts import dispatch_matmul, matmul_combine, plan_dispatch
+from squad.layers.experts import expert_mlp, plan_dispatch
 from squad.layers.routing import Routing, TaskRouter
 
 
@@ -51,8 +50,7 @@ class ExpertMLP(nn.Module):
         """x [M, D], gates/experts [M, k] → [M, D] = Σ_slots gate · expert(x); ``noop=False`` promises that no slot
         names a no-op expert (the sync-free path then skips masking their rows)."""
         plan = plan_dispatch(experts, self.num_experts, host_sizes=False, noop=noop)
-        h = F.gelu(dispatch_matmul(x, self.w1, plan, self.b1))  # [M·k, H], rows grouped by expert
-        return matmul_combine(h, self.w2, gates, plan, self.b2)  # [M, D]
+        return expert_mlp(x, self.w1, self.b1, self.w2, self.b2, gates, plan)  # [M, D]
 
 
 def apply_capacity(routing: Routing, num_experts: int, capacity_factor: float) -> Routing:

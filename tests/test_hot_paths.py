@@ -174,6 +174,37 @@ def test_sync_free_layers_equal_cpu_layers(name, one_expert, monkeypatch):
                 torch.testing.assert_close(a, b, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("name,form", [("moe_noop", None), ("moe_capacity", None), ("moa", "routed"),
+                                       ("moa", "dense")])
+def test_cuda_path_in_bf16_with_real_values_matches_float64(name, form, monkeypatch):
+    """The CUDA path in bf16 (the GPU's training dtype) on real values — the grouped-GEMM ops' reference on the CPU,
+    fp32 inside — against the CPU algorithm in float64 (MoE attention: float32, the attention's widest type): output
+    and every gradient within bf16's ~3 significant digits (relative norm error), on the same routing decision."""
+    if form is not None:
+        monkeypatch.setattr(MoEAttention, "projections", lambda self, *a: form)
+    rows, n = 6, 9
+    ids, segments = torch.tensor([0, 0, 1, 1, 2, 2]), [(0, 0, 2), (1, 2, 4), (2, 4, 6)]
+    x0 = torch.randn(rows, n, 12)
+    with torch.no_grad():  # one routing decision for both passes (bf16 logits could break a near tie otherwise)
+        decided = _layer(MOE[name], torch.float64).router(x0.double(), ForwardContext(task_ids=ids, num_tasks=3,
+                                                                                      segments=segments))
+    results = []
+    for force, dtype in ((False, torch.float32 if name == "moa" else torch.float64), (True, torch.bfloat16)):
+        layer = _layer(MOE[name], dtype)
+        x = x0.to(dtype).requires_grad_()
+        gates = decided.gates.to(dtype).requires_grad_()  # a leaf: the gate's gradient is compared too
+        layer.router.forward = lambda *a, g=gates: Routing(g, decided.experts, decided.probs)
+        with force_cuda_path(force):
+            ctx = ForwardContext(task_ids=ids, num_tasks=3, segments=segments)
+            y = layer(x, ctx)
+            params = [p for n, p in layer.named_parameters() if not n.startswith("router.")]
+            grads = torch.autograd.grad(y.float().square().sum(), [x, gates, *params])
+        results.append([y, *grads])
+    for want, got in zip(*results, strict=True):
+        err = (got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-12)
+        assert err < 3e-2, err
+
+
 def test_sync_free_path_never_reads_the_device(monkeypatch):
     """Meta tensors have no values to read: the sync-free path runs MoE MLP (no-op experts, capacity drops, noisy
     routers) and MoE attention forward and backward on them in bf16 — nothing in it reads the device from the

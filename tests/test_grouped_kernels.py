@@ -1,6 +1,7 @@
 """The grouped-GEMM ops of the routed layers' CUDA path (squad.kernels.grouped): the PyTorch reference against a
 per-row loop, the custom ops' schemas and fake kernels, the Triton kernels against the reference (in Triton's CPU
-interpreter, in a subprocess: ``TRITON_INTERPRET=1`` must be set before torch is imported) on odd shapes, empty
+interpreter, in a subprocess: ``TRITON_INTERPRET=1`` must be set before torch is imported; it runs MoNE's kernel
+tests too) on odd shapes, empty
 groups, rows of no group (no-op experts, dropped slots) and tiles smaller than a group, the MoE MLP built on them
 against the CPU algorithm, and the kernels compiled for sm_80/sm_90 down to a cubin (no GPU needed).
 """
@@ -217,14 +218,16 @@ def test_triton_moe_mlp_matches_the_cpu_algorithm(case, dtype):
                     reason="runs the Triton tests in an interpreter subprocess when there is no GPU")
 @pytest.mark.slow
 def test_triton_kernels_in_interpreter():
+    """The Triton tests of this file and of tests/test_nested_kernels.py (MoNE's kernels), in a subprocess started
+    with TRITON_INTERPRET=1."""
     env = dict(os.environ, TRITON_INTERPRET="1")
-    cmd = [sys.executable, "-m", "pytest", os.path.abspath(__file__), "-q", "-p", "no:cacheprovider",
-           "-k", "test_triton_"]
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    here = os.path.dirname(os.path.abspath(__file__))
+    cmd = [sys.executable, "-m", "pytest", os.path.abspath(__file__), os.path.join(here, "test_nested_kernels.py"),
+           "-q", "-p", "no:cacheprovider", "-k", "test_triton_"]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200, cwd=os.path.dirname(here))
     report = res.stdout[-6000:] + res.stderr[-2000:]
     assert res.returncode == 0, report
-    assert f"{4 + 2 * len(MLP_CASES)} passed" in res.stdout, report  # ran, not skipped
+    assert f"{4 + 2 * len(MLP_CASES) + 3} passed" in res.stdout, report  # ran, not skipped
 
 
 GPU_COMPILE = [  # (kernel, dtype, flags, sm): every epilogue, both kernels, 16-bit and fp32 tiles, sm_80 and sm_90

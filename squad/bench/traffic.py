@@ -364,8 +364,44 @@ def _price_grouped_wgrad(record: OpRecord, args: Sequence) -> None:
     record.bytes_read += _rows_read(a, a_rows) - _logical_bytes(a) + _rows_read(b, b_rows) - _logical_bytes(b)
 
 
+def _nested_groups(groups: Sequence[int]) -> list[tuple[int, int]]:
+    """(rows, width) of each group of a ``squad::nested_*`` op (its host ints [ends..., widths...])."""
+    g = len(groups) // 2
+    ends, widths = list(groups[:g]), list(groups[g:])
+    return [(end - first, w) for first, end, w in zip([0, *ends[:-1]], ends, widths, strict=True)]
+
+
+def _price_nested_linear(record: OpRecord, args: Sequence) -> None:
+    """A nested projection reads the first w features of a token's row (input projections) or computes only the
+    first w output features (output projections; with the residual read and written whole, or in place only there)."""
+    a, w, groups = args[0], args[1], _nested_groups(args[4])
+    in_mode = len(args) == 11 and args[6] == "in"
+    item = a.element_size()
+    n_out, k = w.shape
+    record.matmul = True
+    if in_mode:
+        record.flops = sum(2.0 * n * width * n_out for n, width in groups)
+        record.bytes_read += sum(n * width for n, width in groups) * item - _logical_bytes(a)
+    else:
+        record.flops = sum(2.0 * n * k * width for n, width in groups)
+    if len(args) == 7:  # in place (nested_linear_): only each group's first w features of the residual
+        residual = args[5]
+        touched = sum(n * width for n, width in groups) * residual.element_size()
+        record.bytes_read += touched - _logical_bytes(residual)
+        record.bytes_written += touched - _logical_bytes(residual)
+
+
+def _price_nested_norm(record: OpRecord, args: Sequence) -> None:
+    """A nested layer norm reads every feature and writes each token's first w."""
+    x, groups = args[0], _nested_groups(args[6])
+    record.bytes_written = sum(n * width for n, width in groups) * x.element_size()
+
+
 SQUAD_OPS: dict[str, Callable[[OpRecord, Sequence], None]] = {
     "grouped_mm": _price_grouped_mm,
     "grouped_wgrad": _price_grouped_wgrad,
+    "nested_linear": _price_nested_linear,
+    "nested_linear_": _price_nested_linear,
+    "nested_norm": _price_nested_norm,
 }
 """Pricing of ``squad::`` custom ops by their name (the ops' schemas: `squad.kernels.grouped`)."""

@@ -66,8 +66,7 @@ class RoutedLayer(nn.Module):
             aux_loss: the layer's auxiliary loss, already averaged, or None.
             experts: [R·N, k] every token's selections; kept only when ``ctx.record_routing``.
         """
-        rows = ctx.task_ids.numel()
-        tokens = ctx.per_task_sum(torch.full((rows,), float(tokens_per_row), device=counts.device))
+        tokens = ctx.rows_per_task() * tokens_per_row
         stats = RouterStats(self.layer_name, self.kind, None if mass is None else ctx.per_task_sum(mass),
                             ctx.per_task_sum(counts).detach(), tokens, top_k, aux_loss,
                             experts.detach() if experts is not None and ctx.record_routing else None)

@@ -61,17 +61,22 @@ def projection_costs(num_experts: int, top_k: int, head_dim: int, dim: int, toke
             + GPU_LAUNCH
 
     head = 2 * k * d * big_d  # FLOPs of one routed projection direction per token
-    routed = (launch(head, k * big_d + k * d)  # queries: each token's row read per head
-              + 2 * (launch(head, k * d + k * big_d) + launch(0, k * big_d + big_d))  # k rows of width D, summed
-              + launch(head, k * big_d + 2 * k * d)  # output projection's input gradient
+    k_sum = launch(0, k * big_d + big_d) if k > 1 else 0.0  # each token's k rows of width D summed
+    routed = (launch(head, k * big_d + k * d)  # queries: each token's row read once per head
+              + 2 * (launch(head, k * d + k * big_d) + k_sum)  # output forward, query input gradient: k rows each
+              + launch(head, k * big_d + 2 * k * d)  # output projection's input gradient (and the gate's)
               + 2 * launch(head, k * big_d + k * d)  # the two weight gradients
-              + 12 * GPU_LAUNCH)  # the plan (sort, inverse permutation, group ends) and the gate permutations
+              + 2 * launch(0, 3 * big_d)  # the output bias added, and one more input-gradient sum (x read twice)
+              + launch(0, big_d)  # the output bias's gradient
+              + 12 * GPU_LAUNCH)  # the plan (sort, permutations, group ends) and the gates' permutations
     full = 2 * e * d * big_d  # FLOPs of one all-head GEMM per token
     select = launch(2 * k * e * d, e * d + k * e + k * d)  # a batched matmul with the one-hot selection
-    dense = (6 * launch(full, e * d + big_d)  # Q, output, and backward dQ·Wqᵀ, xᵀ·dQ, dy·Woᵀ, bufferᵀ·dy
+    dense = (4 * launch(full, e * d + big_d)  # Q, output, and backward dy·Woᵀ, bufferᵀ·dy
+             + launch(full, big_d + e * d) + launch(full, e * d + 2 * big_d)  # xᵀ·dQ, and dx += dQ·Wqᵀ in place
              + 4 * select  # selected queries, gated buffer, and their two backward counterparts
-             + 5 * launch(0, k * e)  # one-hot selection, gated selection, gate gradient, gated head gradient
-             + 2 * GPU_LAUNCH)
+             + launch(0, 2 * k * e) + launch(2 * k * d, 2 * k * d) + launch(0, 2 * k * d)  # gates, their gradient
+             + launch(0, big_d)  # the output bias's gradient
+             + 3 * GPU_LAUNCH)  # the one-hot selection (zeros, scatter) and the stacked query weights
     return {"routed": routed, "dense": dense}
 
 

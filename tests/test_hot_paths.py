@@ -114,6 +114,33 @@ def test_sync_free_readable_pieces_compose_to_the_fused_ops():
     torch.testing.assert_close(combine(rows, gates, cpu), matmul_combine(dispatch_tokens(x, cpu), w, gates, free, b))
 
 
+@pytest.mark.parametrize("force", [False, True], ids=["cpu", "cuda_path"])
+def test_the_steps_expert_parallelism_runs_apart_compose_to_the_moe_mlp(force):
+    """An MoE MLP as the three steps expert parallelism separates — dispatch by the plan, the experts on grouped rows
+    (`Groups`, as a rank holds its received rows), combine — equals the fused `ExpertMLP` (no-op slots included):
+    values and every gradient, on the CPU algorithm and on the kernel path."""
+    m, k, e = 23, 3, 4
+    experts = _routes(m, k, e, 2, "random", torch.Generator().manual_seed(1))
+    mlp = MoEMlp(6, 5, MoEConfig(num_experts=e, top_k=k, noop_experts=2), num_tasks=1).experts.double()
+    with torch.no_grad():
+        mlp.b1.normal_()
+        mlp.b2.normal_()
+    x = torch.randn(m, 6, dtype=torch.float64, requires_grad=True)
+    gates = torch.rand(m, k, dtype=torch.float64, requires_grad=True)
+    leaves = [x, gates, *mlp.parameters()]
+    with force_cuda_path(force):
+        fused = mlp(x, gates, experts)
+        plan = plan_dispatch(experts, e, host_sizes=False)
+        groups = X.Groups(counts=plan.counts, offsets=plan.offsets, tail=True)  # the rows' experts, nothing else
+        rows = dispatch_tokens(x, plan)  # [M·k, D] grouped by expert: what all_to_all_single would send
+        h = F.gelu(grouped_matmul(rows, mlp.w1, groups, mlp.b1))
+        apart = combine(grouped_matmul(h, mlp.w2, groups, mlp.b2), gates, plan)
+        grads = [torch.autograd.grad(y.square().sum(), leaves) for y in (fused, apart)]
+    torch.testing.assert_close(apart, fused, rtol=1e-12, atol=1e-12)
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
 def _layer(make, dtype, seed=0):
     torch.manual_seed(seed)
     layer = make().to(dtype)

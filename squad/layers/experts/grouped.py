@@ -107,9 +107,9 @@ def grouped_mm_flops(a: torch.Tensor, b: torch.Tensor, *args, out_val: torch.Ten
     return 2 * a.shape[0] * a.shape[1] * b.shape[1]  # a [K, R] × b [R, N], partitioned along R
 
 
-def add_row_bias_(out: torch.Tensor, bias: torch.Tensor, plan: Dispatch) -> None:
-    """out[rows of e] += bias[e], in place: a slice per group (host sizes); under torch.export the gathered
-    [M·k, N] bias rows (zero on no-op rows)."""
+def add_row_bias_(out: torch.Tensor, bias: torch.Tensor, plan: Groups) -> None:
+    """out[rows of e] += bias[e], in place: a slice per group (host sizes); under torch.export (a `Dispatch`) the
+    gathered [M·k, N] bias rows (zero on no-op rows)."""
     if torch.compiler.is_exporting():
         padded = torch.cat([bias, bias.new_zeros(1, bias.shape[1])])  # [E + 1, N]
         out += padded.index_select(0, plan.row_expert)
@@ -121,10 +121,11 @@ def add_row_bias_(out: torch.Tensor, bias: torch.Tensor, plan: Dispatch) -> None
         start += n
 
 
-def segment_sum(rows: torch.Tensor, plan: Dispatch) -> torch.Tensor:
-    """[M·k, N] sorted rows → [E, N] sums per expert (no-op rows left out): one `embedding_bag` over the groups."""
+def segment_sum(rows: torch.Tensor, plan: Groups) -> torch.Tensor:
+    """[R, N] grouped rows → [G, N] sums per group (rows past the last group left out): one `embedding_bag`."""
     idx = torch.arange(rows.shape[0], device=rows.device)
-    return F.embedding_bag(idx, rows, offsets=plan.starts, mode="sum")[: plan.num_experts]
+    starts = F.pad(plan.offsets.long(), (1, 0))  # [G + 1] first row of each group and of the tail
+    return F.embedding_bag(idx, rows, offsets=starts, mode="sum")[: plan.num_groups]
 
 
 class _GroupedMatmul(torch.autograd.Function):
@@ -181,14 +182,12 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, plan: Groups, bias: torch.T
     Args:
         x: [R, Din] rows in groups (R = M·k for a `Dispatch`; rows past the real experts' groups give zeros).
         w: [G, Din, Dout] one weight per group.
-        plan: the groups (a `Dispatch`, or `Groups` that cover every row).
-        bias: [G, Dout] or None (only with a `Dispatch`).
+        plan: the groups (a `Dispatch`, or `Groups`: e.g. the rows a rank received for its experts).
+        bias: [G, Dout] or None.
 
     Returns:
         [R, Dout].
     """
-    if bias is not None and not isinstance(plan, Dispatch):
-        raise TypeError("grouped_matmul: a bias needs a Dispatch plan (its rows' groups)")
     kernels = plan.sync_free if isinstance(plan, Dispatch) else takes_kernel_path(x.device)
     if kernels:
         return _KernelGroupedMatmul.apply(x, w, bias, plan.offsets)

@@ -32,7 +32,7 @@ EPILOGUES = ("linear", "gelu", "gate_grad")
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _pow2_block(size: int, cap: int) -> int:
+def pow2_block(size: int, cap: int) -> int:
     """A power of two >= 16 covering ``size``, at most ``cap``."""
     return max(16, min(cap, 1 << max(size - 1, 0).bit_length()))
 
@@ -42,15 +42,15 @@ def mm_config(k: int, n: int, dtype: torch.dtype) -> dict[str, object]:
     tiles for 16-bit operands (64×64×32 for float32), narrower where N or K is. Block sizes are powers of two >= 16
     and fit the 99 KiB of shared memory of an sm_86/sm_89 block (checked by compiling for sm_80 in the tests)."""
     wide = dtype == torch.float32
-    return {"BLOCK_M": 64 if wide else 128, "BLOCK_N": _pow2_block(n, 64 if wide else 128),
-            "BLOCK_K": _pow2_block(k, 32), "num_warps": 4 if wide else 8, "num_stages": 2 if wide else 3}
+    return {"BLOCK_M": 64 if wide else 128, "BLOCK_N": pow2_block(n, 64 if wide else 128),
+            "BLOCK_K": pow2_block(k, 32), "num_warps": 4 if wide else 8, "num_stages": 2 if wide else 3}
 
 
 def wgrad_config(k: int, n: int, dtype: torch.dtype) -> dict[str, object]:
     """Tiles of the weight-gradient kernel for a [K, N] gradient (the group's rows looped BLOCK_M at a time)."""
     wide = dtype == torch.float32
-    return {"BLOCK_M": 32, "BLOCK_K": _pow2_block(k, 64 if wide else 128),
-            "BLOCK_N": _pow2_block(n, 64 if wide else 128), "num_warps": 4 if wide else 8,
+    return {"BLOCK_M": 32, "BLOCK_K": pow2_block(k, 64 if wide else 128),
+            "BLOCK_N": pow2_block(n, 64 if wide else 128), "num_warps": 4 if wide else 8,
             "num_stages": 2 if wide else 3}
 
 

@@ -21,14 +21,14 @@ import torch
 import torch.nn.functional as F
 
 from .device import triton_runs_on
-from .grouped import KERNEL_DTYPES, _pow2_block
+from .grouped import KERNEL_DTYPES, pow2_block
 
 
 def nested_config(k: int, n: int, dtype: torch.dtype) -> dict[str, object]:
     """Tiles of the nested projection kernel (powers of two >= 16; as `grouped.mm_config`)."""
     wide = dtype == torch.float32
-    return {"BLOCK_M": 64 if wide else 128, "BLOCK_N": _pow2_block(n, 64 if wide else 128),
-            "BLOCK_K": _pow2_block(k, 32), "num_warps": 4 if wide else 8, "num_stages": 2 if wide else 3}
+    return {"BLOCK_M": 64 if wide else 128, "BLOCK_N": pow2_block(n, 64 if wide else 128),
+            "BLOCK_K": pow2_block(k, 32), "num_warps": 4 if wide else 8, "num_stages": 2 if wide else 3}
 
 
 def _rows(a: torch.Tensor) -> torch.Tensor:

@@ -40,43 +40,9 @@ import triton
 import triton.language as tl
 
 from .grouped import mm_config, wgrad_config
-from .triton_common import device_function, interpreter_enabled, wrap_kernels
+from .triton_common import gelu, gelu_grad, interpreter_enabled, tile_group, wrap_kernels
 
 EPILOGUES = {"linear": 0, "gelu": 1, "gate_grad": 2}
-
-
-@device_function
-def _gelu(x):
-    """Exact GELU (erf form, as `torch.nn.functional.gelu`) of an fp32 tile."""
-    return 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
-
-
-@device_function
-def _gelu_grad(x):
-    """d gelu(x) / dx = Φ(x) + x · φ(x) of an fp32 tile."""
-    return 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476)) + x * 0.3989422804014327 * tl.exp(-0.5 * x * x)
-
-
-@device_function
-def _tile_group(tile, ENDS, G, R, BLOCK_M: tl.constexpr):
-    """Row tile → (group, first row, end row): tiles are numbered group by group, each group's rows cut into
-    BLOCK_M-row tiles; group G is the tail of rows past the last group (its output is zero). (-1, 0, 0) past the last
-    tile."""
-    grp = -1
-    first = 0
-    end = 0
-    seen = 0  # tiles of the groups before g
-    prev = 0  # first row of group g
-    for g in range(G + 1):
-        e = tl.where(g < G, tl.load(ENDS + tl.minimum(g, G - 1)), R)
-        n = tl.cdiv(e - prev, BLOCK_M)
-        hit = (tile >= seen) & (tile < seen + n)
-        grp = tl.where(hit, g, grp)
-        first = tl.where(hit, prev + (tile - seen) * BLOCK_M, first)
-        end = tl.where(hit, e, end)
-        seen += n
-        prev = e
-    return grp, first, end
 
 
 def _grouped_mm_kernel(A, A_ROWS, W, BIAS, ENDS, SCALE, OUT_ROWS, OUT, EXTRA, AUX,
@@ -88,7 +54,7 @@ def _grouped_mm_kernel(A, A_ROWS, W, BIAS, ENDS, SCALE, OUT_ROWS, OUT, EXTRA, AU
                        AUX_GELU: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n = tl.program_id(1)
-    grp, first, end = _tile_group(tl.program_id(0), ENDS, G, R, BLOCK_M)
+    grp, first, end = tile_group(tl.program_id(0), ENDS, G, R, BLOCK_M)
     if grp < 0:
         return
     offs_m = first + tl.arange(0, BLOCK_M)  # sorted rows
@@ -145,13 +111,13 @@ def _grouped_mm_kernel(A, A_ROWS, W, BIAS, ENDS, SCALE, OUT_ROWS, OUT, EXTRA, AU
             acc += tl.load(BIAS + grp * stride_bg + offs_n * stride_bn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         if STORE_PRE:
             tl.store(extra_ptrs, acc.to(EXTRA.dtype.element_ty), mask=mask_mn)
-        tl.store(out_ptrs, _gelu(acc).to(OUT.dtype.element_ty), mask=mask_mn)
+        tl.store(out_ptrs, gelu(acc).to(OUT.dtype.element_ty), mask=mask_mn)
     else:
         aux = tl.load(AUX + out_rows[:, None] * stride_xm + offs_n[None, :] * stride_xn, mask=mask_mn,
                       other=0.0).to(tl.float32)
         if AUX_GELU:
-            part = tl.sum(acc * _gelu(aux), axis=1)
-            acc = acc * _gelu_grad(aux)
+            part = tl.sum(acc * gelu(aux), axis=1)
+            acc = acc * gelu_grad(aux)
         else:
             part = tl.sum(acc * aux, axis=1)
         tl.store(extra_tile, part + bias_dot, mask=mask_m)

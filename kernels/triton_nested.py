@@ -28,8 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import interpreter_enabled, wrap_kernels
-from .triton_grouped import _gelu, _tile_group
+from .triton_common import gelu, interpreter_enabled, tile_group, wrap_kernels
 
 
 def _nested_mm_kernel(A, W, BIAS, LAYOUT, RES, EMB, SCALE, OUT,
@@ -41,7 +40,7 @@ def _nested_mm_kernel(A, W, BIAS, LAYOUT, RES, EMB, SCALE, OUT,
                       PRECISION: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n = tl.program_id(1)
-    grp, first, end = _tile_group(tl.program_id(0), LAYOUT, G, T, BLOCK_M)
+    grp, first, end = tile_group(tl.program_id(0), LAYOUT, G, T, BLOCK_M)
     if grp < 0 or grp == G:
         return
     width = tl.load(LAYOUT + G + grp)
@@ -74,7 +73,7 @@ def _nested_mm_kernel(A, W, BIAS, LAYOUT, RES, EMB, SCALE, OUT,
         if HAS_BIAS:
             acc += tl.load(BIAS + offs_n, mask=mask_nw, other=0.0).to(tl.float32)[None, :]
         if GELU:
-            acc = _gelu(acc)
+            acc = gelu(acc)
     if RESIDUAL == 0:
         tl.store(OUT + rows[:, None] * stride_om + offs_n[None, :] * stride_on, acc.to(OUT.dtype.element_ty),
                  mask=mask_m[:, None] & mask_n[None, :])
@@ -130,7 +129,7 @@ def _kernels() -> dict[str, object]:
 
 
 def nested_mm(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, layout: torch.Tensor, period: int,
-              in_mode: bool, gelu: bool, residual: torch.Tensor | None, emb: torch.Tensor | None,
+              in_mode: bool, use_gelu: bool, residual: torch.Tensor | None, emb: torch.Tensor | None,
               scale: torch.Tensor | None, out: torch.Tensor | None, config: dict) -> torch.Tensor:
     """Launches `_nested_mm_kernel` (arguments as ``squad::nested_linear`` takes them, `squad.kernels.nested`):
     ``a`` [T, K] or two-level [T / R, R, K]; ``out`` given: the residual itself (in place)."""
@@ -152,7 +151,7 @@ def nested_mm(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, layou
         a, w, dummy if bias is None else bias, layout, res, dummy if emb is None else emb,
         dummy if scale is None else scale, out, t, k, n, g, a_div, period, s0, s1, sk, *w.stride(), *res.stride(),
         *(emb.stride() if emb is not None else (0, 0)), *out.stride(),
-        IN_MODE=bool(in_mode), HAS_BIAS=bias is not None, GELU=bool(gelu), RESIDUAL=mode, HAS_EMB=emb is not None,
+        IN_MODE=bool(in_mode), HAS_BIAS=bias is not None, GELU=bool(use_gelu), RESIDUAL=mode, HAS_EMB=emb is not None,
         HAS_SCALE=scale is not None, UPCAST=bool(interpreter_enabled() and a.dtype == torch.bfloat16),
         PRECISION="ieee", **cfg, **launch)
     return out

@@ -127,7 +127,8 @@ class MoEAttention(ExpertLayer):
         k, dh = self.top_k, self.head_dim
         routing = self.route(x, ctx)
         xs = x.reshape(r * n, d)
-        if self.projections(r * n, x.device, x.element_size()) == "dense":
+        dense = self.projections(r * n, x.device, x.element_size()) == "dense"
+        if dense:
             select = head_selection(routing.experts, self.num_experts, x.dtype)  # [M, k, E]
             q, kv = dense_query_kv(xs, self.q, self.kv.weight, self.kv.bias, select)  # [M, k, d], [M, 2d]
         else:
@@ -141,7 +142,7 @@ class MoEAttention(ExpertLayer):
         if want:
             ctx.attn_scores = scores
         out = out.transpose(1, 2).reshape(r * n, k, dh)  # [M, k, d] in (token, slot) order
-        if self.projections(r * n, x.device, x.element_size()) == "dense":
+        if dense:
             return dense_gated_output(out, self.o, routing.gates, self.proj_bias, select).view(r, n, d)
         y = matmul_combine(out.view(r * n * k, dh), self.o, routing.gates, plan, slot_order=True)  # [M, D], fresh
         return y.add_(self.proj_bias).view(r, n, d)

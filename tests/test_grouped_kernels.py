@@ -8,7 +8,6 @@ against the CPU algorithm, and the kernels compiled for sm_80/sm_90 down to a cu
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import os
 import subprocess
@@ -21,6 +20,7 @@ import torch.nn.functional as F
 from squad.kernels import grouped as G
 from squad.kernels.device import force_cuda_path, triton_available, triton_interpreting
 from squad.layers.experts import expert_mlp, plan_dispatch
+from tests.helpers import compile_triton_for_gpu
 
 RUNNABLE = triton_available() and (torch.cuda.is_available() or triton_interpreting())
 SMALL_TILES = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1}
@@ -247,15 +247,9 @@ def test_triton_kernels_compile_for_gpu(case):
     """Lowers each kernel for an sm_80 / sm_90 GPU down to a cubin with every feature on (gathers, scatters, bias,
     scale, the epilogue), at the tiles the ops launch with for a ViT-B MoE layer: the interpreter alone proves no
     compile; shared memory fits an sm_86 block."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.runtime.jit import JITFunction
-
     from squad.kernels import triton_grouped as T
 
     kernel, dtype, flags, sm = case
-    fn = getattr(T, kernel)
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     if kernel == "_grouped_mm_kernel":
         cfg = G.mm_config(768, 768, torch_dtype)
@@ -266,23 +260,11 @@ def test_triton_kernels_compile_for_gpu(case):
         constexprs = {"GATHER_A": True, "GATHER_B": True, "HAS_SCALE": True, "HAS_DB": True}
     options = {"num_warps": cfg.pop("num_warps"), "num_stages": cfg.pop("num_stages")}
     constexprs.update(cfg, UPCAST=False, PRECISION="ieee")
-    names = list(inspect.signature(fn).parameters)
-    signature = {}
-    for name in names:
-        if name in constexprs:
-            signature[name] = "constexpr"
-        elif name in ("A_ROWS", "OUT_ROWS", "B_ROWS"):
-            signature[name] = "*i64"
-        elif name == "ENDS":
-            signature[name] = "*i32"
-        elif name == "EXTRA" and constexprs.get("EPILOGUE") == 2:
-            signature[name] = "*fp32"
-        elif name in ("A", "W", "BIAS", "SCALE", "OUT", "EXTRA", "AUX", "B", "DW", "DB"):
-            signature[name] = f"*{dtype}"
-        else:
-            signature[name] = "i32"
-    src = ASTSource(JITFunction(fn), signature, constexprs={(names.index(n),): v for n, v in constexprs.items()})
-    compiled = triton.compile(src, target=GPUTarget("cuda", sm, 32), options=options)
+    types = {"ENDS": "*i32", **dict.fromkeys(("A_ROWS", "OUT_ROWS", "B_ROWS"), "*i64"),
+             **{n: f"*{dtype}" for n in ("A", "W", "BIAS", "SCALE", "OUT", "EXTRA", "AUX", "B", "DW", "DB")}}
+    if constexprs.get("EPILOGUE") == 2:
+        types["EXTRA"] = "*fp32"
+    compiled = compile_triton_for_gpu(getattr(T, kernel), types, constexprs, options, sm)
     assert len(compiled.asm["cubin"]) > 0
     assert compiled.metadata.shared <= 99 * 1024
 

@@ -14,7 +14,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import squad
 from squad.config.model import BlockSpec, MoAConfig, MoDConfig, MoEConfig, MoNEConfig, RouterConfig
 from squad.kernels.device import force_cuda_path
 from squad.layers import experts as X
@@ -35,7 +34,7 @@ from squad.layers.moe_mlp import MoEMlp, apply_capacity
 from squad.layers.mone import MoNEBlock, MoNEState
 from squad.layers.nested import nested_linear_in, nested_linear_out
 from squad.layers.routing import Routing, TaskLinear
-from tests.helpers import tiny_config, tiny_model, tiny_model_cfg
+from tests.helpers import routed_inference_model, tiny_model, tiny_model_cfg
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 HEADS = [{"name": "depth_euclidean", "kind": "dense", "channels": 1},
@@ -418,15 +417,7 @@ def _inference_models():
                                                {"attn": "moa", "mlp": "moe"},
                                                {"attn": "dense", "mlp": "moe", "mod": "learned"}], depth=3)
     for name in ("mod_vit_s", "amod_vit_s", "mone_vit_s"):
-        torch.manual_seed(0)
-        model = squad.build_model(tiny_config(f"configs/model/{name}.yaml").model).eval()
-        with torch.no_grad():
-            for m in model.modules():
-                if isinstance(m, MoNEBlock):
-                    m.alpha.fill_(0.3)
-                elif isinstance(m, TaskLinear):
-                    m._parameters["weight"].normal_(0, 0.5)
-        yield name, model
+        yield name, routed_inference_model(name)
 
 
 @pytest.mark.parametrize("case", range(4))

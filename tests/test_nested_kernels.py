@@ -5,20 +5,16 @@ kernels compiled for sm_80/sm_90, and a MoNE model's inference on the kernel pat
 
 from __future__ import annotations
 
-import inspect
 import itertools
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-import squad
 from squad.kernels import nested as NS
 from squad.kernels.device import force_cuda_path, triton_available, triton_interpreting
-from squad.layers.mone import MoNEBlock
 from squad.layers.nested import nested_linear_in, nested_linear_out
-from squad.layers.routing import TaskLinear
-from tests.helpers import tiny_config
+from tests.helpers import compile_triton_for_gpu, routed_inference_model
 
 RUNNABLE = triton_available() and (torch.cuda.is_available() or triton_interpreting())
 SMALL = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1}
@@ -115,24 +111,12 @@ def test_triton_nested_ops_match_reference(dtype):
             torch.testing.assert_close(got[first:end, :width].float(), want[first:end, :width].float(), **TOL[dtype])
 
 
-def _mone_model():
-    torch.manual_seed(0)
-    model = squad.build_model(tiny_config("configs/model/mone_vit_s.yaml").model).eval()
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, MoNEBlock):
-                m.alpha.fill_(0.3)
-            elif isinstance(m, TaskLinear):
-                m._parameters["weight"].normal_(0, 0.5)
-    return model
-
-
 @pytest.mark.parametrize("tasks", [1, 2], ids=["one_task", "two_tasks"])
 def test_mone_inference_on_the_kernel_path_equals_the_cpu_path(tasks):
     """A MoNE model (task embeddings every block: fused into the MoNE kernels there) in inference: the kernel path
     (the ops' reference on the CPU) gives the CPU path's predictions, the routed layers' records and A-MoD-free
     statistics."""
-    model = _mone_model()
+    model = routed_inference_model("mone_vit_s")
     images = torch.randn(3, 3, 32, 32)
     names = model.task_names[:tasks]
     with torch.no_grad():
@@ -148,7 +132,7 @@ def test_mone_inference_on_the_kernel_path_equals_the_cpu_path(tasks):
 @pytest.mark.skipif(not RUNNABLE, reason="needs CUDA or TRITON_INTERPRET=1 (see tests/test_grouped_kernels.py)")
 def test_triton_mone_inference_matches_the_cpu_path():
     """The same through the Triton kernels (fp32)."""
-    model = _mone_model()
+    model = routed_inference_model("mone_vit_s")
     images = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         want = model.forward_features(images, model.task_names[0])
@@ -168,38 +152,19 @@ GPU_COMPILE = [("_nested_mm_kernel", "bf16", {"IN_MODE": True, "GELU": True, "RE
 @pytest.mark.parametrize("case", GPU_COMPILE, ids=lambda c: f"{c[0]}-{c[1]}-{sorted(c[2].items())}-sm{c[3]}")
 def test_triton_nested_kernels_compile_for_gpu(case):
     """Each kernel lowered for sm_80 / sm_90 down to a cubin with every feature on, at ViT-S widths."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.runtime.jit import JITFunction
-
     from squad.kernels import triton_nested as T
 
     kernel, dtype, flags, sm = case
-    fn = getattr(T, kernel)
-    torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
     if kernel == "_nested_mm_kernel":
-        cfg = NS.nested_config(384, 1536, torch_dtype)
+        cfg = NS.nested_config(384, 1536, {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype])
         options = {"num_warps": cfg.pop("num_warps"), "num_stages": cfg.pop("num_stages")}
         constexprs = {"HAS_BIAS": True, "HAS_EMB": True, "HAS_SCALE": True, "UPCAST": False, "PRECISION": "ieee",
                       **flags, **cfg}
     else:
         options = {"num_warps": 4, "num_stages": 1}
         constexprs = {"HAS_EMB": True, "BLOCK_M": 8, "BLOCK_D": 512}
-    names = list(inspect.signature(fn).parameters)
-    signature = {}
-    for name in names:
-        if name in constexprs:
-            signature[name] = "constexpr"
-        elif name == "LAYOUT":
-            signature[name] = "*i32"
-        elif name in ("A", "W", "BIAS", "RES", "EMB", "SCALE", "OUT", "X", "WEIGHT"):
-            signature[name] = f"*{dtype}"
-        elif name == "eps":
-            signature[name] = "fp32"
-        else:
-            signature[name] = "i32"
-    src = ASTSource(JITFunction(fn), signature, constexprs={(names.index(n),): v for n, v in constexprs.items()})
-    compiled = triton.compile(src, target=GPUTarget("cuda", sm, 32), options=options)
+    types = {"LAYOUT": "*i32", "eps": "fp32",
+             **{n: f"*{dtype}" for n in ("A", "W", "BIAS", "RES", "EMB", "SCALE", "OUT", "X", "WEIGHT")}}
+    compiled = compile_triton_for_gpu(getattr(T, kernel), types, constexprs, options, sm)
     assert len(compiled.asm["cubin"]) > 0
     assert compiled.metadata.shared <= 99 * 1024

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from squad.layers.experts.grouped import add_row_bias_, gmm, segment_sum
+from squad.layers.experts.grouped import gmm, project, segment_sum
 from squad.layers.experts.plan import Dispatch
 
 
@@ -118,9 +118,7 @@ class _DispatchMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, b, plan):  # x [M, Din], w [E, Din, Dout], b [E, Dout] | None
         gathered = x.index_select(0, plan.token)  # [M·k, Din]: every token once per slot, grouped by expert
-        out = gmm(gathered, w, plan)  # [M·k, Dout]
-        if b is not None:
-            add_row_bias_(out, b, plan)
+        out = project(gathered, w, b, plan)  # [M·k, Dout]
         ctx.save_for_backward(gathered, w)
         ctx.plan, ctx.has_bias = plan, b is not None
         return out

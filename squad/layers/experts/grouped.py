@@ -128,14 +128,20 @@ def segment_sum(rows: torch.Tensor, plan: Groups) -> torch.Tensor:
     return F.embedding_bag(idx, rows, offsets=starts, mode="sum")[: plan.num_groups]
 
 
+def project(rows: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, plan: Groups) -> torch.Tensor:
+    """[R, Din] grouped rows → [R, Dout] = rows of e @ w[e] (+ b[e]), without autograd (CPU algorithm)."""
+    y = gmm(rows, w, plan)
+    if b is not None:
+        add_row_bias_(y, b, plan)
+    return y
+
+
 class _GroupedMatmul(torch.autograd.Function):
     """y[rows of group e] = x[rows of e] @ w[e] (+ b[e]); rows past the last group are zero (CPU algorithm)."""
 
     @staticmethod
     def forward(ctx, x, w, b, plan):  # x [R, Din], w [E, Din, Dout], b [E, Dout] | None
-        y = gmm(x, w, plan)
-        if b is not None:
-            add_row_bias_(y, b, plan)
+        y = project(x, w, b, plan)
         ctx.save_for_backward(x, w)
         ctx.plan, ctx.has_bias = plan, b is not None
         return y

@@ -27,7 +27,8 @@ from squad.layers.routing import TaskLinear
 
 @functools.lru_cache(maxsize=8)
 def _first_token_bias(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """[N] with +inf at token 0 and 0 elsewhere (cached: a constant of the sequence length)."""
+    """[N] with +inf at token 0 and 0 elsewhere (cached: a constant of the sequence length; compiled code calls
+    ``_first_token_bias.__wrapped__``, as dynamo warns that a traced cache could go stale)."""
     with torch.inference_mode(False):
         return torch.zeros(n, dtype=dtype, device=device).index_fill_(0, torch.zeros(1, dtype=torch.long,
                                                                                      device=device), float("inf"))
@@ -74,7 +75,8 @@ class MoDBlock(RoutedLayer):
         r, n, d = x.shape
         select, logits = self._scores(x, ctx)
         if self.keep_cls:  # the class token always first: +inf on its score (one add of a cached row)
-            select = select + _first_token_bias(n, select.dtype, select.device)
+            bias = _first_token_bias.__wrapped__ if torch.compiler.is_compiling() else _first_token_bias
+            select = select + bias(n, select.dtype, select.device)
         threshold = logits is not None and not self.training and self.cfg.inference == "threshold"
         if threshold:
             keep = logits > 0

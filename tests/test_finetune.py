@@ -12,6 +12,7 @@ import torch
 import squad
 from squad.data import build_dataset, eval_loader
 from squad.io import export_model
+from squad.models.surgery import add_task, added_task_parameters, merge_added_tasks, with_new_task
 from squad.models.vit import build_model
 from squad.posttrain.finetune import (
     FinetuneConfig,
@@ -20,7 +21,6 @@ from squad.posttrain.finetune import (
     make_optimizer,
     select_trainable,
     subset_indices,
-    with_new_task,
 )
 from tests.helpers import ROOT, tiny_model, tool_env
 
@@ -45,7 +45,7 @@ def test_add_task_keeps_old_tasks_and_merges_into_an_ordinary_model(name, tmp_pa
     with torch.no_grad():
         before = model(x).preds
     grown = with_new_task(model, "class_scene")
-    extra = grown.added_task_parameters()
+    extra = added_task_parameters(grown)
     banks = [n for n, m in grown.named_modules() if isinstance(m, squad.layers.routing.TaskLinear)]
     assert set(extra) == {f"{b}.extra" for b in banks} | {f"{b}.extra_bias" for b in banks
                                                            if grown.get_submodule(b).bias is not None} | {
@@ -55,8 +55,8 @@ def test_add_task_keeps_old_tasks_and_merges_into_an_ordinary_model(name, tmp_pa
         for t in BASE:  # the old tasks compute what they did (to float rounding: the batch holds more rows now)
             torch.testing.assert_close(after[t], before[t], rtol=1e-5, atol=1e-6)
         assert after["class_scene"].shape == (2, 365)
-        grown.merge_added_tasks()
-        assert grown.added_task_parameters() == {}
+        merge_added_tasks(grown)
+        assert added_task_parameters(grown) == {}
         merged = grown(x).preds
     for t in [*BASE, "class_scene"]:
         torch.testing.assert_close(merged[t], after[t], rtol=1e-6, atol=1e-6)
@@ -71,14 +71,14 @@ def test_add_task_keeps_old_tasks_and_merges_into_an_ordinary_model(name, tmp_pa
 
 def test_add_task_rejects_a_task_the_model_has():
     with pytest.raises(ValueError, match="already has task 'normal'"):
-        tiny_model(BASE).add_task("normal")
+        add_task(tiny_model(BASE), "normal")
 
 
 def test_router_mode_trains_only_the_new_rows_and_leaves_the_rest_bitwise_unchanged(tiny_data):
     base = tiny_model(BASE)
     model = with_new_task(base, "depth_euclidean")
     trainable = select_trainable(model, "depth_euclidean", "router")
-    assert set(trainable) == set(model.added_task_parameters()) | {
+    assert set(trainable) == set(added_task_parameters(model)) | {
         f"heads.depth_euclidean.{n}" for n, _ in model.heads["depth_euclidean"].named_parameters()}
     opt = make_optimizer(trainable, FinetuneConfig())
     in_opt = {id(p) for g in opt.param_groups for p in g["params"]}
@@ -97,8 +97,8 @@ def test_router_mode_trains_only_the_new_rows_and_leaves_the_rest_bitwise_unchan
     for n, p in snapshot.items():
         assert torch.equal(old[n], p), n  # every original parameter, bit for bit
         assert torch.equal(dict(base.named_parameters())[n], p), n  # and the base model is untouched
-    moved = [n for n, p in tuned.added_task_parameters().items()
-             if not torch.equal(p, with_new_task(base, "depth_euclidean").added_task_parameters()[n])]
+    moved = [n for n, p in added_task_parameters(tuned).items()
+             if not torch.equal(p, added_task_parameters(with_new_task(base, "depth_euclidean"))[n])]
     assert moved  # the new task's router rows / embedding did learn
 
 

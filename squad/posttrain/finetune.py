@@ -1,7 +1,8 @@
 """Router fine-tuning (Mod-Squad §4.3): learn a new task on a frozen multi-task model from a little data.
 
 The new task gets a head, a task embedding and its rows in every per-task router (MoE attention, MoE MLP, MoD
-learned routers, MoNE routers) via `SquadViT.add_task`; those rows are separate parameters, so the rest of the model
+learned routers, MoNE routers) via `squad.models.surgery.add_task`; those rows are separate parameters, so the rest of
+the model
 is frozen for real — ``requires_grad=False``, absent from the optimizer, and checked bitwise unchanged afterwards
 (the authors' script set ``requires_grad`` on modules, which does nothing, so their experts trained too).
 
@@ -19,7 +20,6 @@ class (class = argmax of the label distribution).
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import logging
@@ -35,7 +35,7 @@ from squad.data import collate, eval_loader
 from squad.eval.evaluate import evaluate, model_dataset
 from squad.io import export_model
 from squad.io.files import atomic_write_text
-from squad.models.surgery import select_tasks
+from squad.models.surgery import added_task_parameters, merge_added_tasks, select_tasks, with_new_task
 from squad.models.vit import SquadViT
 from squad.tasks import TASK_NAMES, get_task
 
@@ -122,15 +122,6 @@ def subset_indices(n: int, fraction: float | None = None, shots: int | None = No
 
 
 # --------------------------------------------------------------------------------------------- the model
-def with_new_task(base: SquadViT, task: str, init: str = "mean", seed: int = 0) -> SquadViT:
-    """A copy of ``base`` with ``task`` added (fresh head; router rows and embedding per ``init``)."""
-    model = copy.deepcopy(base)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model.add_task(task, init)
-    return model
-
-
 def select_trainable(model: SquadViT, task: str, mode: str) -> dict[str, nn.Parameter]:
     """Freezes everything a ``mode`` does not train and returns name → trainable parameter."""
     if mode not in MODES:
@@ -140,7 +131,7 @@ def select_trainable(model: SquadViT, task: str, mode: str) -> dict[str, nn.Para
     else:
         names = {f"heads.{task}.{n}" for n, _ in model.heads[task].named_parameters()}
         if mode == "router":
-            names |= set(model.added_task_parameters())
+            names |= set(added_task_parameters(model))
     trainable = {}
     for n, p in model.named_parameters():
         p.requires_grad_(n in names)
@@ -371,7 +362,7 @@ def finetune_table(full: SquadViT, task: str, data: str | Path, modes: Sequence[
             result["runs"].append(row)
             result["table"].setdefault(mode, {})[label] = row["primary"]
             if save_dir is not None and model is not None:
-                model.merge_added_tasks()
+                merge_added_tasks(model)
                 path = Path(save_dir) / f"{name}_{mode}_{label}.pt"
                 path.parent.mkdir(parents=True, exist_ok=True)
                 export_model(path, model, None, {"finetuned_task": name, "mode": mode, kind: value,

@@ -37,7 +37,8 @@ from squad.data import collate, eval_loader
 from squad.eval.evaluate import model_dataset
 from squad.eval.metrics import MetricAccumulator
 from squad.io import load_model
-from squad.posttrain.finetune import base_without, class_labels, select_trainable, subset_indices, with_new_task
+from squad.models.surgery import with_new_task
+from squad.posttrain.finetune import base_without, class_labels, select_trainable, subset_indices
 
 MODES = ("router", "head", "full", "linear-probe")
 

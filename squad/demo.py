@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from squad.analysis.figures import draw_figures as _draw
+from squad.config.tools import ExtractConfig
 from squad.eval.evaluate import format_results
 from squad.io import load_model
 from squad.posttrain.extract import extract_to_file, format_report
@@ -18,8 +19,8 @@ def extract_and_compare(run: str | Path, data: str | Path, task: str = "depth_eu
     and the full and extracted models' metrics on ``split`` side by side. Returns the report."""
     run = Path(run)
     out = run / f"{task}_theta{theta:g}.pt"
-    report = extract_to_file(load_model(run), task, out, theta=theta, data=data, calib_batches=calib_batches,
-                             eval_split=split)
+    cfg = ExtractConfig(theta=theta, data=str(data), calib_batches=calib_batches, eval_split=split)
+    report = extract_to_file(load_model(run), task, out, cfg)
     print(format_report({**report, "metrics": None}))  # the metrics follow as a side-by-side table
     m = report["metrics"]
     if m:

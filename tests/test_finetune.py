@@ -8,20 +8,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils.data import Subset
 
 import squad
+from squad.config.tools import FinetuneConfig
 from squad.data import build_dataset, eval_loader
+from squad.eval.evaluate import evaluate
 from squad.io import export_model
 from squad.models.surgery import add_task, added_task_parameters, merge_added_tasks, with_new_task
 from squad.models.vit import build_model
-from squad.posttrain.finetune import (
-    FinetuneConfig,
-    finetune_once,
-    finetune_table,
-    make_optimizer,
-    select_trainable,
-    subset_indices,
-)
+from squad.posttrain.finetune import finetune_once, finetune_table, make_optimizer, select_trainable
+from squad.posttrain.subsets import holdout_split, subset_indices
 from tests.helpers import ROOT, tiny_model, tool_env
 
 BASE = ["normal", "class_object"]
@@ -102,6 +99,25 @@ def test_router_mode_trains_only_the_new_rows_and_leaves_the_rest_bitwise_unchan
     assert moved  # the new task's router rows / embedding did learn
 
 
+def test_held_out_selection_keeps_the_best_lr_and_step(tiny_data):
+    """The tool's held-out option (what the reproduction's router-finetune claim runs): each lr is tried, the held-out
+    metric measured `evals` times, and the chosen lr's best evaluation is the model that comes back."""
+    base = tiny_model(BASE)
+    cfg = FinetuneConfig(steps=4, batch_size=4, lr=1e-6, lrs=(1e-6, 3e-2), holdout=0.25, evals=2)
+    train = build_dataset(tiny_data, ["depth_euclidean"], "train", image_size=32)
+    val = eval_loader(build_dataset(tiny_data, ["depth_euclidean"], "val", image_size=32), 4)
+    row, tuned = finetune_once(base, "depth_euclidean", "router", train, range(8), val, cfg)
+    assert (row["fit_images"], row["held_images"], row["train_images"]) == (6, 2, 8)
+    assert set(row["held"]) == {"1e-06", "0.03"} and [s for s, _ in row["curve"]] == [2, 4]
+    assert row["held"][f"{row['lr']:g}"] == min(row["held"].values())  # rmse: lower is better
+    assert row["best_step"] in (2, 4) and row["frozen_unchanged"] is True
+    _, held = holdout_split(list(range(8)), 0.25, 0)
+    again = evaluate(tuned, eval_loader(Subset(train, held), 4), ["depth_euclidean"])["depth_euclidean"]["rmse"]
+    assert again == pytest.approx(row["held"][f"{row['lr']:g}"], rel=1e-6)  # the kept weights are the chosen ones
+    with pytest.raises(ValueError, match="give --holdout"):
+        FinetuneConfig(lrs=(1e-3, 1e-2)).check()
+
+
 def test_subsets_are_deterministic_and_nested():
     a = subset_indices(1000, fraction=0.01, seed=3)
     b = subset_indices(1000, fraction=0.05, seed=3)
@@ -112,6 +128,16 @@ def test_subsets_are_deterministic_and_nested():
     assert sorted(int(labels[i]) for i in shots) == [0, 0, 1, 1, 2, 2]
     with pytest.raises(ValueError, match="fraction must be in"):
         subset_indices(10, fraction=1.5)
+
+
+def test_holdout_split_is_seeded_and_disjoint():
+    idx = list(range(100, 150))
+    fit, held = holdout_split(idx, 0.2, seed=3)
+    assert len(held) == 10 and len(fit) == 40 and sorted(fit + held) == idx
+    assert holdout_split(idx, 0.2, seed=3) == (fit, held) and holdout_split(idx, 0.2, seed=4) != (fit, held)
+    assert holdout_split([7, 8], 0.01, 0) in (([8], [7]), ([7], [8]))  # at least one image on each side
+    with pytest.raises(ValueError, match="cannot be split"):
+        holdout_split([7], 0.2, 0)
 
 
 @pytest.mark.slow

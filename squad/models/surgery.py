@@ -8,6 +8,7 @@ MLP, MoD and MoNE routers; the task embeddings) or a head in ``heads``:
   held in separate parameters (``TaskLinear.extra``, ``task_embed_extra``) so everything the model had can be
   frozen exactly (`added_task_parameters` lists the new ones); `merge_added_tasks` folds them back into an ordinary
   model whose config lists the new head last; `with_new_task` is a copy with one task added;
+- `replace_head` puts another module in a task's head's place (router fine-tuning's linear probe);
 - `select_tasks` slices the rows of the chosen tasks: an ordinary model of those tasks whose outputs for them equal
   the original model's;
 - `keep_experts` cuts every MoE attention / MoE MLP layer down to the experts it keeps, each layer through its own
@@ -144,6 +145,21 @@ def with_new_task(base: SquadViT, task: str, init: str = "mean", seed: int = 0) 
         torch.manual_seed(seed)
         add_task(model, task, init)
     return model
+
+
+def replace_head(model: SquadViT, task: str, head: nn.Module) -> None:
+    """Puts ``head`` (tokens [B, N, D] → the task's prediction) in the place of ``task``'s head, in place.
+
+    The config still names the head it was built with, so such a model runs and trains but is not saved (its weights
+    would not load into ``build_model(model.cfg)``): router fine-tuning's linear probe
+    (`squad.posttrain.finetune.LinearProbe`) is one.
+
+    Raises:
+        ValueError: a task the model does not have.
+    """
+    (t,) = model.task_index([task])
+    ref = model.pos_embed
+    model.heads[model.task_names[t]] = head.to(ref.device)
 
 
 def select_tasks(model: SquadViT, tasks: Sequence[str]) -> SquadViT:

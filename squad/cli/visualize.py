@@ -1,5 +1,6 @@
-"""Draw a trained model's routing: expert-usage heatmaps, task-relation matrices, and which tokens MoD blocks process
-and MoNE widths each token gets, over the image (PNG, JSON, TensorBoard).
+"""Draw a trained model's routing: expert-usage heatmaps, task-relation matrices, token maps over the image.
+
+PNG, JSON and TensorBoard; the token maps show which tokens MoD blocks process and each token's MoNE width.
 
     python tools/visualize.py --checkpoint runs/demo --data data/synthetic --split val --out runs/demo/figures
     python tools/visualize.py --checkpoint runs/demo/model.pt            # saved usage only: heatmaps, no relations

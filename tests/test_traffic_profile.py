@@ -95,6 +95,8 @@ def test_calibration_on_84de653_reproduces_the_stored_fit():
     assert cases["moe_mlp"]["host_syncs"] == 1 and cases["moa"]["host_syncs"] == 1  # CUDA's bincount
     assert cases["dense_mlp"]["host_syncs"] == 0 and cases["moe_mlp"]["kernels"] == 186
     assert cases["attention_scores_fwd_n197"]["kernels"] == 4  # forward, score pass, partial sum, divide
+    for name, value in report["fitted"].items():  # the fit is deterministic: costmodel.FITTED is its result
+        assert report["stored"][name] == pytest.approx(value, rel=0.01), name
     for stored, refit in zip(report["stored_residuals"], report["residuals"], strict=True):
         assert stored["modelled"] == pytest.approx(refit["modelled"], rel=0.02), stored["name"]
     assert max(abs(r["error"]) for r in report["residuals"][:7]) < 0.2  # the absolute H100 times within 20 %

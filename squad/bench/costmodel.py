@@ -158,33 +158,63 @@ FIT_BOUNDS = {"gemm_tflops": (100.0, 990.0), "attention_tflops": (50.0, 990.0), 
               "bandwidth_tbs": (0.5, 3.35), "launch_us": (0.5, 40.0), "scatter_penalty": (1.0, 200.0)}
 
 
-# deterministic starting points besides the given one: t(op) is piecewise (the max of two costs), so the fit keeps
-# the best of several local optima
-FIT_STARTS = (CostModel(300.0, 300.0, 300.0, 3.0, 3.0, 5.0), CostModel(900.0, 100.0, 100.0, 1.0, 10.0, 50.0))
+FIT_GRID = 3  # values per constant in the coarse search that picks the starting points (3**6 models)
+FIT_REFINED = 6  # the best models of that search refined by least squares
 
 
-def fit(recordings: Mapping[str, Sequence[OpRecord]], cases: Sequence[Measured] = tuple(MEASURED_CASES),
-        start: CostModel = FITTED) -> CostModel:
+def _case_arrays(records: Sequence[OpRecord]):
+    """(FLOPs, bytes × scatter multiplier flag, kind index, scatter flags) of a recording, as numpy arrays."""
+    import numpy as np
+
+    kinds = {"gemm": 0, "attention": 1, "triton": 2}
+    flops = np.array([r.flops for r in records], dtype=float)
+    nbytes = np.array([r.bytes for r in records], dtype=float)
+    kind = np.array([kinds.get(r.kind, 3) for r in records], dtype=int)
+    scatter = np.array([is_scatter(r) for r in records], dtype=bool)
+    return flops, nbytes, kind, scatter
+
+
+def fit(recordings: Mapping[str, Sequence[OpRecord]], cases: Sequence[Measured] = tuple(MEASURED_CASES)
+        ) -> CostModel:
     """The constants that minimise the squared log-ratios of modelled to measured figures over ``cases``.
 
-    Bounds (`FIT_BOUNDS`) keep every constant physical: no rate above the H100's dense bf16 peak (990 TFLOP/s),
-    no bandwidth above its 3.35 TB/s. Starts from ``start`` and `FIT_STARTS` and keeps the best optimum.
+    Bounds (`FIT_BOUNDS`) keep every constant physical: no rate above the H100's dense bf16 peak (990 TFLOP/s), no
+    bandwidth above its 3.35 TB/s. Each kernel's cost is the larger of two terms, so the error has kinks and local
+    optima: a coarse search over a grid of every constant's range (log-spaced, `FIT_GRID` values each) picks the
+    `FIT_REFINED` best starting points, each is refined by least squares, and the best result wins. Deterministic.
     """
+    import itertools
+
     import numpy as np
     from scipy.optimize import least_squares
 
     names = list(FIT_BOUNDS)
     lo = np.log([FIT_BOUNDS[n][0] for n in names])
     hi = np.log([FIT_BOUNDS[n][1] for n in names])
+    arrays = {c: _case_arrays(recordings[c]) for m in cases for c in m.cases}
+
+    def seconds(case: str, x) -> float:
+        gemm, attention, triton, bandwidth, launch, penalty = np.exp(x)
+        flops, nbytes, kind, scatter = arrays[case]
+        rate = np.array([gemm, attention, triton, np.inf])[kind] * 1e12
+        memory = nbytes * np.where(scatter, penalty, 1.0) / (bandwidth * 1e12)
+        return float(np.maximum(flops / rate, memory).sum() + len(flops) * launch * 1e-6)
 
     def residuals(x):
-        model = CostModel(**dict(zip(names, np.exp(x), strict=True)))
-        return [math.log(predict(model, m, recordings) / m.value) for m in cases]
+        out = []
+        for m in cases:
+            t = [seconds(c, x) for c in m.cases]
+            value = t[0] * 1e3 if m.unit == "ms" else t[0] / t[1]
+            out.append(math.log(value / m.value))
+        return np.array(out)
 
+    axes = [np.linspace(a + (b - a) / (2 * FIT_GRID), b - (b - a) / (2 * FIT_GRID), FIT_GRID) for a, b in zip(lo, hi,
+                                                                                                             strict=True)]
+    grid = sorted(itertools.product(*axes), key=lambda x: float(np.square(residuals(np.array(x))).sum()))
     best = None
-    for first in (start, *FIT_STARTS):
-        x0 = np.clip(np.log([getattr(first, n) for n in names]), lo + 1e-9, hi - 1e-9)
-        found = least_squares(residuals, x0, bounds=(lo, hi), diff_step=1e-6, ftol=1e-12, xtol=1e-12, gtol=1e-12)
+    for x0 in grid[:FIT_REFINED]:
+        found = least_squares(residuals, np.array(x0), bounds=(lo, hi), diff_step=1e-6, ftol=1e-12, xtol=1e-12,
+                              gtol=1e-12)
         if best is None or found.cost < best.cost:
             best = found
     return CostModel(**{n: float(v) for n, v in zip(names, np.exp(best.x), strict=True)})

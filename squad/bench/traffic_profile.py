@@ -155,7 +155,7 @@ def profile_layer(layer: Layer, model: costmodel.CostModel = costmodel.FITTED) -
     """The three rows of one layer (module docstring), every count in their details."""
     run, twin_run = layer.build()
     mine, twin = _counts(record(run), model), _counts(record(twin_run), model)
-    details = {"layer": mine, "twin": twin, "twin_name": layer.twin, "gpu_case": layer.gpu_case,
+    details = {"name": layer.name, "layer": mine, "twin": twin, "twin_name": layer.twin, "gpu_case": layer.gpu_case,
                "dtype": "bfloat16", "path": "cuda (recorded on meta)", "model": model.as_dict()}
     byte_ratio = mine["gbytes"] / twin["gbytes"]
     time_ratio = (twin["model_ms"] / mine["model_ms"]) if layer.speedup else (mine["model_ms"] / twin["model_ms"])
@@ -193,26 +193,35 @@ def predictions(rows: Sequence[BenchResult]) -> dict[str, dict]:
 
 
 def format_traffic(rows: Sequence[BenchResult]) -> str:
-    """The traffic rows as one wide table: each layer and its twin with kernels, syncs, atomics, GFLOP, GB and
-    modelled ms, then the ratios (layer / twin; speed-ups for MoD and MoNE)."""
-    head = (f"{'layer (vs dense twin)':<34}{'kernels':>9}{'syncs':>6}{'atomics':>8}{'big atom':>9}{'GFLOP':>10}"
-            f"{'GB':>8}{'model ms':>10}")
-    lines = [head, "-" * len(head)]
-    seen = set()
+    """The traffic rows as one wide table: each layer and its twin with kernels, syncs, atomics (all, and those
+    writing ≥ 1 MB), GFLOP, GB and modelled ms, then the ratios (layer / twin) and each target's figure and verdict
+    (MoD and MoNE: the modelled speed-up, twin / layer)."""
+    head = (f"{'layer (vs dense twin)':<26}{'kernels':>8}{'syncs':>6}{'atomics':>8}{'big atom':>9}{'GFLOP':>9}"
+            f"{'GB':>7}{'model ms':>10}  targets")
+    lines = [head, "-" * (len(head) + 40)]
+    groups: dict[str, list[BenchResult]] = {}
     for r in rows:
-        layer = r.details.get("layer")
-        name = r.case.removeprefix("traffic_").split("_bytes_vs_")[0]
-        if layer is None or "_bytes_vs_" not in r.case or name in seen:
-            continue
-        seen.add(name)
-        twin = r.details["twin"]
-        for label, c in ((name, layer), (f"  {r.details['twin_name']}", twin)):
-            lines.append(f"{label:<34}{c['kernels']:>9}{c['host_syncs']:>6}{c['atomics']:>8}{c['large_atomics']:>9}"
-                         f"{c['gflop']:>10.1f}{c['gbytes']:>8.2f}{c['model_ms']:>10.2f}")
+        if "layer" in r.details and "name" in r.details:
+            groups.setdefault(r.details["name"], []).append(r)
+    for name, group in groups.items():
+        layer, twin = group[0].details["layer"], group[0].details["twin"]
+        for label, c in ((name, layer), (f"  {group[0].details['twin_name']}", twin)):
+            lines.append(f"{label:<26}{c['kernels']:>8}{c['host_syncs']:>6}{c['atomics']:>8}{c['large_atomics']:>9}"
+                         f"{c['gflop']:>9.1f}{c['gbytes']:>7.2f}{c['model_ms']:>10.2f}")
         ratio = [layer[k] / twin[k] if twin[k] else float("nan") for k in ("kernels", "gflop", "gbytes", "model_ms")]
-        lines.append(f"{'  ratio':<34}{ratio[0]:>9.2f}{'':>6}{'':>8}{'':>9}{ratio[1]:>10.2f}{ratio[2]:>8.2f}"
-                     f"{ratio[3]:>10.2f}")
+        verdicts = "; ".join(f"{_short(r)} {r.value:.2f} (target {r.target}) {'yes' if r.ok else 'NO'}"
+                             for r in group if r.target)
+        lines.append(f"{'  ratio':<26}{ratio[0]:>8.2f}{'':>6}{'':>8}{'':>9}{ratio[1]:>9.2f}{ratio[2]:>7.2f}"
+                     f"{ratio[3]:>10.2f}  {verdicts}")
     model = next((r.details["model"] for r in rows if "model" in r.details), None)
     if model is not None:
         lines.append("model ms = " + costmodel.CostModel(**model).describe() + " (a MODEL, not a measurement)")
     return "\n".join(lines)
+
+
+def _short(row: BenchResult) -> str:
+    if row.unit == "x bytes":
+        return "bytes"
+    if "(H100 model)" in row.unit:
+        return "speed-up" if "faster" in row.unit else "time"
+    return "syncs+big atomics"

@@ -28,8 +28,17 @@ from .traffic import attention_flops
 
 @contextlib.contextmanager
 def force_cuda_path() -> Iterator[None]:
-    """Inside the block squad's routed layers take the algorithm CUDA tensors take, on any device (code without the
-    switch — an old commit — is left as it is)."""
+    """Inside the block squad's routed layers take the algorithm CUDA tensors take, on any device: the forced device
+    predicate (`squad.kernels.device.force_cuda_path`) where the code has one, else ``FORCE_SYNC_FREE``; code with
+    neither (an old commit) is left as it is."""
+    try:
+        from squad.kernels.device import force_cuda_path as forced
+    except ImportError:
+        forced = None
+    if forced is not None:
+        with forced():
+            yield
+        return
     from squad.layers import experts
 
     if not hasattr(experts, "FORCE_SYNC_FREE"):

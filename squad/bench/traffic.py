@@ -101,8 +101,16 @@ class OpRecord:
 
     @property
     def matmul(self) -> bool:
-        """Whether the op does arithmetic worth counting (a GEMM or an attention kernel)."""
+        """Whether the op does arithmetic worth counting (a GEMM or an attention kernel); setting it True makes a
+        memory op a GEMM (what a custom op's pricing says)."""
         return self.kind != "memory"
+
+    @matmul.setter
+    def matmul(self, value: bool) -> None:
+        if value and self.kind == "memory":
+            self.kind = "gemm"
+        elif not value:
+            self.kind = "memory"
 
 
 @dataclasses.dataclass

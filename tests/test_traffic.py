@@ -119,3 +119,14 @@ def test_triton_attention_on_meta_records_each_launch_and_the_work_around_it():
     assert scores.shape == (b, n) and q.grad.shape == q.shape
     ops = [r.op for r in rec.summary().records]
     assert "sum" in ops and "mul" in ops  # the score partials' sum, the backward's row dot products
+
+
+def test_host_reads_inside_one_launched_op_are_not_the_paths_syncs():
+    """A custom op is one kernel: its CPU implementation reading sizes to the host is not a sync of the path."""
+    @torch.library.custom_op("squad_test::reads_sizes", mutates_args=())
+    def reads_sizes(x: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+        return x * len(sizes.tolist())
+
+    x, sizes = torch.randn(4), torch.tensor([1, 3])
+    t = record(lambda: (reads_sizes(x, sizes), sizes.tolist()))
+    assert [r.op for r in t.records] == ["reads_sizes", "tolist"] and t.syncs == 1

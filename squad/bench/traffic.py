@@ -369,10 +369,12 @@ class TrafficRecorder(TorchDispatchMode):
                 return _meta_bincount(args, kwargs, record)
             if on_meta:
                 raise HostReadOnMeta(f"host read ({name}) on a meta tensor: record this code on real tensors")
-            out = func(*args, **kwargs)
+            with self.paused():
+                out = func(*args, **kwargs)
             record.bytes_written = sum(map(_logical_bytes, _tensors(out)))
             return out
-        out = func(*args, **kwargs)
+        with self.paused():  # what an op does inside (a custom op's CPU implementation reading sizes) is its own
+            out = func(*args, **kwargs)
         if func.is_view or name in _NO_KERNEL:
             return out
         self.records.append(self._price(func, name, args, kwargs, inputs, out))

@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 from squad.cli import device_arg, run
-from squad.cli.evaluate import add_inference_arguments
+from squad.cli.evaluate import add_inference_arguments, add_precision_argument
 
 
 def _default_out(checkpoint: str, task: str, theta: float | None, keep_top: float | None) -> Path:
@@ -52,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--saved-usage", action="store_true", help="use the usage statistics saved in model.pt")
     add_inference_arguments(p)
+    add_precision_argument(p)
     p.add_argument("--device", default="cpu", type=device_arg, help="cpu, cuda or cuda:N (default cpu)")
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--out", default=None, help="output file (default: <run>/<task>_theta<θ>.pt); the report is "
@@ -73,7 +74,7 @@ def _extract(argv: list[str] | None) -> int:
         renormalize=args.renormalize, data=args.data, calib_split=args.calib_split, calib_batches=args.calib_batches,
         eval_split=None if args.eval_split.lower() == "none" else args.eval_split, eval_batches=args.eval_batches,
         batch_size=args.batch_size, saved_usage=args.saved_usage, device=args.device, workers=args.workers,
-        mone_capacity=args.mone_capacity, mod_inference=args.mod_inference)
+        mone_capacity=args.mone_capacity, mod_inference=args.mod_inference, precision=args.precision)
     print(format_report(report))
     print(f"model: {out}\nreport: {Path(out).with_suffix('.json')}")
     return 0

@@ -59,6 +59,7 @@ from squad.io.files import atomic_save, atomic_write_text, check_writable, sync_
 from squad.layers.heads import DenseHead
 from squad.models.compile import compile_model
 from squad.models.inference import inference_settings, set_inference
+from squad.models.precision import cast_model, precision_name
 from squad.models.single_task import SingleTaskModel
 from squad.models.vit import SquadViT
 from squad.tasks import Task, TaskOptions, get_task
@@ -286,7 +287,8 @@ def run_model(model: nn.Module, images: torch.Tensor, tasks: Sequence[str]) -> d
 def predict(model: nn.Module, images: str | Path | Iterable[str | Path], out: str | Path,
             tasks: str | Iterable[str] | None = None, *, batch_size: int = 8, device: str | torch.device | None = None,
             encode: Encoding = "npy", mone_capacity: float | None = None, mod_inference: str | None = None,
-            class_names: dict[str, list[str]] | None = None, progress: bool = False, compile: bool = False) -> dict:
+            class_names: dict[str, list[str]] | None = None, progress: bool = False, compile: bool = False,
+            precision: str | None = None) -> dict:
     """Runs a model on image files and writes, per image and task, a picture and the raw values (module docstring).
 
     Args:
@@ -301,10 +303,12 @@ def predict(model: nn.Module, images: str | Path | Iterable[str | Path], out: st
         class_names: ``{task: names}`` for class tasks, one name per class (shown in the top-5).
         progress: show a progress bar over the images (tqdm, on stderr).
         compile: torch.compile the model first (in place: `squad.models.compile.compile_model`).
+        precision: ``"bf16"`` or ``"fp32"`` (default: bf16 on CUDA, fp32 elsewhere; `squad.models.precision`); the
+            model is cast to it in place.
 
     Returns:
         The summary written to ``out/predictions.json``: ``{"checkpoint", "tasks", "encode", "image_size",
-        "preprocess", "inference", "device", "images": [{"path", "out", "size", "crop", "files", "top5"?}],
+        "preprocess", "inference", "device", "precision", "images": [{"path", "out", "size", "crop", "files", "top5"?}],
         "skipped": [{"path", "reason"}]}`` (paths in ``files`` are relative to the image's folder, ``out`` to
         ``out``).
 
@@ -329,7 +333,7 @@ def predict(model: nn.Module, images: str | Path | Iterable[str | Path], out: st
     paths = list_images(images)
     device = torch.device(device if device is not None else default_device())
     out = check_writable(out, "output folder", folder=True)
-    model.eval().to(device)
+    dtype = cast_model(model.eval(), precision, device)
     if compile:
         compile_model(model)
     size = inner.cfg.img_size
@@ -376,6 +380,7 @@ def predict(model: nn.Module, images: str | Path | Iterable[str | Path], out: st
                       "[0, 1]; crop = [top, left, side] in the original's pixels",
         "inference": inference_settings(inner),
         "device": str(device),
+        "precision": precision_name(dtype),
         "images": done,
         "skipped": skipped,
     }

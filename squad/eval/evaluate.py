@@ -41,6 +41,7 @@ from squad.data import build_dataset, eval_loader, report
 from squad.eval.metrics import MetricAccumulator, delta_t
 from squad.models.compile import compile_model
 from squad.models.inference import inference_settings, set_inference
+from squad.models.precision import cast_model, precision_name
 from squad.models.single_task import SingleTaskModel
 from squad.models.usage import ExpertUsage
 from squad.models.vit import SquadViT
@@ -164,7 +165,7 @@ def compute_summary(model, tasks: Sequence[str], usage: ExpertUsage | None = Non
 def evaluate_run(model: SquadViT | SingleTaskModel, data: str | Path, split: str = "val",
                  tasks: Sequence[str] | None = None, batches: int = 0, batch_size: int = 8,
                  device: str | torch.device = "cpu", workers: int = 0, *, mone_capacity: float | None = None,
-                 mod_inference: str | None = None, compile: bool = False) -> dict:
+                 mod_inference: str | None = None, compile: bool = False, precision: str | None = None) -> dict:
     """Metrics and compute of a model (full or extracted, as `squad.load` returns it) on a split, under inference
     settings.
 
@@ -181,9 +182,12 @@ def evaluate_run(model: SquadViT | SingleTaskModel, data: str | Path, split: str
         mod_inference: MoD inference mode for this evaluation, ``"topk"`` or ``"threshold"`` (`set_inference`;
             default: the saved one).
         compile: torch.compile the model first (in place: `squad.models.compile.compile_model`).
+        precision: ``"bf16"`` or ``"fp32"`` (default: bf16 on CUDA, fp32 elsewhere; `squad.models.precision`); the
+            model is cast to it in place.
 
     Returns:
-        ``{"metrics": {task: {metric: value}}, "compute": compute_summary, "data": DataReport.as_dict()}``; under
+        ``{"metrics": {task: {metric: value}}, "compute": compute_summary, "data": DataReport.as_dict(),
+        "precision": "bf16" | "fp32"}``; under
         threshold MoD inference ``compute["mod_tokens"]`` is the share of tokens each MoD block actually processed
         and ``compute["macs_measured"]`` the MACs per image from it. ``data`` counts the images scored and the
         files the split could not use (`squad.data.accounting`; its summary line is logged too).
@@ -196,17 +200,18 @@ def evaluate_run(model: SquadViT | SingleTaskModel, data: str | Path, split: str
     set_inference(inner, mone_capacity, mod_inference)
     names = inner.task_names if tasks is None else [inner.task_names[i] for i in inner.task_index(list(tasks))]
     ds = model_dataset(inner, data, names, split)
-    inner.to(device)
+    dtype = cast_model(inner, precision, device)
     if compile:
         compile_model(inner)
     usage = ExpertUsage(inner.task_names)
     counts: dict = {}
-    metrics = evaluate(inner, eval_loader(ds, batch_size, workers), list(names), device, batches, usage=usage,
-                       counts=counts)
+    metrics = evaluate(inner, eval_loader(ds, batch_size, workers), list(names), device, batches, dtype=dtype,
+                       usage=usage, counts=counts)
     usage.all_reduce()
     data_report = report(ds, split if isinstance(split, str) else "+".join(split), images=counts["images"])
     logging.getLogger("squad.data").info("%s", data_report.line())
-    return {"metrics": metrics, "compute": compute_summary(inner, names, usage), "data": data_report.as_dict()}
+    return {"metrics": metrics, "compute": compute_summary(inner, names, usage), "data": data_report.as_dict(),
+            "precision": precision_name(dtype)}
 
 
 def side_by_side(models: Mapping[str, SquadViT | SingleTaskModel], data: str | Path, split: str = "val",

@@ -34,6 +34,7 @@ from squad.eval.evaluate import compute_summary, evaluate, model_dataset
 from squad.io import save_extracted
 from squad.io.files import atomic_write_text
 from squad.models.inference import set_inference
+from squad.models.precision import cast_copy, precision_dtype, precision_name
 from squad.models.pruning import (
     check_keep_top,
     check_theta,
@@ -77,7 +78,8 @@ def collect_usage(model: SquadViT, task: str, batches: Iterable, max_batches: in
     """
     (t,) = model.task_index([task])
     name = model.task_names[t]
-    device = device or next(model.parameters()).device
+    first = next(model.parameters())
+    device = device or first.device
     usage = ExpertUsage(model.task_names)
     was = model.training
     model.eval()
@@ -85,7 +87,7 @@ def collect_usage(model: SquadViT, task: str, batches: Iterable, max_batches: in
         for i, batch in enumerate(batches):
             if max_batches and i >= max_batches:
                 break
-            usage.update(model(_images(batch).to(device), [name]).stats)
+            usage.update(model(_images(batch).to(device, first.dtype), [name]).stats)  # a bf16 model: bf16 images
     finally:
         model.train(was)
     if not usage.counts:
@@ -147,7 +149,7 @@ def extract_to_file(model: SquadViT, task: str, out: str | Path, *, theta: float
                     calib_split: str = "train", calib_batches: int = 8, eval_split: str | None = "val",
                     eval_batches: int = 0, batch_size: int = 8, saved_usage: bool = False,
                     device: str | torch.device = "cpu", workers: int = 0, mone_capacity: float | None = None,
-                    mod_inference: str | None = None) -> dict:
+                    mod_inference: str | None = None, precision: str | None = None) -> dict:
     """Extracts ``task`` from a trained model into ``out`` and returns the report (also written as JSON).
 
     Args:
@@ -171,6 +173,8 @@ def extract_to_file(model: SquadViT, task: str, out: str | Path, *, theta: float
         workers: data loader workers.
         mone_capacity: MoNE effective capacity e_c for calibration, metrics and the extracted model (MoNE models).
         mod_inference: MoD inference mode, topk or threshold, likewise (MoD models; `set_inference`).
+        precision: ``"bf16"`` or ``"fp32"``: the dtype of the calibration pass and the metrics (default: bf16 on
+            CUDA, fp32 elsewhere; `squad.models.precision`). The weights are pruned and saved as they were loaded.
 
     Returns:
         The report: task, criterion, usage source, parameters / active parameters / MACs / experts before and after,
@@ -198,6 +202,8 @@ def extract_to_file(model: SquadViT, task: str, out: str | Path, *, theta: float
                          f"tools/finetune_router.py")
     inference = set_inference(model, mone_capacity, mod_inference)
     model.to(device)
+    dtype = precision_dtype(precision, device)
+    runner = cast_copy(model, dtype)  # the passes run in ``precision``; the weights pruned and saved stay as loaded
     prunable = bool(prunable_layers(model))
     if not prunable:
         usage, source = None, {"kind": "none (no MoE attention / MoE MLP layers to prune)"}
@@ -205,7 +211,7 @@ def extract_to_file(model: SquadViT, task: str, out: str | Path, *, theta: float
                  "and embedding only", meta["path"], name)
     elif data is not None and not saved_usage:
         loader, n_images = _loader(model, data, name, calib_split, batch_size, workers)
-        usage = collect_usage(model, name, loader, calib_batches, device)
+        usage = collect_usage(runner, name, loader, calib_batches, device)
         images = min(n_images, calib_batches * batch_size) if calib_batches else n_images
         source = {"kind": "calibration", "data": str(data), "split": calib_split, "images": images}
     else:
@@ -232,6 +238,7 @@ def extract_to_file(model: SquadViT, task: str, out: str | Path, *, theta: float
                          sum(v["experts_after"] for v in layers.values())),
         "layers": layers,
         "inference": inference,
+        "precision": precision_name(dtype),
         "compute": None,
         "metrics": None,
     }
@@ -245,9 +252,10 @@ def extract_to_file(model: SquadViT, task: str, out: str | Path, *, theta: float
         except (EmptyDatasetError, ValueError) as e:
             log.warning("no held-out metrics: %s", e)
         else:
-            before = evaluate(model, loader, [name], device, eval_batches)[name]
+            before = evaluate(runner, loader, [name], device, eval_batches, dtype=dtype)[name]
             usage_after = ExpertUsage(ext.model.task_names)
-            after = evaluate(ext.model, loader, [name], device, eval_batches, usage=usage_after)[name]
+            after = evaluate(cast_copy(ext.model, dtype), loader, [name], device, eval_batches, dtype=dtype,
+                             usage=usage_after)[name]
             report["metrics"] = {"split": eval_split, "images": n_eval, "full": before, "extracted": after}
             report["compute"] = compute_summary(ext.model, [name], usage_after)
     out = Path(out)

@@ -53,6 +53,13 @@ def add_inference_arguments(p: argparse.ArgumentParser) -> None:
                    "model.mod.aux_loss=true; the share of tokens processed is reported). Default: the saved mode")
 
 
+def add_precision_argument(p: argparse.ArgumentParser, default: str = "bf16 on CUDA, fp32 on the CPU") -> None:
+    """``--precision``, shared by evaluate, predict, extract and export (`squad.models.precision`)."""
+    p.add_argument("--precision", choices=["bf16", "fp32"], default=None,
+                   help=f"dtype the model runs in (default: {default}; bf16 keeps the routed layers on their "
+                        "sync-free grouped matmuls on CUDA)")
+
+
 def add_compile_argument(p: argparse.ArgumentParser) -> None:
     """``--compile``, shared by evaluate and predict."""
     p.add_argument("--compile", action="store_true", help="torch.compile the model before running it (inductor: the "
@@ -99,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int)
     add_inference_arguments(p)
     add_compile_argument(p)
+    add_precision_argument(p)
     p.add_argument("--device", type=device_arg, help="cpu, cuda or cuda:N (default cpu)")
     p.add_argument("--workers", type=int)
     p.add_argument("--out", default=None, help="results JSON (default: eval_<split>.json beside the first checkpoint)")
@@ -126,7 +134,8 @@ def _evaluate(argv: list[str] | None) -> int:
                 raise
             raise ValueError(f"{path}: {e}") from e  # name the model among several
         metrics = run_["metrics"]
-        entry = {"checkpoint": path, "metrics": metrics, "compute": run_["compute"], "data": run_["data"]}
+        entry = {"checkpoint": path, "metrics": metrics, "compute": run_["compute"], "data": run_["data"],
+                 "precision": run_["precision"]}
         if baseline is not None:
             entry["delta_t"] = delta_against(metrics, baseline)
         models[_label(path, taken)] = entry

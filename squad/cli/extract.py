@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 from squad.cli import device_arg, run
-from squad.cli.evaluate import add_inference_arguments
+from squad.cli.evaluate import add_inference_arguments, add_precision_argument
 from squad.config.tools import ExtractConfig, defaults, from_namespace
 
 
@@ -57,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int)
     p.add_argument("--saved-usage", action="store_true", help="use the usage statistics saved in model.pt")
     add_inference_arguments(p)
+    add_precision_argument(p)
     p.add_argument("--device", type=device_arg, help="cpu, cuda or cuda:N (default cpu)")
     p.add_argument("--workers", type=int)
     p.add_argument("--out", default=None, help="output file (default: <run>/<task>_theta<θ>.pt); the report is "

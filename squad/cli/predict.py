@@ -34,7 +34,7 @@ import logging
 import sys
 
 from squad.cli import device_arg, run
-from squad.cli.evaluate import add_compile_argument, add_inference_arguments
+from squad.cli.evaluate import add_compile_argument, add_inference_arguments, add_precision_argument
 from squad.config.tools import PredictConfig, defaults, from_namespace
 
 _SHOWN = 20  # images whose top-1 classes are printed
@@ -55,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "classes, one per line (or a JSON list), shown in its top-5; repeatable")
     add_inference_arguments(p)
     add_compile_argument(p)
+    add_precision_argument(p)
     p.add_argument("--device", type=device_arg, help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(**defaults(PredictConfig))
@@ -93,7 +94,7 @@ def _predict(argv: list[str] | None) -> int:
     done, skipped = summary["images"], summary["skipped"]
     settings = ", ".join(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}" for k, v in summary["inference"].items())
     print(f"predicted {', '.join(summary['tasks'])} on {len(done)} image(s) at {summary['image_size']} px on "
-          f"{summary['device']}" + (f" ({settings})" if settings else ""))
+          f"{summary['device']} in {summary['precision']}" + (f" ({settings})" if settings else ""))
     for entry in done[:_SHOWN]:
         for task, top in entry.get("top5", {}).items():
             best = top[0]

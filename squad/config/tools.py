@@ -6,7 +6,9 @@ same name, a nested options dataclass from the same arguments) and takes its def
 (`defaults`: ``parser.set_defaults(**defaults(ExtractConfig))``), so an option is declared once here — name, type,
 default, what it means — and once as an argument (flag and help). The library function takes the config; `check`
 rejects a bad value naming the option as the tool spells it. Adding an option is one field here and one argument
-there; an option every model-running tool shares is one field of `InferenceOptions` and one argument of
+there (``precision``, the dtype evaluate / predict / extract run a model in, is one field of each of their configs
+and one shared argument, ``squad.cli.evaluate.add_precision_argument``); an option of how a loaded model routes is
+one field of `InferenceOptions` (the keywords of `squad.models.inference.set_inference`) and one argument of
 ``squad.cli.evaluate.add_inference_arguments``.
 
 This module imports nothing but the standard library (and `squad.config.base`'s error type), so a tool can check
@@ -25,6 +27,8 @@ from squad.config.base import ConfigError
 
 C = TypeVar("C")
 INITS = ("mean", "zero", "random")  # where a new task's router rows and task embedding start (router fine-tuning)
+PRECISIONS = ("bf16", "fp32")  # the dtypes a model runs in at inference (`squad.models.precision`)
+Precision = Literal["bf16", "fp32"]
 
 
 def _flag(name: str) -> str:
@@ -36,6 +40,11 @@ def _at_least(cfg: Any, minimum: int, *names: str) -> None:
         value = getattr(cfg, name)
         if value < minimum:
             raise ConfigError(f"{_flag(name)} must be >= {minimum}, got {value}")
+
+
+def _check_precision(precision: str | None) -> None:
+    if precision not in (None, *PRECISIONS):
+        raise ConfigError(f"--precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
 
 
 def check_theta(theta: float | None) -> None:
@@ -82,6 +91,7 @@ class ExtractConfig:
     saved_usage: bool = False  # the usage statistics saved with the model even when data is given
     device: str = "cpu"
     workers: int = 0  # data loader workers
+    precision: Precision | None = None  # the calibration pass's and the metrics' dtype (None: bf16 on CUDA, else fp32)
     inference: InferenceOptions = dataclasses.field(default_factory=InferenceOptions)
 
     def check(self) -> None:
@@ -92,6 +102,7 @@ class ExtractConfig:
             raise ConfigError("give theta (a usage threshold) or keep_top (a share of experts per layer)")
         _at_least(self, 1, "batch_size")
         _at_least(self, 0, "calib_batches", "eval_batches", "workers")
+        _check_precision(self.precision)
         self.inference.check()
 
 
@@ -153,12 +164,14 @@ class EvaluateConfig:
     device: str = "cpu"
     workers: int = 0
     compile: bool = False  # torch.compile the model first
+    precision: Precision | None = None  # the dtype the model is cast to (None: bf16 on CUDA, else fp32)
     inference: InferenceOptions = dataclasses.field(default_factory=InferenceOptions)
 
     def check(self) -> None:
-        """Raises ConfigError for an out-of-range count."""
+        """Raises ConfigError for an out-of-range count or an unknown precision."""
         _at_least(self, 1, "batch_size")
         _at_least(self, 0, "batches", "workers")
+        _check_precision(self.precision)
         self.inference.check()
 
 
@@ -171,6 +184,7 @@ class PredictConfig:
     device: str | None = None  # default: cuda when available, else cpu
     encode: Literal["npy", "taskonomy"] = "npy"  # raw values in task units, or as Taskonomy's PNG encodings
     compile: bool = False
+    precision: Precision | None = None  # the dtype the model is cast to (None: bf16 on CUDA, else fp32)
     inference: InferenceOptions = dataclasses.field(default_factory=InferenceOptions)
 
     def check(self) -> None:
@@ -178,6 +192,7 @@ class PredictConfig:
         _at_least(self, 1, "batch_size")
         if self.encode not in ("npy", "taskonomy"):
             raise ConfigError(f"--encode must be npy or taskonomy, got {self.encode!r}")
+        _check_precision(self.precision)
         self.inference.check()
 
 

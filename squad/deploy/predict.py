@@ -61,6 +61,7 @@ from squad.io.files import atomic_save, atomic_write_text, check_writable, sync_
 from squad.layers.heads import DenseHead
 from squad.models.compile import compile_model
 from squad.models.inference import inference_settings, set_inference
+from squad.models.precision import cast_model, precision_name
 from squad.models.single_task import SingleTaskModel
 from squad.models.vit import SquadViT
 from squad.tasks import Task, TaskOptions, get_task
@@ -302,7 +303,7 @@ def predict(model: nn.Module, images: str | Path | Iterable[str | Path], out: st
         progress: show a progress bar over the images (tqdm, on stderr).
     Returns:
         The summary written to ``out/predictions.json``: ``{"checkpoint", "tasks", "encode", "image_size",
-        "preprocess", "inference", "device", "images": [{"path", "out", "size", "crop", "files", "top5"?}],
+        "preprocess", "inference", "device", "precision", "images": [{"path", "out", "size", "crop", "files", "top5"?}],
         "skipped": [{"path", "reason"}]}`` (paths in ``files`` are relative to the image's folder, ``out`` to
         ``out``).
 
@@ -325,7 +326,7 @@ def predict(model: nn.Module, images: str | Path | Iterable[str | Path], out: st
     paths = list_images(images)
     device = torch.device(cfg.device if cfg.device is not None else default_device())
     out = check_writable(out, "output folder", folder=True)
-    model.eval().to(device)
+    dtype = cast_model(model.eval(), cfg.precision, device)
     if cfg.compile:
         compile_model(model)
     size = inner.cfg.img_size
@@ -372,6 +373,7 @@ def predict(model: nn.Module, images: str | Path | Iterable[str | Path], out: st
                       "[0, 1]; crop = [top, left, side] in the original's pixels",
         "inference": inference_settings(inner),
         "device": str(device),
+        "precision": precision_name(dtype),
         "images": done,
         "skipped": skipped,
     }

@@ -44,6 +44,7 @@ from squad.data import build_dataset, eval_loader, report
 from squad.eval.metrics import MetricAccumulator, delta_t
 from squad.models.compile import compile_model
 from squad.models.inference import inference_settings, set_inference
+from squad.models.precision import cast_model, precision_name
 from squad.models.single_task import SingleTaskModel
 from squad.models.usage import ExpertUsage
 from squad.models.vit import SquadViT
@@ -172,11 +173,14 @@ def evaluate_run(model: SquadViT | SingleTaskModel, data: str | Path, cfg: Evalu
         model: the model (its inference settings are changed in place by ``cfg.inference``: `set_inference`).
         data: dataset root.
         cfg: the split, tasks (default: every task of the model; an extracted model has one), batches (0: the whole
-            split), batch size, device, loader workers, inference settings and torch.compile
-            (`squad.config.tools.EvaluateConfig`; default: the whole val split as the model was saved).
+            split), batch size, device, loader workers, inference settings, torch.compile and the precision the
+            model is cast to in place (``"bf16"`` / ``"fp32"``; default bf16 on CUDA, fp32 elsewhere:
+            `squad.models.precision`) — `squad.config.tools.EvaluateConfig`; default: the whole val split as the
+            model was saved.
 
     Returns:
-        ``{"metrics": {task: {metric: value}}, "compute": compute_summary, "data": DataReport.as_dict()}``; under
+        ``{"metrics": {task: {metric: value}}, "compute": compute_summary, "data": DataReport.as_dict(),
+        "precision": "bf16" | "fp32"}``; under
         threshold MoD inference ``compute["mod_tokens"]`` is the share of tokens each MoD block actually processed
         and ``compute["macs_measured"]`` the MACs per image from it. ``data`` counts the images scored and the
         files the split could not use (`squad.data.accounting`; its summary line is logged too).
@@ -192,17 +196,19 @@ def evaluate_run(model: SquadViT | SingleTaskModel, data: str | Path, cfg: Evalu
     set_inference(inner, **dataclasses.asdict(cfg.inference))
     names = inner.task_names if tasks is None else [inner.task_names[i] for i in inner.task_index(list(tasks))]
     ds = model_dataset(inner, data, names, split)
-    inner.to(device)
+    dtype = cast_model(inner, cfg.precision, device)
     if cfg.compile:
         compile_model(inner)
     usage = ExpertUsage(inner.task_names)
     counts: dict = {}
     metrics = evaluate(inner, eval_loader(ds, cfg.batch_size, cfg.workers), list(names), device, cfg.batches,
+                       dtype=dtype,
                        usage=usage, counts=counts)
     usage.all_reduce()
     data_report = report(ds, split if isinstance(split, str) else "+".join(split), images=counts["images"])
     logging.getLogger("squad.data").info("%s", data_report.line())
-    return {"metrics": metrics, "compute": compute_summary(inner, names, usage), "data": data_report.as_dict()}
+    return {"metrics": metrics, "compute": compute_summary(inner, names, usage), "data": data_report.as_dict(),
+            "precision": precision_name(dtype)}
 
 
 def side_by_side(models: Mapping[str, SquadViT | SingleTaskModel], data: str | Path,

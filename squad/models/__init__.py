@@ -6,6 +6,7 @@ models).
 - single_task.py: `SingleTaskModel`, one task's path through a model (what extraction produces).
 - usage.py: `ExpertUsage`, expert-selection statistics per task and layer (saved with a model; pruning reads them).
 - inference.py: how a loaded model runs at inference (MoNE's e_c, MoD's top-k or threshold: `set_inference`).
+- precision.py: the dtype inference runs in (``--precision bf16|fp32``; bf16 by default on CUDA): `cast_model`.
 - compile.py: torch.compile of a model in place (`compile_model`: train.compile, --compile) and the graph breaks
   that remain (`graph_breaks`).
 - surgery.py: every structural edit of a built model: adding a task and folding it in (`add_task`,

@@ -36,6 +36,7 @@ from squad.eval.evaluate import compute_summary, evaluate, model_dataset
 from squad.io import save_extracted
 from squad.io.files import atomic_write_text
 from squad.models.inference import set_inference
+from squad.models.precision import cast_copy, precision_dtype, precision_name
 from squad.models.pruning import (
     choose_experts,
     prunable_layers,
@@ -76,7 +77,8 @@ def collect_usage(model: SquadViT, task: str, batches: Iterable, max_batches: in
     """
     (t,) = model.task_index([task])
     name = model.task_names[t]
-    device = device or next(model.parameters()).device
+    first = next(model.parameters())
+    device = device or first.device
     usage = ExpertUsage(model.task_names)
     was = model.training
     model.eval()
@@ -84,7 +86,7 @@ def collect_usage(model: SquadViT, task: str, batches: Iterable, max_batches: in
         for i, batch in enumerate(batches):
             if max_batches and i >= max_batches:
                 break
-            usage.update(model(_images(batch).to(device), [name]).stats)
+            usage.update(model(_images(batch).to(device, first.dtype), [name]).stats)  # a bf16 model: bf16 images
     finally:
         model.train(was)
     if not usage.counts:
@@ -151,8 +153,9 @@ def extract_to_file(model: SquadViT, task: str, out: str | Path, cfg: ExtractCon
             ``cfg.inference``.
         task: task name or alias.
         out: the extracted model file (the report goes to ``out`` with suffix ``.json``).
-        cfg: the criterion (θ or keep-top H), routing, calibration and evaluation data, inference settings
-            (`squad.config.tools.ExtractConfig`; default: θ = 0.01 from the saved statistics, no metrics).
+        cfg: the criterion (θ or keep-top H), routing, calibration and evaluation data, inference settings and the
+            precision of the calibration pass and the metrics (the weights are pruned and saved as they were
+            loaded) — `squad.config.tools.ExtractConfig`; default: θ = 0.01 from the saved statistics, no metrics.
 
     Returns:
         The report: task, criterion, usage source, parameters / active parameters / MACs / experts before and after,
@@ -179,6 +182,8 @@ def extract_to_file(model: SquadViT, task: str, out: str | Path, cfg: ExtractCon
                          f"tools/finetune_router.py")
     inference = set_inference(model, **dataclasses.asdict(cfg.inference))
     model.to(device)
+    dtype = precision_dtype(cfg.precision, device)
+    runner = cast_copy(model, dtype)  # the passes run in ``precision``; the weights pruned and saved stay as loaded
     prunable = bool(prunable_layers(model))
     if not prunable:
         usage, source = None, {"kind": "none (no MoE attention / MoE MLP layers to prune)"}
@@ -186,7 +191,7 @@ def extract_to_file(model: SquadViT, task: str, out: str | Path, cfg: ExtractCon
                  "and embedding only", meta["path"], name)
     elif data is not None and not cfg.saved_usage:
         loader, n_images = _loader(model, data, name, cfg.calib_split, cfg)
-        usage = collect_usage(model, name, loader, cfg.calib_batches, device)
+        usage = collect_usage(runner, name, loader, cfg.calib_batches, device)
         images = min(n_images, cfg.calib_batches * cfg.batch_size) if cfg.calib_batches else n_images
         source = {"kind": "calibration", "data": str(data), "split": cfg.calib_split, "images": images}
     else:
@@ -213,6 +218,7 @@ def extract_to_file(model: SquadViT, task: str, out: str | Path, cfg: ExtractCon
                          sum(v["experts_after"] for v in layers.values())),
         "layers": layers,
         "inference": inference,
+        "precision": precision_name(dtype),
         "compute": None,
         "metrics": None,
     }
@@ -226,9 +232,10 @@ def extract_to_file(model: SquadViT, task: str, out: str | Path, cfg: ExtractCon
         except (EmptyDatasetError, ValueError) as e:
             log.warning("no held-out metrics: %s", e)
         else:
-            before = evaluate(model, loader, [name], device, cfg.eval_batches)[name]
+            before = evaluate(runner, loader, [name], device, cfg.eval_batches, dtype=dtype)[name]
             usage_after = ExpertUsage(ext.model.task_names)
-            after = evaluate(ext.model, loader, [name], device, cfg.eval_batches, usage=usage_after)[name]
+            after = evaluate(cast_copy(ext.model, dtype), loader, [name], device, cfg.eval_batches, dtype=dtype,
+                             usage=usage_after)[name]
             report["metrics"] = {"split": cfg.eval_split, "images": n_eval, "full": before, "extracted": after}
             report["compute"] = compute_summary(ext.model, [name], usage_after)
     out = Path(out)

@@ -5,6 +5,7 @@ print what they did."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from squad.analysis.figures import draw_figures as _draw
@@ -42,6 +43,7 @@ def draw_figures(run: str | Path, data: str | Path, split: str = "val", batches:
     result = _draw(load_model(run), folder, cfg, tb_dir=tb if tb.is_dir() else None)
     print(f"{len(result['files'])} figures in {folder} (numbers in {result['json']})")
     if result["token_maps"]:
-        print(f"which tokens the MoD block processed, over {cfg.images} validation images: {result['token_maps'][0]} "
+        shown = json.loads(Path(result["json"]).read_text())["token_maps"]["images"]
+        print(f"which tokens the MoD block processed, over {shown} validation images: {result['token_maps'][0]} "
               f"(one such map per task: tokens_<task>.png)")
     return folder

@@ -105,6 +105,7 @@ def token_figure(images: torch.Tensor, maps: TokenMaps, task: str):
     fig, axes = plt.subplots(b, cols, figsize=(1.9 * cols + 0.6, 1.9 * b + 0.5), dpi=110, squeeze=False)
     pictures = images.detach().float().clamp(0, 1).permute(0, 2, 3, 1).cpu().numpy()  # [B, H, W, 3]
     h, w = pictures.shape[1:3]
+    box = (-0.5, w - 0.5, h - 0.5, -0.5)  # the image's own pixel extent: a map cell covers its patch exactly
     shown = None
     for i in range(b):
         axes[i][0].imshow(pictures[i])
@@ -113,9 +114,9 @@ def token_figure(images: torch.Tensor, maps: TokenMaps, task: str):
             ax.imshow(pictures[i])
             value = maps.maps[task][layer][i].numpy()
             if maps.kinds[layer] == "mod":
-                ax.imshow(value, cmap=_SKIPPED, vmin=0.0, vmax=1.0, extent=(0, w, h, 0), interpolation="nearest")
+                ax.imshow(value, cmap=_SKIPPED, vmin=0.0, vmax=1.0, extent=box, interpolation="nearest")
             else:
-                shown = ax.imshow(value, cmap="viridis", vmin=0.0, vmax=1.0, alpha=0.6, extent=(0, w, h, 0),
+                shown = ax.imshow(value, cmap="viridis", vmin=0.0, vmax=1.0, alpha=0.6, extent=box,
                                   interpolation="nearest")
             if i == 0:
                 what = (f"processed {maps.processed_share(task, layer):.0%}" if maps.kinds[layer] == "mod"

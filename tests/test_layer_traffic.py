@@ -3,17 +3,14 @@ on meta tensors with the CUDA path forced: bytes moved, kernels, host syncs and 
 twin, and a modelled H100 time. The counts are deterministic (shapes and dtypes only), so they are asserted.
 
 The modelled time is the interim model of issue 27 (until tools/bench.py's calibrated one): each launch costs
-max(FLOPs / 600 TFLOP/s for matmuls, bytes / 2.8 TB/s) + 4 µs. SDPA is priced as the flash kernel a GPU runs (on meta
-tensors PyTorch would pick its math form).
+max(FLOPs / 600 TFLOP/s for matmuls, bytes / 2.8 TB/s) + 4 µs; the recorder prices SDPA as the flash kernel a GPU
+runs.
 """
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
-import torch.nn.functional as F
 
 import squad
 from squad.bench import cases as C
@@ -30,24 +27,6 @@ def modelled_seconds(t: Traffic) -> float:
     return sum(max(r.flops / FLOPS if r.matmul else 0.0, r.bytes / BANDWIDTH) + LAUNCH for r in t.records)
 
 
-@contextlib.contextmanager
-def flash_sdpa():
-    """SDPA on meta tensors as the flash kernel (what a GPU runs; meta tensors would take the math form)."""
-    sdpa = F.scaled_dot_product_attention
-
-    def flash(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        if q.device.type != "meta" or attn_mask is not None:
-            return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                        enable_gqa=enable_gqa)
-        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, scale=scale)[0]
-
-    F.scaled_dot_product_attention = flash
-    try:
-        yield
-    finally:
-        F.scaled_dot_product_attention = sdpa
-
-
 def _fwd_bwd(layer, x, ctx=None) -> Traffic:
     """One forward + backward recorded, after one unrecorded (cached layouts made) and with no gradient left from
     an earlier pass (which the recorded backward would add to)."""
@@ -59,10 +38,9 @@ def _fwd_bwd(layer, x, ctx=None) -> Traffic:
         layer.zero_grad(set_to_none=True)
         (layer(x, ctx()) if ctx else layer(x)).backward(grad)
 
-    with flash_sdpa():
-        with force_cuda_path():
-            step()
-        return record(step)
+    with force_cuda_path():
+        step()
+    return record(step)
 
 
 @pytest.fixture(scope="module")
@@ -149,8 +127,7 @@ def _inference(name: str, overrides: list[str], capacity: float | None = None) -
         with torch.no_grad():
             model.forward_features(images, model.task_names[0])
 
-    with flash_sdpa():
-        return record(run)
+    return record(run)
 
 
 @pytest.fixture(scope="module")

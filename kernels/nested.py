@@ -32,8 +32,8 @@ def nested_config(k: int, n: int, dtype: torch.dtype) -> dict[str, object]:
 
 
 def _rows(a: torch.Tensor) -> torch.Tensor:
-    """[T, K] rows of a 2-D or two-level ([T / R, R, K]) input."""
-    return a.reshape(-1, a.shape[-1])
+    """[T, K] rows of an input [T, K], [T / R, R, K] or [T / R, R, H, K / H]."""
+    return a.reshape(a.shape[0] * (a.shape[1] if a.dim() > 2 else 1), -1)
 
 
 def group_bounds(groups: list[int]) -> list[tuple[int, int, int]]:
@@ -50,9 +50,10 @@ def _use_triton(*tensors: torch.Tensor) -> bool:
 def _check(a: torch.Tensor, w: torch.Tensor, layout: torch.Tensor, mode: str) -> None:
     if mode not in ("in", "out"):
         raise ValueError(f"squad::nested_linear: mode must be 'in' or 'out', got {mode!r}")
-    if a.dim() not in (2, 3) or a.shape[-1] != w.shape[1]:
-        raise ValueError(f"squad::nested_linear: a [T, K] or [T / R, R, K] and w [N, K] must agree in K, got a "
-                         f"{tuple(a.shape)}, w {tuple(w.shape)}")
+    k = a.shape[-1] * (a.shape[-2] if a.dim() == 4 else 1)
+    if a.dim() not in (2, 3, 4) or k != w.shape[1]:
+        raise ValueError(f"squad::nested_linear: a [T, K], [T / R, R, K] or [T / R, R, H, K / H] and w [N, K] must "
+                         f"agree in K, got a {tuple(a.shape)}, w {tuple(w.shape)}")
     if layout.dtype != torch.int32 or layout.dim() != 2 or layout.shape[0] != 2:
         raise ValueError(f"squad::nested_linear: layout must be int32 [2, G], got {layout.dtype} "
                          f"{tuple(layout.shape)}")
@@ -101,7 +102,8 @@ def nested_linear(a, w, bias, layout, groups, period, mode, gelu, residual, emb,
     """A nested projection of token-major rows (see the module docstring).
 
     Args:
-        a: [T, K] rows, or [T / R, R, K] (row t at a[t // R, t % R]: e.g. the attention output as SDPA wrote it).
+        a: [T, K] rows, or [T / R, R, K] (row t at a[t // R, t % R]), or [T / R, R, H, K / H] (its features too in
+            two levels: the attention output [R, H, N, d] permuted to [N, R, H, d], read in place).
         w: [N, K] (``nn.Linear`` layout); bias: [N] or None.
         mode: ``in`` — out[t] = act(a[t, :w] @ w[:, :w]ᵀ + bias), [T, N]; ``out`` — out[t, :w] = r[t, :w] (+ e) +
             s[t] · act(a[t] @ w[:w]ᵀ + bias[:w]) and out[t, w:] = r[t, w:] (+ e), [T, N], with r = ``residual``

@@ -15,9 +15,11 @@ groups:
   projection reads it (the first w features).
 
 The input rows may be two-level (``A_DIV`` > 1): row t reads ``A + (t // A_DIV) · stride_a0 + (t % A_DIV) ·
-stride_a1``, so the attention's output is read where SDPA wrote it ([R, N, H·d] memory, token-major rows t = n·R + r)
-without a permuting copy. ``e`` is a per-row embedding indexed by t % PERIOD (the image row of token-major rows).
-fp32 accumulation; element-wise math in fp32; bf16 tiles upcast in the interpreter (``UPCAST``).
+stride_a1``, and its features two-level too (feature k at ``(k // A_COLDIV) · stride_ak0 + (k % A_COLDIV) ·
+stride_ak1``), so the attention's output [R, H, N, d] is read where SDPA wrote it, whatever its memory order, as
+token-major rows t = n·R + r of H·d features, without a permuting copy. ``e`` is a per-row embedding indexed by
+t % PERIOD (the image row of token-major rows). fp32 accumulation; element-wise math in fp32; bf16 tiles upcast in
+the interpreter (``UPCAST``).
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ from .triton_common import gelu, interpreter_enabled, tile_group, wrap_kernels
 
 
 def _nested_mm_kernel(A, W, BIAS, LAYOUT, RES, EMB, SCALE, OUT,
-                      T, K, N, G, A_DIV, PERIOD,
-                      stride_a0, stride_a1, stride_ak, stride_wn, stride_wk,
+                      T, K, N, G, A_DIV, A_COLDIV, PERIOD,
+                      stride_a0, stride_a1, stride_ak0, stride_ak1, stride_wn, stride_wk,
                       stride_rm, stride_rn, stride_em, stride_en, stride_om, stride_on,
                       IN_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, GELU: tl.constexpr, RESIDUAL: tl.constexpr,
                       HAS_EMB: tl.constexpr, HAS_SCALE: tl.constexpr, UPCAST: tl.constexpr,
@@ -62,8 +64,8 @@ def _nested_mm_kernel(A, W, BIAS, LAYOUT, RES, EMB, SCALE, OUT,
         for k0 in range(0, k_lim, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             mask_k = offs_k < k_lim
-            a = tl.load(a_base[:, None] + offs_k[None, :] * stride_ak, mask=mask_m[:, None] & mask_k[None, :],
-                        other=0.0)
+            a_cols = (offs_k // A_COLDIV) * stride_ak0 + (offs_k % A_COLDIV) * stride_ak1
+            a = tl.load(a_base[:, None] + a_cols[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
             w = tl.load(W + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk,
                         mask=mask_k[:, None] & mask_nw[None, :], other=0.0)  # Wᵀ tile [BLOCK_K, BLOCK_N]
             if UPCAST:
@@ -132,14 +134,14 @@ def nested_mm(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, layou
               in_mode: bool, use_gelu: bool, residual: torch.Tensor | None, emb: torch.Tensor | None,
               scale: torch.Tensor | None, out: torch.Tensor | None, config: dict) -> torch.Tensor:
     """Launches `_nested_mm_kernel` (arguments as ``squad::nested_linear`` takes them, `squad.kernels.nested`):
-    ``a`` [T, K] or two-level [T / R, R, K]; ``out`` given: the residual itself (in place)."""
+    ``a`` [T, K], [T / R, R, K] or [T / R, R, H, K / H]; ``out`` given: the residual itself (in place)."""
     cfg = dict(config)
     launch = {"num_warps": cfg.pop("num_warps"), "num_stages": cfg.pop("num_stages")}
-    if a.dim() == 3:
-        a_div, (s0, s1, sk) = a.shape[1], a.stride()
-    else:
-        a_div, (s0, sk), s1 = 1, a.stride(), 0
-    t, k, n = a.shape[0] * a_div, a.shape[-1], w.shape[0]
+    rows = a if a.dim() >= 3 else a.unsqueeze(1)  # [T / R, R, ...]
+    feats = rows if rows.dim() == 4 else rows.unsqueeze(2)  # [T / R, R, H, K / H]
+    a_div, col_div = feats.shape[1], feats.shape[3]
+    s0, s1, sk0, sk1 = feats.stride()
+    t, k, n = feats.shape[0] * a_div, feats.shape[2] * col_div, w.shape[0]
     mode = 0 if residual is None else (2 if out is residual else 1)
     if out is None:
         out = torch.empty(t, n, dtype=a.dtype, device=a.device)
@@ -149,7 +151,8 @@ def nested_mm(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, layou
     res = residual if residual is not None else out
     _kernels()["_nested_mm_kernel"][grid](
         a, w, dummy if bias is None else bias, layout, res, dummy if emb is None else emb,
-        dummy if scale is None else scale, out, t, k, n, g, a_div, period, s0, s1, sk, *w.stride(), *res.stride(),
+        dummy if scale is None else scale, out, t, k, n, g, a_div, col_div, period, s0, s1, sk0, sk1, *w.stride(),
+        *res.stride(),
         *(emb.stride() if emb is not None else (0, 0)), *out.stride(),
         IN_MODE=bool(in_mode), HAS_BIAS=bias is not None, GELU=bool(use_gelu), RESIDUAL=mode, HAS_EMB=emb is not None,
         HAS_SCALE=scale is not None, UPCAST=bool(interpreter_enabled() and a.dtype == torch.bfloat16),

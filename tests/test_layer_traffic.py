@@ -2,9 +2,10 @@
 on meta tensors with the CUDA path forced: bytes moved, kernels, host syncs and atomics against each layer's dense
 twin, and a modelled H100 time. The counts are deterministic (shapes and dtypes only), so they are asserted.
 
-The modelled time is the interim model of issue 27 (until tools/bench.py's calibrated one): each launch costs
-max(FLOPs / 600 TFLOP/s for matmuls, bytes / 2.8 TB/s) + 4 µs; the recorder prices SDPA as the flash kernel a GPU
-runs.
+Two modelled times: the calibrated H100 model of tools/bench.py (`squad.bench.costmodel.FITTED`), and the interim
+model issue 27 set the layers' targets with (each launch max(FLOPs / 600 TFLOP/s for matmuls, bytes / 2.8 TB/s) +
+4 µs), which prices attention at GEMM rates where the calibrated one finds flash attention on ViT shapes ~10×
+slower. The recorder prices SDPA as the flash kernel a GPU runs.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 
 import squad
 from squad.bench import cases as C
+from squad.bench.costmodel import FITTED
 from squad.bench.traffic import Traffic, record
 from squad.kernels.device import force_cuda_path
 from squad.layers.mlp import Mlp
@@ -24,7 +26,13 @@ FLOPS, BANDWIDTH, LAUNCH = 600e12, 2.8e12, 4e-6
 
 
 def modelled_seconds(t: Traffic) -> float:
+    """The interim model's seconds."""
     return sum(max(r.flops / FLOPS if r.matmul else 0.0, r.bytes / BANDWIDTH) + LAUNCH for r in t.records)
+
+
+def fitted_seconds(t: Traffic) -> float:
+    """The calibrated model's seconds."""
+    return sum(FITTED.op_seconds(r) for r in t.records)
 
 
 def _fwd_bwd(layer, x, ctx=None) -> Traffic:
@@ -61,12 +69,13 @@ def vit_b_blocks():
 
 def test_moe_mlp_moves_at_most_1_6x_the_dense_mlp(vit_b_blocks):
     """The ScatterMoE-style grouped GEMMs (bias, GELU and the gate in their epilogues, rows gathered and scattered
-    by index — each gathered read counted once per slot): bytes ≤ 1.6×, modelled time ≤ 1.3× the dense MLP of equal
-    active FLOPs; no host sync, no pinned copy, no atomic larger than the per-task statistics."""
+    by index — each gathered read counted once per slot): bytes ≤ 1.6×, modelled time ≤ 1.3× (both models) the dense
+    MLP of equal active FLOPs; no host sync, no pinned copy, no atomic larger than the per-task statistics."""
     layers, x, ctx = vit_b_blocks
     moe, dense = _fwd_bwd(layers["moe"], x, ctx), _fwd_bwd(layers["mlp"], x)
     assert moe.bytes <= 1.6 * dense.bytes, moe.bytes / dense.bytes
     assert modelled_seconds(moe) <= 1.3 * modelled_seconds(dense), modelled_seconds(moe) / modelled_seconds(dense)
+    assert fitted_seconds(moe) <= 1.3 * fitted_seconds(dense), fitted_seconds(moe) / fitted_seconds(dense)
     assert moe.syncs == 0 and moe.pins == 0 and moe.largest_atomic_bytes() < 1e4
     assert sum(r.op == "grouped_mm" for r in moe.records) == 6  # two projections and the router, forward and dx
     assert sum(r.op == "grouped_wgrad" for r in moe.records) == 3  # the router's and the two projections'
@@ -87,8 +96,9 @@ def test_moe_attention_takes_dense_all_head_projections_at_vit_b(vit_b_blocks):
         patch.setattr(MoEAttention, "projections", lambda self, *a: "routed")
         routed = _fwd_bwd(moa, x, ctx)
     assert modelled_seconds(dense) < modelled_seconds(routed) and dense.bytes < routed.bytes
-    assert dense.bytes <= 2.1 * mqa.bytes, dense.bytes / mqa.bytes
-    assert modelled_seconds(dense) <= 2.3 * modelled_seconds(mqa), modelled_seconds(dense) / modelled_seconds(mqa)
+    assert dense.bytes <= 2.0 * mqa.bytes, dense.bytes / mqa.bytes
+    assert modelled_seconds(dense) <= 2.2 * modelled_seconds(mqa), modelled_seconds(dense) / modelled_seconds(mqa)
+    assert fitted_seconds(dense) <= 1.65 * fitted_seconds(mqa), fitted_seconds(dense) / fitted_seconds(mqa)
     assert dense.syncs == 0 and dense.pins == 0 and dense.largest_atomic_bytes() < 1e4
 
 
@@ -138,18 +148,21 @@ def dense_vit_s():
 def test_mone_moves_at_most_0_6x_dense_and_is_modelled_1_7x_faster(dense_vit_s):
     """MoNE ViT-S at e_c 0.3, 256 images at 224 px: the nested kernels (GELU inside the first MLP projection,
     projections adding into the residual, norms writing each token's width, the task embedding fused) move ≤ 0.6×
-    the dense ViT-S's bytes, modelled ≥ 1.7× faster; nothing full-width is cloned or copied."""
+    the dense ViT-S's bytes, modelled ≥ 1.7× faster (the interim model; the calibrated one, which prices MoNE's
+    full-width attention ~10× slower than GEMMs, ≥ 1.45×); nothing full-width is cloned or copied."""
     mone = _inference("mone_vit_s", [], capacity=0.3)
     assert mone.bytes <= 0.6 * dense_vit_s.bytes, mone.bytes / dense_vit_s.bytes
     assert modelled_seconds(dense_vit_s) >= 1.7 * modelled_seconds(mone)
+    assert fitted_seconds(dense_vit_s) >= 1.45 * fitted_seconds(mone)
     assert not [r for r in mone.records if r.op in ("gelu", "clone", "copy_") and r.bytes > 1e6]
     assert mone.syncs == 0 and mone.pins == 0
 
 
 def test_mod_inference_speed_up(dense_vit_s):
-    """MoD ViT-S (12.5 %, every other block): modelled ≥ 1.3× faster than the dense ViT-S (the 1.6× target is not met:
-    the 12 per-block task-embedding adds the twin does not have, and the launches of the inner block at 25 tokens,
-    which do not shrink with the tokens, hold it near 1.35×)."""
+    """MoD ViT-S (12.5 %, every other block): modelled ≥ 1.35× faster than the dense ViT-S in both models (the 1.6×
+    target is not met: the 12 per-block task-embedding adds the twin does not have, and the launches of the inner
+    block at 25 tokens, which do not shrink with the tokens, hold it near 1.4×)."""
     mod = _inference("mod_vit_s", [])
-    assert modelled_seconds(dense_vit_s) >= 1.3 * modelled_seconds(mod)
+    assert modelled_seconds(dense_vit_s) >= 1.35 * modelled_seconds(mod)
+    assert fitted_seconds(dense_vit_s) >= 1.35 * fitted_seconds(mod)
     assert mod.syncs == 0 and mod.pins == 0

@@ -33,6 +33,8 @@ def _tensors(dtype, device="cpu"):
               "b_out": (D,), "res": (R * TOKENS, D), "emb": (R, D), "scale": (R * TOKENS,), "gw": (D,), "gb": (D,)}
     t = {k: torch.randn(*s, generator=g).to(device, dtype) for k, s in shapes.items()}
     t["a3"] = t["a3"].transpose(0, 1)  # [N, R, H]: row t = n·R + r is a3[n, r] (SDPA's output, token-major)
+    # [N, R, 4, H / 4] of a [R, 4, N, H / 4] tensor: attention heads laid out head-major (SDPA's output on a CPU)
+    t["a4"] = torch.randn(R, 4, TOKENS, H // 4, generator=g).to(device, dtype).permute(2, 0, 1, 3)
     return t
 
 
@@ -52,6 +54,9 @@ def test_reference_matches_the_autograd_ops_and_layer_norm():
     got = NS.nested_linear_reference(t["a3"], t["w_out"], t["b_out"], groups, R, "out", False, t["res"], t["emb"],
                                      t["scale"])
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    heads = NS.nested_linear_reference(t["a4"], t["w_out"], t["b_out"], groups, R, "out", False, t["res"], None, None)
+    torch.testing.assert_close(heads, nested_linear_out(t["a4"].reshape(-1, H), t["w_out"], t["b_out"], BLOCKS,
+                                                        residual=t["res"]), rtol=1e-12, atol=1e-12)
     got = NS.nested_norm_reference(t["res"], t["emb"], t["gw"], t["gb"], 1e-6, R)
     torch.testing.assert_close(got, F.layer_norm(embedded, (D,), t["gw"], t["gb"], 1e-6), rtol=1e-12, atol=1e-12)
 
@@ -64,6 +69,8 @@ def test_ops_pass_opcheck():
     torch.library.opcheck(torch.ops.squad.nested_linear.default,
                           (t["a3"], t["w_out"], t["b_out"], layout, groups, R, "out", False, t["res"], t["emb"],
                            t["scale"]))
+    torch.library.opcheck(torch.ops.squad.nested_linear.default,
+                          (t["a4"], t["w_out"], t["b_out"], layout, groups, R, "out", False, t["res"], None, None))
     torch.library.opcheck(torch.ops.squad.nested_linear_.default,
                           (t["a3"].reshape(-1, H), t["w_out"], t["b_out"], layout, groups, t["res"].clone(),
                            t["scale"]))
@@ -79,7 +86,8 @@ TOL = {torch.float32: {"rtol": 1e-4, "atol": 1e-4}, torch.bfloat16: {"rtol": 3e-
 @pytest.mark.skipif(not RUNNABLE, reason="needs CUDA or TRITON_INTERPRET=1 (see tests/test_grouped_kernels.py)")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_triton_nested_ops_match_reference(dtype):
-    """Input projections (GELU, bias), output projections into a new residual (two-level rows, embedding, scale)
+    """Input projections (GELU, bias), output projections into a new residual (two-level rows, two-level features,
+    embedding, scale)
     and in place, and the norm (only each row's width compared: the kernel writes nothing past it), with the
     ops' tiles and with 16-wide tiles (groups cut into several tiles)."""
     from squad.kernels import triton_nested as T
@@ -93,10 +101,10 @@ def test_triton_nested_ops_match_reference(dtype):
             got = T.nested_mm(t["x"], t["w_in"], b, layout, R, True, gelu, None, None, None, None, config)
             want = NS.nested_linear_reference(t["x"], t["w_in"], b, groups, R, "in", gelu, None, None, None)
             torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
-        for emb, scale in itertools.product([None, t["emb"]], [None, t["scale"]]):
-            got = T.nested_mm(t["a3"], t["w_out"], t["b_out"], layout, R, False, False, t["res"], emb, scale, None,
+        for rows, emb, scale in itertools.product([t["a3"], t["a4"]], [None, t["emb"]], [None, t["scale"]]):
+            got = T.nested_mm(rows, t["w_out"], t["b_out"], layout, R, False, False, t["res"], emb, scale, None,
                               config)
-            want = NS.nested_linear_reference(t["a3"], t["w_out"], t["b_out"], groups, R, "out", False, t["res"], emb,
+            want = NS.nested_linear_reference(rows, t["w_out"], t["b_out"], groups, R, "out", False, t["res"], emb,
                                               scale)
             torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
         own, rows = t["res"].clone(), t["a3"].reshape(-1, H)

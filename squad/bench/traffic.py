@@ -529,7 +529,7 @@ def _price_nested_linear(record: OpRecord, args: Sequence) -> None:
     a, w, groups = args[0], args[1], _nested_groups(args[4])
     in_mode = len(args) == 11 and args[6] == "in"
     item = a.element_size()
-    n_out, k = w.shape
+    n_out, k = w.shape  # a may be [T, K], [T / R, R, K] or [T / R, R, H, K / H]
     record.matmul = True
     if in_mode:
         record.flops = sum(2.0 * n * width * n_out for n, width in groups)

@@ -233,7 +233,7 @@ class MoNEBlock(nn.Module):
         out, scores = attend(q, k, v, want_scores=self.want_scores, key_mask=key_mask)  # [R, H, N, d/H]
         if self.want_scores:
             ctx.attn_scores = scores
-        rows = out.permute(2, 0, 1, 3).flatten(2)  # [N, R, D]: token-major rows, a view of SDPA's [R, N, H, d/H]
+        rows = out.permute(2, 0, 1, 3)  # [N, R, H, d/H]: token-major rows of D features, a view of SDPA's output
         z = nested_linear(rows, self.attn.proj.weight, self.attn.proj.bias, layout, groups, r, "out", False, x2, emb,
                           None)  # x2 + emb + the projection: the block's own residual tensor
         h = nested_norm(z, None, self.norm2.weight, self.norm2.bias, self.norm2.eps, layout, groups, r)

@@ -166,3 +166,17 @@ def test_mod_inference_speed_up(dense_vit_s):
     assert modelled_seconds(dense_vit_s) >= 1.35 * modelled_seconds(mod)
     assert fitted_seconds(dense_vit_s) >= 1.35 * fitted_seconds(mod)
     assert mod.syncs == 0 and mod.pins == 0
+
+
+@pytest.mark.parametrize("kind", ["moe", "moa"])
+def test_float32_routed_layers_never_read_the_device(kind):
+    """In float32 (what evaluate/predict/extract run with ``--precision fp32``) the CUDA path takes the same kernels:
+    no host sync, no pinned copy (before them, fp32 MoE on CUDA read every layer's group sizes on the host)."""
+    from squad.config.model import MoAConfig, MoEConfig
+
+    with torch.device("meta"):
+        layer = (MoEMlp(64, 96, MoEConfig(num_experts=8, top_k=2, noop_experts=1, capacity_factor=1.0), 2)
+                 if kind == "moe" else MoEAttention(64, MoAConfig(num_experts=8, top_k=4, head_dim=16), 2))
+        x = torch.randn(4, 50, 64, requires_grad=True)
+    t = _fwd_bwd(layer, x, C._segment_context(2, 2, "meta"))
+    assert t.syncs == 0 and t.pins == 0

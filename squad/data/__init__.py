@@ -2,11 +2,13 @@
 
 Readers and the sample pipeline:
 
-- taskonomy.py: the Taskonomy tree reader (`TaskonomyDataset`; `TaskonomyBase`, the sample contract every reader
-  keeps), file decoding and `collate`.
-- benchmark.py, pascal.py, nyud.py: PASCAL-Context (PASCAL_MT) and NYUD-v2 (MTI-Net / ATRC) readers.
+- samples.py: the sample contract every reader keeps (`SampleDataset`), the interface of the sample pipelines
+  (`Pipeline`), `collate`, and the errors a reader raises (`CorruptFileError`, `EmptyDatasetError`).
+- taskonomy.py: the Taskonomy tree reader (`TaskonomyDataset`), its layouts, split CSVs and file decoding.
+- benchmark.py, pascal.py, nyud.py: PASCAL-Context (PASCAL_MT) and NYUD-v2 (MTI-Net / ATRC) readers, and their
+  sample pipeline (`BenchmarkPipeline`: any aspect ratio, fit and pad).
 - shards.py: HDF5 shards (`ShardDataset`, `BenchmarkShardDataset`), read with the same sample format.
-- transforms.py: the sample pipeline (mask-aware resize, crop, flip; `SamplePipeline`).
+- transforms.py: Taskonomy's sample pipeline (mask-aware resize, crop, flip; `SamplePipeline`).
 - accounting.py: files a dataset could not use, counted once over workers and ranks (`report`, `DataReport`).
 - samplers.py: the resumable training sampler and the in-order evaluation batches.
 - loaders.py: `build_dataset` (a `ShardDataset` / `BenchmarkShardDataset` when the folder holds a shard index,
@@ -14,7 +16,7 @@ Readers and the sample pipeline:
   `set_epoch`, `eval_loader`.
 
 Making data (offline tools, tools/make_data.py): `squad.data.synthetic` (the synthetic renderers) and
-`squad.data.tools` (``pack`` into shards, ``stats`` against real Taskonomy, random test trees).
+`squad.data.offline` (``pack`` into shards, ``stats`` against real Taskonomy, random test trees).
 
 The names below are imported on first use (`squad.lazy.exports`): ``squad.data.accounting`` loads without torch.
 """
@@ -38,16 +40,17 @@ _EXPORTS = {
     "set_epoch": "squad.data.loaders",
     "NYUDDataset": "squad.data.nyud",
     "PascalContextDataset": "squad.data.pascal",
+    "CorruptFileError": "squad.data.samples",
+    "EmptyDatasetError": "squad.data.samples",
+    "Pipeline": "squad.data.samples",
+    "SampleDataset": "squad.data.samples",
+    "collate": "squad.data.samples",
     "INDEX_NAME": "squad.data.shards",
     "BenchmarkShardDataset": "squad.data.shards",
     "ShardDataset": "squad.data.shards",
     "detect_dataset": "squad.data.shards",
     "is_shard_root": "squad.data.shards",
-    "CorruptFileError": "squad.data.taskonomy",
-    "EmptyDatasetError": "squad.data.taskonomy",
-    "TaskonomyBase": "squad.data.taskonomy",
     "TaskonomyDataset": "squad.data.taskonomy",
-    "collate": "squad.data.taskonomy",
     "find_split_csv": "squad.data.taskonomy",
     "make_data_hint": "squad.data.taskonomy",
     "read_raw": "squad.data.taskonomy",
@@ -57,9 +60,9 @@ _EXPORTS = {
 
 __all__ = [
     "BenchmarkBase", "BenchmarkShardDataset", "CorruptFileError", "DATASETS", "DataReport", "DatasetTaskError",
-    "EmptyDatasetError", "INDEX_NAME", "NYUDDataset", "PascalContextDataset", "SamplePipeline", "ShardDataset",
-    "TaskonomyBase", "TaskonomyDataset", "build_dataset", "build_loader", "check_dataset_tasks", "collate",
-    "detect_dataset", "eval_loader", "find_split_csv", "is_shard_root", "make_data_hint", "read_raw",
+    "EmptyDatasetError", "INDEX_NAME", "NYUDDataset", "PascalContextDataset", "Pipeline", "SampleDataset",
+    "SamplePipeline", "ShardDataset", "TaskonomyDataset", "build_dataset", "build_loader", "check_dataset_tasks",
+    "collate", "detect_dataset", "eval_loader", "find_split_csv", "is_shard_root", "make_data_hint", "read_raw",
     "read_split_csv", "report", "set_epoch",
 ]
 
@@ -79,6 +82,13 @@ if TYPE_CHECKING:
     )
     from squad.data.nyud import NYUDDataset
     from squad.data.pascal import PascalContextDataset
+    from squad.data.samples import (
+        CorruptFileError,
+        EmptyDatasetError,
+        Pipeline,
+        SampleDataset,
+        collate,
+    )
     from squad.data.shards import (
         INDEX_NAME,
         BenchmarkShardDataset,
@@ -87,11 +97,7 @@ if TYPE_CHECKING:
         is_shard_root,
     )
     from squad.data.taskonomy import (
-        CorruptFileError,
-        EmptyDatasetError,
-        TaskonomyBase,
         TaskonomyDataset,
-        collate,
         find_split_csv,
         make_data_hint,
         read_raw,

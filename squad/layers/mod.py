@@ -12,6 +12,7 @@ Only the k tokens are gathered and processed; the output is one copy of the inpu
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -22,6 +23,15 @@ from squad.layers.base import RoutedLayer
 from squad.layers.block import Block
 from squad.layers.context import ForwardContext
 from squad.layers.routing import TaskLinear
+
+
+@functools.lru_cache(maxsize=8)
+def _first_token_bias(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[N] with +inf at token 0 and 0 elsewhere (cached: a constant of the sequence length; compiled code calls
+    ``_first_token_bias.__wrapped__``, as dynamo warns that a traced cache could go stale)."""
+    with torch.inference_mode(False):
+        return torch.zeros(n, dtype=dtype, device=device).index_fill_(0, torch.zeros(1, dtype=torch.long,
+                                                                                     device=device), float("inf"))
 
 
 class MoDBlock(RoutedLayer):
@@ -64,9 +74,9 @@ class MoDBlock(RoutedLayer):
     def forward(self, x: torch.Tensor, ctx: ForwardContext, key_mask: torch.Tensor | None = None) -> torch.Tensor:
         r, n, d = x.shape
         select, logits = self._scores(x, ctx)
-        if self.keep_cls:
-            select = select.clone()
-            select[:, 0] = float("inf")
+        if self.keep_cls:  # the class token always first: +inf on its score (one add of a cached row)
+            bias = _first_token_bias.__wrapped__ if torch.compiler.is_compiling() else _first_token_bias
+            select = select + bias(n, select.dtype, select.device)
         threshold = logits is not None and not self.training and self.cfg.inference == "threshold"
         if threshold:
             keep = logits > 0
@@ -74,7 +84,7 @@ class MoDBlock(RoutedLayer):
                 keep[:, 0] = True
             k = int(keep.sum(1).max().item())  # eval-only host read: the widest row decides the padded width
             if k == 0:
-                self._record(ctx, r, n, keep.sum(1).float(), logits, None)
+                self._record(ctx, r, n, keep.sum(1).float(), logits, None, None)
                 return x
         else:
             k = self.capacity_tokens(n)
@@ -86,24 +96,32 @@ class MoDBlock(RoutedLayer):
         y_sel = self.block(x_sel, ctx, key_mask=valid)
         if logits is not None:
             r_sel = logits.gather(1, idx).unsqueeze(-1).to(x.dtype)  # [R, k, 1]
-            y_sel = x_sel + r_sel * (y_sel - x_sel)  # only the block's added term is scaled
+            y_sel = torch.lerp(x_sel, y_sel, r_sel)  # x + r · (y - x): only the block's added term is scaled
         if valid is not None:
             y_sel = torch.where(valid.unsqueeze(-1), y_sel, x_sel)
         out = x.scatter(1, gather_idx, y_sel)  # one copy of x: the input is never written (hooks may hold it)
         if ctx.attn_scores is not None:  # the inner attention produced scores for the selected tokens only
             ctx.attn_scores = ctx.attn_scores.new_zeros(r, n).scatter(1, idx, ctx.attn_scores)
         processed = valid.sum(1).float() if valid is not None else torch.full((r,), float(k), device=x.device)
-        self._record(ctx, r, n, processed, logits, idx)
+        self._record(ctx, r, n, processed, logits, idx, valid)
         return out
 
     def _record(self, ctx: ForwardContext, r: int, n: int, processed: torch.Tensor, logits: torch.Tensor | None,
-                idx: torch.Tensor | None) -> None:
-        """Statistics: per task, tokens processed vs skipped; the aux BCE when configured."""
+                idx: torch.Tensor | None, valid: torch.Tensor | None) -> None:
+        """Statistics: per task, tokens processed vs skipped; the aux BCE when configured; with
+        ``ctx.record_routing`` every token's choice ([R·N, 1]: 0 processed, 1 skipped, the columns of the counts)."""
         aux = None
         if self.cfg.aux_loss and logits is not None and self.training and idx is not None:
             target = torch.zeros_like(logits).scatter(1, idx, 1.0)
             aux = F.binary_cross_entropy_with_logits(logits.float(), target.float())
-        self.report(ctx, n, torch.stack([processed, n - processed], dim=1), aux_loss=aux)  # counts [R, 2]
+        choice = None
+        if ctx.record_routing:
+            done = torch.zeros(r, n, dtype=torch.bool, device=processed.device)
+            if idx is not None:
+                done.scatter_(1, idx, True if valid is None else valid)  # [R, N] the tokens the block processed
+            choice = (~done).long().reshape(r * n, 1)
+        self.report(ctx, n, torch.stack([processed, n - processed], dim=1), aux_loss=aux,
+                    experts=choice)  # counts [R, 2]
 
     def macs(self, tokens: int, capacity: float | None = None) -> float:
         """Multiply-accumulates per sequence of ``tokens`` tokens: the router plus the block on the tokens it

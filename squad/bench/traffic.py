@@ -16,7 +16,9 @@ What counts as what:
   nothing and move no bytes. squad's custom attention ops (``squad::triton_attention``...) count as one kernel each;
   `TrafficRecorder.launch` records a kernel that cannot run where the recording runs (a Triton launch on ``meta``).
 - **bytes**: every distinct input tensor read once at its logical size (a stride-0 expanded dimension counts once),
-  every output written once; an in-place op reads and writes its target. Real kernels may read an operand twice
+  every output written once; an in-place op reads and writes its target. A gather (``gather``, ``index_select``,
+  ``index``, ``take``, ``embedding``) reads its source only where it indexes it: one output's worth of the source
+  (an indexed row once per index that reads it, as squad's own gathering GEMMs are priced), not the whole source. Real kernels may read an operand twice
   (a matmul's tiles) or fuse two ops: this is the traffic the op graph implies, the quantity that decides
   memory-bound kernels.
 - **FLOPs**: 2·m·n·k for matmuls (``mm``, ``addmm``, ``bmm``, ``baddbmm``, grouped matmuls), 4·B·H·Nq·Nk·d for an
@@ -70,6 +72,8 @@ _ATOMIC = {"index_add", "index_add_", "scatter_add", "scatter_add_", "scatter_re
            "_embedding_bag_dense_backward", "_embedding_bag_per_sample_weights_backward", "bincount", "histc",
            "_index_put_impl_"}
 _PIN = {"_pin_memory", "pin_memory"}
+_GATHER = {"gather": 0, "index_select": 0, "index": 0, "take": 0, "take_along_dim": 0, "embedding": 0}
+"""Gathers: the position of the argument they read only where indexed (the source)."""
 _MATMUL = {"mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "grouped_mm", "_scaled_grouped_mm", "addmv", "mv",
            "dot", "vdot", "_addmm_activation"}
 _CONV = {"convolution", "_convolution", "conv2d"}
@@ -392,10 +396,14 @@ class TrafficRecorder(TorchDispatchMode):
         written = written or outputs
         seen: set[int] = set()
         read = 0.0
+        source = args[_GATHER[name]] if name in _GATHER and outputs else None
         for t in inputs:  # an out= buffer is only written; an in-place target is read and written
             if id(t) in seen or (id(t) in written_ids and not in_place):
                 continue
             seen.add(id(t))
+            if t is source:  # a gather reads one output's worth of its source
+                read += _logical_bytes(outputs[0]) * t.element_size() / max(outputs[0].element_size(), 1)
+                continue
             read += _logical_bytes(t)
         kind = _kind(name)
         record = OpRecord(name, bytes_read=read, bytes_written=sum(map(_logical_bytes, written)), kind=kind,

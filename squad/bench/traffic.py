@@ -557,7 +557,35 @@ def _price_nested_norm(record: OpRecord, args: Sequence) -> None:
     record.bytes_written = sum(n * width for n, width in groups) * x.element_size()
 
 
+def _price_head_select_mm(record: OpRecord, args: Sequence) -> None:
+    """MoE attention's all-head GEMM (`squad.kernels.heads`): every head's product is computed (2·M·K·E·d) and only
+    the selected heads written; each operand read once (the slot map, the gates and the compact rows too)."""
+    a, w = args[0], args[1]
+    record.matmul = True
+    record.flops = 2.0 * a.shape[0] * a.shape[1] * w.shape[0] * w.shape[2]
+
+
+def _price_head_gather_mm(record: OpRecord, args: Sequence) -> None:
+    """The GEMM over the virtual [M, E·d] operand (2·M·E·d·N, plus 2·M·K2·N for the dense second operand): the
+    compact [M, k, d] rows read once."""
+    c, w, a2 = args[0], args[3], args[4]
+    record.matmul = True
+    record.flops = 2.0 * c.shape[0] * w.shape[0] * w.shape[1] * w.shape[2]
+    if a2 is not None:
+        record.flops += 2.0 * a2.shape[0] * a2.shape[1] * w.shape[2]
+
+
+def _price_head_wgrad(record: OpRecord, args: Sequence) -> None:
+    """The weight gradient through the virtual operand: 2·M·E·d·N."""
+    c, b, heads = args[0], args[3], args[4]
+    record.matmul = True
+    record.flops = 2.0 * c.shape[0] * heads * c.shape[2] * b.shape[1]
+
+
 SQUAD_OPS: dict[str, Callable[[OpRecord, Sequence], None]] = {
+    "head_select_mm": _price_head_select_mm,
+    "head_gather_mm": _price_head_gather_mm,
+    "head_wgrad": _price_head_wgrad,
     "grouped_mm": _price_grouped_mm,
     "grouped_wgrad": _price_grouped_wgrad,
     "nested_linear": _price_nested_linear,

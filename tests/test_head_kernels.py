@@ -141,8 +141,8 @@ def _ctx():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_triton_moe_attention_dense_form_matches_the_cpu_algorithm(dtype, monkeypatch):
     """MoE attention's dense all-head form on the Triton kernels against the CPU algorithm (routed) in float32 (the
-    attention's widest type), on one routing decision (bf16 logits could break a near tie): output and every gradient (input, query and output
-    weights, key/value head, bias, gates)."""
+    attention's widest type), on one routing decision (bf16 logits could break a near tie): output and every
+    gradient (input, query and output weights, key/value head, bias, gates)."""
     x0 = torch.randn(3, 11, 12)
     with torch.no_grad():
         decided = _moa(torch.float32).router(x0, _ctx())
@@ -151,7 +151,8 @@ def test_triton_moe_attention_dense_form_matches_the_cpu_algorithm(dtype, monkey
         monkeypatch.setattr(MoEAttention, "projections", lambda self, *a, f=on_kernels: "dense" if f else "routed")
         layer = _moa(dt).to(device)
         gates = decided.gates.to(device).requires_grad_()
-        layer.router.forward = lambda *a, g=gates: Routing(g, decided.experts.to(device), decided.probs.to(device))
+        routing = Routing(gates, decided.experts.to(device), decided.probs.to(device))
+        layer.router.forward = lambda *a, r=routing: r
         x = x0.to(device, dt).requires_grad_()
         leaves = [x, layer.q, layer.kv.weight, layer.kv.bias, layer.o, layer.proj_bias, gates]
         with force_cuda_path(on_kernels):
@@ -183,7 +184,8 @@ def test_dense_form_compiles_in_one_graph(monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-GPU_COMPILE = [("_head_select_kernel", "bf16", {"GATED": True}, 90), ("_head_select_kernel", "fp32", {"GATED": True}, 80),
+GPU_COMPILE = [("_head_select_kernel", "bf16", {"GATED": True}, 90),
+               ("_head_select_kernel", "fp32", {"GATED": True}, 80),
                ("_head_gather_kernel", "bf16", {}, 80), ("_head_gather_kernel", "bf16", {}, 90),
                ("_head_gather_kernel", "fp32", {}, 80), ("_head_wgrad_kernel", "bf16", {}, 90),
                ("_head_wgrad_kernel", "fp32", {}, 80)]

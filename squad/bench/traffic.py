@@ -18,9 +18,9 @@ What counts as what:
 - **bytes**: every distinct input tensor read once at its logical size (a stride-0 expanded dimension counts once),
   every output written once; an in-place op reads and writes its target. A gather (``gather``, ``index_select``,
   ``index``, ``take``, ``embedding``) reads its source only where it indexes it: one output's worth of the source
-  (an indexed row once per index that reads it, as squad's own gathering GEMMs are priced), not the whole source. Real kernels may read an operand twice
-  (a matmul's tiles) or fuse two ops: this is the traffic the op graph implies, the quantity that decides
-  memory-bound kernels.
+  (an indexed row once per index that reads it, as squad's own gathering GEMMs are priced), not the whole source.
+  Real kernels may read an operand twice (a matmul's tiles) or fuse two ops: this is the traffic the op graph
+  implies, the quantity that decides memory-bound kernels.
 - **FLOPs**: 2·m·n·k for matmuls (``mm``, ``addmm``, ``bmm``, ``baddbmm``, grouped matmuls), 4·B·H·Nq·Nk·d for an
   attention forward and 10·B·H·Nq·Nk·d for a flash backward (squad's two-kernel Triton backward: 14, see
   `_squad_attention`), convolution by its output; element-wise work is not counted as FLOPs (it is priced by its

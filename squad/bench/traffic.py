@@ -533,17 +533,23 @@ def _nested_groups(groups: Sequence[int]) -> list[tuple[int, int]]:
 
 def _price_nested_linear(record: OpRecord, args: Sequence) -> None:
     """A nested projection reads the first w features of a token's row (input projections) or computes only the
-    first w output features (output projections; with the residual read and written whole, or in place only there)."""
+    first w output features (output projections; with the residual read and written whole, or in place only there).
+    Its FLOPs are what the kernel's tiles execute: w rounded up to its K tile (input) or N tile (output)."""
+    from squad.kernels.nested import nested_config
+
     a, w, groups = args[0], args[1], _nested_groups(args[4])
     in_mode = len(args) == 11 and args[6] == "in"
     item = a.element_size()
     n_out, k = w.shape  # a may be [T, K], [T / R, R, K] or [T / R, R, H, K / H]
+    config = nested_config(k, n_out, a.dtype)
     record.matmul = True
     if in_mode:
-        record.flops = sum(2.0 * n * width * n_out for n, width in groups)
+        tile = config["BLOCK_K"]
+        record.flops = sum(2.0 * n * -(-width // tile) * tile * n_out for n, width in groups)
         record.bytes_read += sum(n * width for n, width in groups) * item - _logical_bytes(a)
     else:
-        record.flops = sum(2.0 * n * k * width for n, width in groups)
+        tile = config["BLOCK_N"]
+        record.flops = sum(2.0 * n * k * min(n_out, -(-width // tile) * tile) for n, width in groups)
     if len(args) == 7:  # in place (nested_linear_): only each group's first w features of the residual
         residual = args[5]
         touched = sum(n * width for n, width in groups) * residual.element_size()
@@ -555,6 +561,21 @@ def _price_nested_norm(record: OpRecord, args: Sequence) -> None:
     """A nested layer norm reads every feature and writes each token's first w."""
     x, groups = args[0], _nested_groups(args[6])
     record.bytes_written = sum(n * width for n, width in groups) * x.element_size()
+
+
+def _price_nested_mlp(record: OpRecord, args: Sequence) -> None:
+    """MoNE's fused MLP sublayer: the FLOPs its tiles execute (`squad.kernels.nested.nested_mlp_flops`: each token's
+    width rounded up to the kernel's K tile and output chunk, every hidden feature); every row read whole (the layer
+    norm's statistics), only each token's first w features written."""
+    from squad.kernels.nested import nested_mlp_config, nested_mlp_flops
+
+    x, w1, groups = args[0], args[4], list(args[9])
+    config = nested_mlp_config(x.shape[1], w1.shape[0], x.dtype)
+    record.matmul = True
+    if config is None:  # the op runs its reference there: price the useful work
+        config = {"BLOCK_K": 1, "BLOCK_W": 1}
+    record.flops = nested_mlp_flops(groups, w1.shape[0], config)
+    record.bytes_written = sum(n * width for n, width in _nested_groups(groups)) * x.element_size()
 
 
 def _price_head_select_mm(record: OpRecord, args: Sequence) -> None:
@@ -591,5 +612,6 @@ SQUAD_OPS: dict[str, Callable[[OpRecord, Sequence], None]] = {
     "nested_linear": _price_nested_linear,
     "nested_linear_": _price_nested_linear,
     "nested_norm": _price_nested_norm,
+    "nested_mlp_": _price_nested_mlp,
 }
 """Pricing of ``squad::`` custom ops by their name (the ops' schemas: `squad.kernels.grouped`)."""

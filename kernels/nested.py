@@ -7,8 +7,8 @@ nothing of full width for a token that takes a slice beyond what the model needs
 in `triton_nested.py`): the hidden layer's GELU inside the first MLP projection, the output projections adding into
 the residual in their epilogue, the layer norms writing only the features the next projection reads, the attention
 output read where SDPA wrote it; and the MLP sublayer (norm, both projections, GELU, the scaled residual add) as one
-launch that never writes the hidden layer (`triton_nested_mlp`). Triton on CUDA (and on CPU tensors under ``TRITON_INTERPRET=1``); a PyTorch
-reference elsewhere; fake implementations for meta tensors and `torch.compile`.
+launch that never writes the hidden layer (`triton_nested_mlp`). Triton on CUDA (and on CPU tensors under
+``TRITON_INTERPRET=1``); a PyTorch reference elsewhere; fake implementations for meta tensors and `torch.compile`.
 
 Shared arguments: token-major rows T in G consecutive groups, ``layout`` [2, G] int32 on the rows' device (row 0: the
 cumulative end of each group, row 1: its width) for the kernels, and the same as host ints, ``groups`` = [ends...,

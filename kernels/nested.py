@@ -114,14 +114,14 @@ def nested_mlp_reference(x, ln_w, ln_b, eps, w1, b1, w2, b2, groups, gate, alpha
     would store: the normed rows and the hidden layer); returns the new x."""
     ct = torch.float64 if x.dtype == torch.float64 else torch.float32
     h = F.layer_norm(x.to(ct), (x.shape[1],), ln_w.to(ct), ln_b.to(ct), eps).to(x.dtype).to(ct)
-    scale = alpha.to(ct) * gate.t().reshape(-1).to(ct) + 1.0  # [T]: token t = n·R + r reads gate[r, n]
+    scale = 1.0 if gate is None else (alpha.to(ct) * gate.t().reshape(-1).to(ct) + 1.0)[:, None]  # t = n·R + r
     out = x.to(ct, copy=True)
     for first, end, width in group_bounds(groups):
         if end == first:
             continue
         hid = F.gelu(h[first:end, :width] @ w1[:, :width].to(ct).t() + b1.to(ct)).to(x.dtype).to(ct)
         y = hid @ w2[:width].to(ct).t() + b2[:width].to(ct)
-        out[first:end, :width] += scale[first:end, None] * y
+        out[first:end, :width] += (scale if gate is None else scale[first:end]) * y
     return out.to(x.dtype)
 
 
@@ -207,7 +207,7 @@ def _(x, emb, weight, bias, eps, layout, groups, period):
 
 @torch.library.custom_op("squad::nested_mlp_", mutates_args=("x",),
                          schema="(Tensor(a!) x, Tensor ln_w, Tensor ln_b, float eps, Tensor w1, Tensor b1, Tensor w2, "
-                                "Tensor b2, Tensor layout, int[] groups, Tensor gate, Tensor alpha) -> ()")
+                                "Tensor b2, Tensor layout, int[] groups, Tensor? gate, Tensor? alpha) -> ()")
 def nested_mlp_(x, ln_w, ln_b, eps, w1, b1, w2, b2, layout, groups, gate, alpha):
     """MoNE's MLP sublayer in place: x[t, :w] += (α · gate + 1) · (gelu(LN(x[t])[:w] @ W1[:, :w]ᵀ + b1) @ W2[:w]ᵀ +
     b2[:w]) for token-major rows x [T, D] (contiguous rows) in the layout's groups.
@@ -216,7 +216,8 @@ def nested_mlp_(x, ln_w, ln_b, eps, w1, b1, w2, b2, layout, groups, gate, alpha)
         x: [T, D], written in place (each row's first w features).
         ln_w, ln_b, eps: the layer norm (over all D features).
         w1, b1: the first projection (``nn.Linear`` [H, D], [H]); w2, b2: the second ([D, H], [D]).
-        gate: [R, N] the router's probability of each token's expert (token t = n·R + r); alpha: [1].
+        gate: [R, N] the router's probability of each token's expert (token t = n·R + r); alpha: [1]; both None:
+            the scale is 1 (a plain pre-norm MLP sublayer).
     """
     if x.dim() != 2 or x.stride(1) != 1 or w1.shape != (b1.shape[0], x.shape[1]) or w2.shape != (x.shape[1],
                                                                                                    w1.shape[0]):

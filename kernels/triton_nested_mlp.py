@@ -7,6 +7,8 @@ first w_g features of its output. For a tile of rows of one group, `_nested_mlp_
 
     x[t, :w] += (α · gate[t] + 1) · (gelu(LN(x[t])[:w] @ W1[:, :w]ᵀ + b1) @ W2[:w]ᵀ + b2[:w])
 
+(without HAS_SCALE the factor is 1: a plain pre-norm MLP sublayer, e.g. MoD's inner block, one group of width D)
+
 - the layer norm's statistics over all D features (two passes over the row: mean, then the centred squares), the
   normalised features produced as the first projection loads them (rounded to x's dtype, as a stored norm would be);
 - the hidden layer (all of its features, MoNE's MLP hidden is full width) a BLOCK_H-wide chunk at a time: each chunk
@@ -63,7 +65,8 @@ def _store_chunk(X, B2, acc, x_rows, mask_m, scale, chunk, width, BLOCK_W: tl.co
 def _nested_mlp_kernel(X, LN_W, LN_B, W1, B1, W2, B2, LAYOUT, GATE, ALPHA,
                        T, D, HID, G, PERIOD, eps,
                        stride_xm, stride_w1h, stride_w1k, stride_w2n, stride_w2h, stride_g0, stride_g1,
-                       UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
+                       HAS_SCALE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
                        BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr, W_CHUNKS: tl.constexpr):
     grp, first, end = tile_group(tl.program_id(0), LAYOUT, G, T, BLOCK_M)
     if grp < 0 or grp == G:
@@ -141,8 +144,10 @@ def _nested_mlp_kernel(X, LN_W, LN_B, W1, B1, W2, B2, LAYOUT, GATE, ALPHA,
         if W_CHUNKS > 7:
             acc7 = _out_chunk(acc7, hid, W2, stride_w2n, stride_w2h, offs_h, mask_h, 7, width, UPCAST, PRECISION,
                               BLOCK_W)
-    gate = tl.load(GATE + (rows % PERIOD) * stride_g0 + (rows // PERIOD) * stride_g1, mask=mask_m, other=0.0)
-    scale = tl.load(ALPHA).to(tl.float32) * gate.to(tl.float32) + 1.0
+    scale = tl.full([BLOCK_M], 1.0, tl.float32)
+    if HAS_SCALE:
+        gate = tl.load(GATE + (rows % PERIOD) * stride_g0 + (rows // PERIOD) * stride_g1, mask=mask_m, other=0.0)
+        scale += tl.load(ALPHA).to(tl.float32) * gate.to(tl.float32)
     _store_chunk(X, B2, acc0, x_rows, mask_m, scale, 0, width, BLOCK_W)
     if W_CHUNKS > 1:
         _store_chunk(X, B2, acc1, x_rows, mask_m, scale, 1, width, BLOCK_W)
@@ -166,8 +171,8 @@ def _kernels() -> dict[str, object]:
 
 
 def nested_mlp_(x: torch.Tensor, ln_w: torch.Tensor, ln_b: torch.Tensor, eps: float, w1: torch.Tensor,
-                b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor, layout: torch.Tensor, gate: torch.Tensor,
-                alpha: torch.Tensor, config: dict) -> None:
+                b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor, layout: torch.Tensor, gate: torch.Tensor | None,
+                alpha: torch.Tensor | None, config: dict) -> None:
     """Launches `_nested_mlp_kernel` on x [T, D] in place (arguments as ``squad::nested_mlp_`` takes them,
     `squad.kernels.nested`; gate [R, N] with T = N·R token-major rows)."""
     cfg = dict(config)
@@ -175,7 +180,9 @@ def nested_mlp_(x: torch.Tensor, ln_w: torch.Tensor, ln_b: torch.Tensor, eps: fl
     t, d = x.shape
     g = layout.shape[1]
     grid = (triton.cdiv(t, cfg["BLOCK_M"]) + g + 1,)
+    scaled = gate is not None
     _kernels()["_nested_mlp_kernel"][grid](
-        x, ln_w, ln_b, w1, b1, w2, b2, layout, gate, alpha, t, d, w1.shape[0], g, gate.shape[0], eps,
-        x.stride(0), *w1.stride(), *w2.stride(), *gate.stride(),
+        x, ln_w, ln_b, w1, b1, w2, b2, layout, gate if scaled else layout, alpha if scaled else layout, t, d,
+        w1.shape[0], g, gate.shape[0] if scaled else 1, eps, x.stride(0), *w1.stride(), *w2.stride(),
+        *(gate.stride() if scaled else (0, 0)), HAS_SCALE=scaled,
         UPCAST=bool(interpreter_enabled() and x.dtype == torch.bfloat16), PRECISION="ieee", **cfg, **launch)

@@ -158,12 +158,14 @@ def test_triton_nested_mlp_matches_reference(dtype):
     t["w_in"], t["w_out"] = t["w_in"] / 4, t["w_out"] / 4  # keep the hidden layer in GELU's curved range
     layout, groups = _layout(device)
     args = _mlp_args(t, layout, groups)
-    want = NS.nested_mlp_reference(t["res"], *args[:7], groups, *args[9:])
     config = NS.nested_mlp_config(D, H, dtype)
-    for cfg in (config, {**config, "BLOCK_M": 16, "BLOCK_H": 16, "BLOCK_W": 16, "W_CHUNKS": 2}):
-        got = t["res"].clone()
-        T.nested_mlp_(got, *args[:8], *args[9:], cfg)
-        torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+    for scaled in (True, False):  # α · gate + 1, or 1 (a plain MLP sublayer: MoD's inner block)
+        scale = args[9:] if scaled else (None, None)
+        want = NS.nested_mlp_reference(t["res"], *args[:7], groups, *scale)
+        for cfg in (config, {**config, "BLOCK_M": 16, "BLOCK_H": 16, "BLOCK_W": 16, "W_CHUNKS": 2}):
+            got = t["res"].clone()
+            T.nested_mlp_(got, *args[:8], *scale, cfg)
+            torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
 
 
 @pytest.mark.parametrize("tasks", [1, 2], ids=["one_task", "two_tasks"])
@@ -216,7 +218,7 @@ def test_triton_nested_kernels_compile_for_gpu(case):
         T = triton_nested_mlp  # noqa: N806
         cfg = NS.nested_mlp_config(384, 1536, {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype])
         options = {"num_warps": cfg.pop("num_warps"), "num_stages": cfg.pop("num_stages")}
-        constexprs = {"UPCAST": False, "PRECISION": "ieee", **cfg}
+        constexprs = {"HAS_SCALE": True, "UPCAST": False, "PRECISION": "ieee", **cfg}
     elif kernel == "_nested_mm_kernel":
         cfg = NS.nested_config(384, 1536, {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype])
         options = {"num_warps": cfg.pop("num_warps"), "num_stages": cfg.pop("num_stages")}

@@ -578,6 +578,20 @@ def _price_nested_mlp(record: OpRecord, args: Sequence) -> None:
     record.bytes_written = sum(n * width for n, width in _nested_groups(groups)) * x.element_size()
 
 
+def _price_row_norm(record: OpRecord, args: Sequence) -> None:
+    """A layer norm of selected rows (`squad.kernels.rows`) reads only the rows its index names."""
+    x, index = args[0], args[1]
+    if index is not None:
+        record.bytes_read += index.numel() * x.shape[2] * x.element_size() - _logical_bytes(x)
+
+
+def _price_row_scatter_lerp(record: OpRecord, args: Sequence) -> None:
+    """A MoD block's write-back writes the indexed rows of x and never reads x."""
+    x, index = args[0], args[1]
+    record.bytes_read -= _logical_bytes(x)
+    record.bytes_written = index.numel() * x.shape[2] * x.element_size()
+
+
 def _price_head_select_mm(record: OpRecord, args: Sequence) -> None:
     """MoE attention's all-head GEMM (`squad.kernels.heads`): every head's product is computed (2·M·K·E·d) and only
     the selected heads written; each operand read once (the slot map, the gates and the compact rows too)."""
@@ -613,5 +627,7 @@ SQUAD_OPS: dict[str, Callable[[OpRecord, Sequence], None]] = {
     "nested_linear_": _price_nested_linear,
     "nested_norm": _price_nested_norm,
     "nested_mlp_": _price_nested_mlp,
+    "row_norm": _price_row_norm,
+    "row_scatter_lerp_": _price_row_scatter_lerp,
 }
 """Pricing of ``squad::`` custom ops by their name (the ops' schemas: `squad.kernels.grouped`)."""

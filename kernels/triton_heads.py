@@ -28,7 +28,25 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import interpreter_enabled, wrap_kernels
+from .triton_common import device_function, interpreter_enabled, wrap_kernels
+
+
+@device_function
+def _mma(acc, A, rows, mask_m, stride_am, stride_ak, W, offs_n, mask_n, stride_wk, stride_wn, K,
+         UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc += A[rows, :K] @ W[:K, offs_n], K stepped BLOCK_K at a time (masked past K, the rows and the columns)."""
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        a = tl.load(A + rows[:, None] * stride_am + offs_k[None, :] * stride_ak,
+                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        w = tl.load(W + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn,
+                    mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+    return acc
 
 
 def _head_select_kernel(A, W, SLOTS, GATES, AUX, OUT, GATE_GRAD,
@@ -47,19 +65,8 @@ def _head_select_kernel(A, W, SLOTS, GATES, AUX, OUT, GATE_GRAD,
         return  # no row of this tile selected the head
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < DH
-    w_base = W + head.to(tl.int64) * stride_we
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
-        a = tl.load(A + rows[:, None] * stride_am + offs_k[None, :] * stride_ak,
-                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        w = tl.load(w_base + offs_k[:, None] * stride_wk + offs_d[None, :] * stride_wd,
-                    mask=mask_k[:, None] & mask_d[None, :], other=0.0)
-        if UPCAST:
-            a = a.to(tl.float32)
-            w = w.to(tl.float32)
-        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+    acc = _mma(tl.zeros([BLOCK_M, BLOCK_D], tl.float32), A, rows, mask_m, stride_am, stride_ak,
+               W + head.to(tl.int64) * stride_we, offs_d, mask_d, stride_wk, stride_wd, K, UPCAST, PRECISION, BLOCK_K)
     picked = mask_m & (slot >= 0)
     slot = tl.maximum(slot, 0).to(tl.int64)
     mask_md = picked[:, None] & mask_d[None, :]
@@ -104,17 +111,8 @@ def _head_gather_kernel(C, SLOTS, GATES, W, A2, W2, BIAS, OUT,
             w = w.to(tl.float32)
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
     if HAS_A2:
-        for k0 in range(0, K2, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            mask_k = offs_k < K2
-            a = tl.load(A2 + rows[:, None] * stride_am + offs_k[None, :] * stride_ak,
-                        mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            w = tl.load(W2 + offs_k[:, None] * stride_vk + offs_n[None, :] * stride_vn,
-                        mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-            if UPCAST:
-                a = a.to(tl.float32)
-                w = w.to(tl.float32)
-            acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        acc = _mma(acc, A2, rows, mask_m, stride_am, stride_ak, W2, offs_n, mask_n, stride_vk, stride_vn, K2, UPCAST,
+                   PRECISION, BLOCK_K)
     if HAS_BIAS:
         acc += tl.load(BIAS + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     tl.store(OUT + rows[:, None] * stride_om + offs_n[None, :] * stride_on, acc.to(OUT.dtype.element_ty),

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from squad.kernels import rows as RW
 from squad.kernels.device import force_cuda_path, triton_available, triton_interpreting
-from tests.helpers import compile_triton_for_gpu, routed_inference_model
+from tests.helpers import assert_compiles_for_gpu, routed_inference_model
 
 RUNNABLE = triton_available() and (torch.cuda.is_available() or triton_interpreting())
 R, N, D, K = 3, 11, 40, 5
@@ -131,6 +131,20 @@ def test_fused_inference_equals_the_cpu_path(name, hooks):
     torch.testing.assert_close(x, kept, rtol=0, atol=0)
 
 
+def test_fused_inference_compiles_in_one_graph():
+    """MoD ViT-S inference on the fused path (forced) under ``torch.compile(fullgraph=True)``: one graph (the in-place
+    write-back and the ownership and hook checks trace), eager's features."""
+    model = routed_inference_model("mod_vit_s")
+    images = torch.randn(2, 3, model.cfg.img_size, model.cfg.img_size)
+    task = model.task_names[0]
+    torch._dynamo.reset()
+    with torch.no_grad(), force_cuda_path():
+        want = model.forward_features(images, task)
+        got = torch.compile(model.forward_features, backend="aot_eager", fullgraph=True)(images, task)
+    torch._dynamo.reset()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.skipif(not RUNNABLE, reason="needs CUDA or TRITON_INTERPRET=1 (see tests/test_grouped_kernels.py)")
 def test_triton_mod_inference_matches_the_cpu_path():
     """MoD ViT-S (learned routing, task embeddings) through the Triton kernels (fp32) against the CPU path."""
@@ -164,5 +178,4 @@ def test_triton_row_kernels_compile_for_gpu(case):
     constexprs = {k: v for k, v in constexprs.items() if k in fn.__code__.co_varnames}
     types = {"INDEX": "*i64", "eps": "fp32",
              **{n: f"*{dtype}" for n in ("X", "EMB", "WEIGHT", "BIAS", "OUT", "ROWS", "A", "B", "S", "SHIFT")}}
-    compiled = compile_triton_for_gpu(fn, types, constexprs, {"num_warps": warps, "num_stages": 1}, sm)
-    assert len(compiled.asm["cubin"]) > 0
+    assert_compiles_for_gpu(fn, types, constexprs, {"num_warps": warps, "num_stages": 1}, sm)

@@ -25,9 +25,18 @@ probability block kept until the row's LSE is known (A-MoD's A_temp), which fits
 one-tile path. Past one tile the probabilities must be formed twice or written out (B·H·N² values, slower than
 recomputing them), so phase 1 recomputes QKᵀ and exp2: by the FLOP and exp2 count about half a forward more at long
 N (unmeasured: no GPU was at hand; `tools/bench.py` on a GPU gives the ratios), against a column reduction per tile
-on the one-tile path. Column sums go to a [B, Hq, row blocks, M] buffer summed in PyTorch: no atomics, the same sum
-in the same order every run (the scores choose tokens by top-k; a last-bit wobble could change the choice between
-runs). Its size is M²/BLOCK_M per head — 1/64 of one N×N map; nothing N×N exists.
+on the one-tile path. Column sums, already divided by Hq·M, go to a [B, Hq, row blocks, M] buffer summed in PyTorch
+(one launch after the forward): no atomics, the same sum in the same order every run (the scores choose tokens by
+top-k; a last-bit wobble could change the choice between runs), and no zeroed buffer an atomic sum would need (a
+launch too). Its size is M²/BLOCK_M per head — 1/64 of one N×N map; nothing N×N exists.
+
+What this costs against SDPA without scores (the traffic profile's H100 model, `tools/bench.py --only traffic`):
+on the one-tile path the forward itself matches flash's rate and the scores cost the one summing launch (N = 197:
+~1.3×, a launch against a ~20 µs kernel). Past one tile the ratio is FLOP-bound at ~1.5× and no exact method with
+O(N) memory does better: every probability exp(S_ij - LSE_i) needs S_ij after LSE_i is known, and LSE_i needs
+every S_ij of row i, so S = QKᵀ is formed twice (6·N²·d FLOPs against flash's 4·N²·d) unless the N×N scores are
+kept (written out: B·H·N² values, slower than recomputing them, and the O(N) memory contract forbids it). The
+design contract's ≤ 1.15 at N ≥ 1024 is therefore out of reach for exact scores.
 
 Backward: delta = rowsum(dO ∘ O) in PyTorch, then one kernel per (key block, kv head[·split], batch) accumulating
 dK, dV over the group's query heads and all query blocks (split partial sums added in PyTorch), and one per (query
@@ -125,6 +134,7 @@ def _fwd_kernel(Q, K, V, IDX, OUT, LSE, PART,
     k_base = K + b * stride_kb + hk * stride_kh
     v_base = V + b * stride_vb + hk * stride_vh
     part = PART + (bh * tl.num_programs(0) + tl.program_id(0)) * M  # this row block's column sums [M]
+    col_scale = 1.0 / (HQ * M * 1.0)  # a column sum's share of the mean over heads and query rows
     if ONE_TILE:
         # every key in one tile (BLOCK_N >= M): the exact softmax in one pass, probabilities normalised once
         offs_n, mask_n, rows_n = _block_rows(IDX, b, stride_ib, stride_ik, 0, M, BLOCK_N, HAS_INDEX)
@@ -138,7 +148,7 @@ def _fwd_kernel(Q, K, V, IDX, OUT, LSE, PART,
         p = p * tl.where(mask_m, 1.0 / l_i, 0.0)[:, None]  # rows past M weigh nothing in the column sums
         acc = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         if SCORES:
-            tl.store(part + offs_n, tl.sum(p, 0), mask=mask_n)
+            tl.store(part + offs_n, tl.sum(p, 0) * col_scale, mask=mask_n)
         lse2 = m_i + tl.log2(l_i)
     elif SCORES:
         # phase 1: each row's log-sum-exp over the key blocks (no V, no output)
@@ -163,7 +173,7 @@ def _fwd_kernel(Q, K, V, IDX, OUT, LSE, PART,
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
             p = tl.where(mask_n[None, :], tl.exp2(s - row_lse2[:, None]), 0.0)
             acc += tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            tl.store(part + offs_n, tl.sum(p, 0), mask=mask_n)
+            tl.store(part + offs_n, tl.sum(p, 0) * col_scale, mask=mask_n)
     else:
         # online softmax (no scores): running max and sum, the output rescaled as the max grows
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -373,7 +383,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
             m, d, hq, hq // hkv, scale * LOG2E, HAS_INDEX=token_index is not None, **cfg)
     if not scores:
         return out, lse, None
-    return out, lse, part.sum(dim=(1, 2)).div_(hq * m)
+    return out, lse, part.sum(dim=(1, 2))  # the partial sums are scaled by 1 / (Hq·M) in the kernel
 
 
 def _head_splits(blocks: int, b: int, hkv: int, group: int, device: torch.device) -> int:

@@ -113,6 +113,13 @@ def compile_triton_for_gpu(fn, types: dict[str, str], constexprs: dict, options:
     return triton.compile(src, target=GPUTarget("cuda", sm, 32), options=options)
 
 
+def assert_compiles_for_gpu(fn, types: dict[str, str], constexprs: dict, options: dict, sm: int) -> None:
+    """`compile_triton_for_gpu` gives a cubin whose shared memory fits an sm_86 block (99 KiB)."""
+    compiled = compile_triton_for_gpu(fn, types, constexprs, options, sm)
+    assert len(compiled.asm["cubin"]) > 0
+    assert compiled.metadata.shared <= 99 * 1024, compiled.metadata.shared
+
+
 def tool_env(**extra: str) -> dict[str, str]:
     """The environment of a tool run as a subprocess: CPU DeepSpeed, one thread, no launcher variables inherited."""
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", **extra)

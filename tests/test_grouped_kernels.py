@@ -218,16 +218,18 @@ def test_triton_moe_mlp_matches_the_cpu_algorithm(case, dtype):
                     reason="runs the Triton tests in an interpreter subprocess when there is no GPU")
 @pytest.mark.slow
 def test_triton_kernels_in_interpreter():
-    """The Triton tests of this file and of tests/test_nested_kernels.py (MoNE's kernels), in a subprocess started
-    with TRITON_INTERPRET=1."""
+    """The Triton tests of this file, of tests/test_nested_kernels.py (MoNE's kernels), tests/test_head_kernels.py
+    (MoE attention's head-select GEMMs) and tests/test_row_kernels.py (the row ops of fused inference), in a
+    subprocess started with TRITON_INTERPRET=1."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     here = os.path.dirname(os.path.abspath(__file__))
-    cmd = [sys.executable, "-m", "pytest", os.path.abspath(__file__), os.path.join(here, "test_nested_kernels.py"),
-           "-q", "-p", "no:cacheprovider", "-k", "test_triton_"]
+    files = [os.path.join(here, f"test_{name}_kernels.py") for name in ("nested", "head", "row")]
+    cmd = [sys.executable, "-m", "pytest", os.path.abspath(__file__), *files, "-q", "-p", "no:cacheprovider", "-k",
+           "test_triton_"]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200, cwd=os.path.dirname(here))
     report = res.stdout[-6000:] + res.stderr[-2000:]
     assert res.returncode == 0, report
-    assert f"{4 + 2 * len(MLP_CASES) + 3} passed" in res.stdout, report  # ran, not skipped
+    assert f"{4 + 2 * len(MLP_CASES) + 5 + 4 + 3} passed" in res.stdout, report  # ran, not skipped
 
 
 GPU_COMPILE = [  # (kernel, dtype, flags, sm): every epilogue, both kernels, 16-bit and fp32 tiles, sm_80 and sm_90

@@ -5,7 +5,7 @@ twin, and a modelled H100 time. The counts are deterministic (shapes and dtypes 
 Two modelled times: the calibrated H100 model of tools/bench.py (`squad.bench.costmodel.FITTED`), and the interim
 model issue 27 set the layers' targets with (each launch max(FLOPs / 600 TFLOP/s for matmuls, bytes / 2.8 TB/s) +
 4 µs), which prices attention at GEMM rates where the calibrated one finds flash attention on ViT shapes ~10×
-slower. The recorder prices SDPA as the flash kernel a GPU runs.
+slower. The recorder prices SDPA as the flash kernel a GPU runs, its results laid out like its operands.
 """
 
 from __future__ import annotations
@@ -83,10 +83,11 @@ def test_moe_mlp_moves_at_most_1_6x_the_dense_mlp(vit_b_blocks):
 
 
 def test_moe_attention_takes_dense_all_head_projections_at_vit_b(vit_b_blocks):
-    """At E 24, k 12, d 64, D 768 the cost model takes the dense all-head form, which the recorder prices below
-    the routed one. Against multi-query attention of equal FLOPs it is ~2× in bytes and time: the form costs E/k
-    times the projections' FLOPs, the routed one k·D gathered bytes per token (the 1.6× / 1.4× targets are not met;
-    these bounds keep today's figures from regressing)."""
+    """At E 24, k 12, d 64, D 768 the cost model takes the dense all-head form (head-select GEMMs: the [M, E·d]
+    operand virtual through the slot map), which the recorder prices below the routed one. Against multi-query
+    attention of equal FLOPs: bytes ≤ 1.6× (it reads each token once and writes only the selected heads), modelled
+    time ≤ 1.4× in the calibrated model (the form costs E/k = 2 times the projections' FLOPs; the interim model,
+    which prices attention at GEMM rates, weighs that share more: ~1.7×)."""
     layers, x, ctx = vit_b_blocks
     moa = layers["moa"]
     assert moa.projections(x.shape[0] * x.shape[1], torch.device("cuda"), 2) == "dense"
@@ -96,10 +97,12 @@ def test_moe_attention_takes_dense_all_head_projections_at_vit_b(vit_b_blocks):
         patch.setattr(MoEAttention, "projections", lambda self, *a: "routed")
         routed = _fwd_bwd(moa, x, ctx)
     assert modelled_seconds(dense) < modelled_seconds(routed) and dense.bytes < routed.bytes
-    assert dense.bytes <= 2.0 * mqa.bytes, dense.bytes / mqa.bytes
-    assert modelled_seconds(dense) <= 2.2 * modelled_seconds(mqa), modelled_seconds(dense) / modelled_seconds(mqa)
-    assert fitted_seconds(dense) <= 1.65 * fitted_seconds(mqa), fitted_seconds(dense) / fitted_seconds(mqa)
+    assert dense.bytes <= 1.6 * mqa.bytes, dense.bytes / mqa.bytes
+    assert fitted_seconds(dense) <= 1.4 * fitted_seconds(mqa), fitted_seconds(dense) / fitted_seconds(mqa)
+    assert modelled_seconds(dense) <= 1.75 * modelled_seconds(mqa), modelled_seconds(dense) / modelled_seconds(mqa)
     assert dense.syncs == 0 and dense.pins == 0 and dense.largest_atomic_bytes() < 1e4
+    assert sum(r.op.startswith("head_") for r in dense.records) == 6  # q and output GEMMs, forward and backward
+    assert dense.kernels <= 46, dense.table()
 
 
 @pytest.mark.parametrize("shape", [(24, 12, 64, 768), (15, 6, 64, 384), (8, 1, 32, 256), (64, 2, 64, 384),
@@ -146,26 +149,31 @@ def dense_vit_s():
 
 
 def test_mone_moves_at_most_0_6x_dense_and_is_modelled_1_7x_faster(dense_vit_s):
-    """MoNE ViT-S at e_c 0.3, 256 images at 224 px: the nested kernels (GELU inside the first MLP projection,
-    projections adding into the residual, norms writing each token's width, the task embedding fused) move ≤ 0.6×
-    the dense ViT-S's bytes, modelled ≥ 1.7× faster (the interim model; the calibrated one, which prices MoNE's
-    full-width attention ~10× slower than GEMMs, ≥ 1.45×); nothing full-width is cloned or copied."""
+    """MoNE ViT-S at e_c 0.3, 256 images at 224 px: the nested kernels (the MLP sublayer one launch that never writes
+    the hidden layer, projections adding into the residual, norms writing each token's width, the task embedding
+    fused) move ≤ 0.6× the dense ViT-S's bytes and are modelled ≥ 1.7× faster in both models; nothing full-width is
+    cloned or copied, and no GELU pass is left."""
     mone = _inference("mone_vit_s", [], capacity=0.3)
     assert mone.bytes <= 0.6 * dense_vit_s.bytes, mone.bytes / dense_vit_s.bytes
     assert modelled_seconds(dense_vit_s) >= 1.7 * modelled_seconds(mone)
-    assert fitted_seconds(dense_vit_s) >= 1.45 * fitted_seconds(mone)
+    assert fitted_seconds(dense_vit_s) >= 1.7 * fitted_seconds(mone), fitted_seconds(dense_vit_s) / fitted_seconds(mone)
     assert not [r for r in mone.records if r.op in ("gelu", "clone", "copy_") and r.bytes > 1e6]
+    assert sum(r.op == "nested_mlp_" for r in mone.records) == 12
     assert mone.syncs == 0 and mone.pins == 0
 
 
 def test_mod_inference_speed_up(dense_vit_s):
-    """MoD ViT-S (12.5 %, every other block): modelled ≥ 1.35× faster than the dense ViT-S in both models (the 1.6×
-    target is not met: the 12 per-block task-embedding adds the twin does not have, and the launches of the inner
-    block at 25 tokens, which do not shrink with the tokens, hold it near 1.4×)."""
+    """MoD ViT-S (12.5 %, every other block): modelled ≥ 1.6× faster than the dense ViT-S in both models. The task
+    embedding the twin does not have costs no pass of its own (the blocks take it in their norms and residual adds),
+    the routed tokens take a few fused launches written back in place, and no statistics are made for
+    ``forward_features``."""
     mod = _inference("mod_vit_s", [])
-    assert modelled_seconds(dense_vit_s) >= 1.35 * modelled_seconds(mod)
-    assert fitted_seconds(dense_vit_s) >= 1.35 * fitted_seconds(mod)
+    assert modelled_seconds(dense_vit_s) >= 1.6 * modelled_seconds(mod)
+    assert fitted_seconds(dense_vit_s) >= 1.6 * fitted_seconds(mod), fitted_seconds(dense_vit_s) / fitted_seconds(mod)
     assert mod.syncs == 0 and mod.pins == 0
+    assert mod.kernels <= 160, mod.table()
+    full = [r for r in mod.records if r.op in ("add", "clone", "scatter", "copy_") and r.bytes > 30e6]
+    assert len(full) == 7, [r.op for r in full]  # the position embedding's, the dense blocks' MLP residual adds
 
 
 @pytest.mark.parametrize("kind", ["moe", "moa"])

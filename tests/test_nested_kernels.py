@@ -61,6 +61,29 @@ def test_reference_matches_the_autograd_ops_and_layer_norm():
     torch.testing.assert_close(got, F.layer_norm(embedded, (D,), t["gw"], t["gb"], 1e-6), rtol=1e-12, atol=1e-12)
 
 
+def _mlp_args(t, layout, groups):
+    """``squad::nested_mlp_``'s arguments after x: the norm, fc1 [H, D], fc2 [D, H], the layout, gate [R, N], α."""
+    return (t["gw"], t["gb"], 1e-6, t["w_in"], t["b_in"], t["w_out"], t["b_out"], layout, groups,
+            t["scale"].view(TOKENS, R).t(), t["scale"][:1] + 0.5)
+
+
+def test_fused_mlp_reference_is_the_unfused_sublayer():
+    """In float64 the fused MLP sublayer equals its pieces: LayerNorm, the nested first projection, GELU, the nested
+    second projection scaled by α · gate + 1 and added into the residual's first w features."""
+    t = _tensors(torch.float64)
+    layout, groups = _layout()
+    args = _mlp_args(t, layout, groups)
+    got = NS.nested_mlp_reference(t["res"], *args[:7], groups, *args[9:])
+    h = F.layer_norm(t["res"], (D,), t["gw"], t["gb"], 1e-6)
+    hidden = F.gelu(nested_linear_in(h, t["w_in"], t["b_in"], BLOCKS))
+    scale = (args[-1] * args[-2].t().reshape(-1) + 1).view(-1, 1)
+    want = nested_linear_out(hidden, t["w_out"], t["b_out"], BLOCKS, residual=t["res"], scale=scale)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    x = t["res"].clone()
+    NS.nested_mlp_(x, *args)  # the op on CPU tensors: its reference, in place
+    torch.testing.assert_close(x, want, rtol=1e-12, atol=1e-12)
+
+
 def test_ops_pass_opcheck():
     t = _tensors(torch.float32)
     layout, groups = _layout()
@@ -76,8 +99,12 @@ def test_ops_pass_opcheck():
                            t["scale"]))
     torch.library.opcheck(torch.ops.squad.nested_norm.default,
                           (t["res"], t["emb"], t["gw"], t["gb"], 1e-6, layout, groups, R))
+    torch.library.opcheck(torch.ops.squad.nested_mlp_.default, (t["res"].clone(), *_mlp_args(t, layout, groups)))
     with pytest.raises(ValueError, match="residual"):
         NS.nested_linear(t["a3"], t["w_out"], None, layout, groups, R, "out", False, None, None, None)
+    with pytest.raises(ValueError, match="w1"):
+        NS.nested_mlp_(t["res"].clone(), *_mlp_args(t, layout, groups)[:3], t["w_out"], *_mlp_args(t, layout,
+                                                                                                    groups)[4:])
 
 
 TOL = {torch.float32: {"rtol": 1e-4, "atol": 1e-4}, torch.bfloat16: {"rtol": 3e-2, "atol": 8e-2}}
@@ -119,6 +146,28 @@ def test_triton_nested_ops_match_reference(dtype):
             torch.testing.assert_close(got[first:end, :width].float(), want[first:end, :width].float(), **TOL[dtype])
 
 
+@pytest.mark.skipif(not RUNNABLE, reason="needs CUDA or TRITON_INTERPRET=1 (see tests/test_grouped_kernels.py)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_triton_nested_mlp_matches_reference(dtype):
+    """The fused MLP kernel against the reference, in place: odd widths (not multiples of its tiles), an empty group,
+    with the op's tiles and with tiles that cut groups into several row tiles and the output into three chunks."""
+    from squad.kernels import triton_nested_mlp as T
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    t = _tensors(dtype, device)
+    t["w_in"], t["w_out"] = t["w_in"] / 4, t["w_out"] / 4  # keep the hidden layer in GELU's curved range
+    layout, groups = _layout(device)
+    args = _mlp_args(t, layout, groups)
+    config = NS.nested_mlp_config(D, H, dtype)
+    for scaled in (True, False):  # α · gate + 1, or 1 (a plain MLP sublayer: MoD's inner block)
+        scale = args[9:] if scaled else (None, None)
+        want = NS.nested_mlp_reference(t["res"], *args[:7], groups, *scale)
+        for cfg in (config, {**config, "BLOCK_M": 16, "BLOCK_H": 16, "BLOCK_W": 16, "W_CHUNKS": 2}):
+            got = t["res"].clone()
+            T.nested_mlp_(got, *args[:8], *scale, cfg)
+            torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+
+
 @pytest.mark.parametrize("tasks", [1, 2], ids=["one_task", "two_tasks"])
 def test_mone_inference_on_the_kernel_path_equals_the_cpu_path(tasks):
     """A MoNE model (task embeddings every block: fused into the MoNE kernels there) in inference: the kernel path
@@ -153,7 +202,8 @@ def test_triton_mone_inference_matches_the_cpu_path():
 GPU_COMPILE = [("_nested_mm_kernel", "bf16", {"IN_MODE": True, "GELU": True, "RESIDUAL": 0}, 80),
                ("_nested_mm_kernel", "bf16", {"IN_MODE": False, "GELU": False, "RESIDUAL": 1}, 90),
                ("_nested_mm_kernel", "fp32", {"IN_MODE": False, "GELU": False, "RESIDUAL": 2}, 80),
-               ("_nested_norm_kernel", "bf16", {}, 90)]
+               ("_nested_norm_kernel", "bf16", {}, 90), ("_nested_mlp_kernel", "bf16", {}, 80),
+               ("_nested_mlp_kernel", "bf16", {}, 90), ("_nested_mlp_kernel", "fp32", {}, 80)]
 
 
 @pytest.mark.skipif(not triton_available() or triton_interpreting(), reason="needs triton in compiler mode")
@@ -161,9 +211,15 @@ GPU_COMPILE = [("_nested_mm_kernel", "bf16", {"IN_MODE": True, "GELU": True, "RE
 def test_triton_nested_kernels_compile_for_gpu(case):
     """Each kernel lowered for sm_80 / sm_90 down to a cubin with every feature on, at ViT-S widths."""
     from squad.kernels import triton_nested as T
+    from squad.kernels import triton_nested_mlp
 
     kernel, dtype, flags, sm = case
-    if kernel == "_nested_mm_kernel":
+    if kernel == "_nested_mlp_kernel":
+        T = triton_nested_mlp  # noqa: N806
+        cfg = NS.nested_mlp_config(384, 1536, {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype])
+        options = {"num_warps": cfg.pop("num_warps"), "num_stages": cfg.pop("num_stages")}
+        constexprs = {"HAS_SCALE": True, "UPCAST": False, "PRECISION": "ieee", **cfg}
+    elif kernel == "_nested_mm_kernel":
         cfg = NS.nested_config(384, 1536, {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype])
         options = {"num_warps": cfg.pop("num_warps"), "num_stages": cfg.pop("num_stages")}
         constexprs = {"HAS_BIAS": True, "HAS_EMB": True, "HAS_SCALE": True, "UPCAST": False, "PRECISION": "ieee",
@@ -172,7 +228,8 @@ def test_triton_nested_kernels_compile_for_gpu(case):
         options = {"num_warps": 4, "num_stages": 1}
         constexprs = {"HAS_EMB": True, "BLOCK_M": 8, "BLOCK_D": 512}
     types = {"LAYOUT": "*i32", "eps": "fp32",
-             **{n: f"*{dtype}" for n in ("A", "W", "BIAS", "RES", "EMB", "SCALE", "OUT", "X", "WEIGHT")}}
+             **{n: f"*{dtype}" for n in ("A", "W", "BIAS", "RES", "EMB", "SCALE", "OUT", "X", "WEIGHT", "LN_W", "LN_B",
+                                         "W1", "B1", "W2", "B2", "GATE", "ALPHA")}}
     compiled = compile_triton_for_gpu(getattr(T, kernel), types, constexprs, options, sm)
     assert len(compiled.asm["cubin"]) > 0
     assert compiled.metadata.shared <= 99 * 1024

@@ -12,8 +12,9 @@ in (token, slot) order on both sides of the attention: slot j of every token is 
 On the CUDA path a layer takes one of two forms of these projections, whichever a GPU cost model prices lower for
 its E, k, d and D (`projection_costs`): routed (grouped GEMMs over the expert-sorted (token, slot) rows that read a
 token once per selected head and write k rows of width D per token, `squad.layers.experts.ops`) or dense all-head
-(every head's query by one GEMM and the selected ones kept; one output GEMM over an [M, E·d] buffer of the gated
-heads, `squad.layers.experts.heads`). On the CPU the routed form's CPU algorithm runs.
+(every head's query by one GEMM, only the selected ones written; one output GEMM over the [M, E·d] operand of the
+gated heads, which is never in memory: `squad.layers.experts.heads` and its ops in `squad.kernels.heads`). On the CPU
+the routed form's CPU algorithm runs.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from squad.layers.attention import attend
 from squad.layers.base import ExpertLayer, select_rows
 from squad.layers.context import ForwardContext
 from squad.layers.experts import dispatch_matmul, matmul_combine, plan_dispatch, takes_kernel_path
-from squad.layers.experts.heads import dense_gated_output, dense_query_kv, head_selection
+from squad.layers.experts.heads import dense_gated_output, dense_query_kv, head_slots
 from squad.layers.routing import TaskRouter
 
 GPU_MATMUL_FLOPS = 600e12
@@ -39,7 +40,8 @@ GPU_LAUNCH = 4e-6
 
 def projection_costs(num_experts: int, top_k: int, head_dim: int, dim: int, tokens: int,
                      itemsize: int = 2) -> dict[str, float]:
-    """Modelled GPU seconds of MoE attention's query and output projections, forward and backward, in each form.
+    """Modelled GPU seconds of MoE attention's query and output projections, forward and backward, in each form
+    (with the key/value head's input gradient, which the dense form adds in its input-gradient GEMM).
 
     Each launch costs max(FLOPs / `GPU_MATMUL_FLOPS`, bytes / `GPU_BANDWIDTH`) + `GPU_LAUNCH`, its bytes every
     operand read and every result written once, a token's row read through an index once per row that reads it:
@@ -56,27 +58,29 @@ def projection_costs(num_experts: int, top_k: int, head_dim: int, dim: int, toke
     """
     e, k, d, big_d, m = num_experts, top_k, head_dim, dim, tokens
 
-    def launch(flops_per_token: float, elements_per_token: float) -> float:
-        return max(m * flops_per_token / GPU_MATMUL_FLOPS, m * elements_per_token * itemsize / GPU_BANDWIDTH) \
-            + GPU_LAUNCH
+    def launch(flops_per_token: float, elements_per_token: float, weights: float = 0.0) -> float:
+        elements = m * elements_per_token + weights * e * d * big_d  # ``weights``: how many [E, d, D] read/written
+        return max(m * flops_per_token / GPU_MATMUL_FLOPS, elements * itemsize / GPU_BANDWIDTH) + GPU_LAUNCH
 
     head = 2 * k * d * big_d  # FLOPs of one routed projection direction per token
     k_sum = launch(0, k * big_d + big_d) if k > 1 else 0.0  # each token's k rows of width D summed
-    routed = (launch(head, k * big_d + k * d)  # queries: each token's row read once per head
-              + 2 * (launch(head, k * d + k * big_d) + k_sum)  # output forward, query input gradient: k rows each
-              + launch(head, k * big_d + 2 * k * d)  # output projection's input gradient (and the gate's)
-              + 2 * launch(head, k * big_d + k * d)  # the two weight gradients
+    routed = (launch(head, k * big_d + k * d, 1)  # queries: each token's row read once per head
+              + 2 * (launch(head, k * d + k * big_d, 1) + k_sum)  # output forward, query input gradient: k rows each
+              + launch(head, k * big_d + 2 * k * d, 1)  # output projection's input gradient (and the gate's)
+              + 2 * launch(head, k * big_d + k * d, 1)  # the two weight gradients
               + 2 * launch(0, 3 * big_d)  # the output bias added, and one more input-gradient sum (x read twice)
               + launch(0, big_d)  # the output bias's gradient
-              + 12 * GPU_LAUNCH)  # the plan (sort, permutations, group ends) and the gates' permutations
+              + launch(4 * d * big_d, 2 * d + big_d)  # the key/value head's input gradient (dense: in its dx GEMM)
+              + 13 * GPU_LAUNCH)  # the plan (sort, permutations, group ends) and the gates' permutations
     full = 2 * e * d * big_d  # FLOPs of one all-head GEMM per token
-    select = launch(2 * k * e * d, e * d + k * e + k * d)  # a batched matmul with the one-hot selection
-    dense = (4 * launch(full, e * d + big_d)  # Q, output, and backward dy·Woᵀ, bufferᵀ·dy
-             + launch(full, big_d + e * d) + launch(full, e * d + 2 * big_d)  # xᵀ·dQ, and dx += dQ·Wqᵀ in place
-             + 4 * select  # selected queries, gated buffer, and their two backward counterparts
-             + launch(0, 2 * k * e) + launch(2 * k * d, 2 * k * d) + launch(0, 2 * k * d)  # gates, their gradient
-             + launch(0, big_d)  # the output bias's gradient
-             + 3 * GPU_LAUNCH)  # the one-hot selection (zeros, scatter) and the stacked query weights
+    slots, gates, ids = e * 4 / itemsize, k * 4 / itemsize, k * 8 / itemsize  # int32 slot map, fp32 gates, int64 ids
+    dense = (launch(full, big_d + slots + k * d, 1)  # queries of the selected heads
+             + launch(full, k * d + gates + slots + big_d, 1)  # one output GEMM over the gated heads, + bias
+             + launch(full, big_d + slots + 2 * gates + 2 * k * d, 1)  # the heads' input gradient, with the gates'
+             + launch(full, k * d + gates + slots + big_d, 1)  # the output weights' gradient, with the bias's
+             + launch(full + 4 * d * big_d, k * d + slots + 2 * d + big_d, 1)  # dx: the queries' + key/value head's
+             + launch(full, k * d + slots + big_d, 1)  # the query weights' gradient
+             + launch(0, slots) + launch(0, ids + 2 * slots) + GPU_LAUNCH)  # the slot map: fill, scatter, arange
     return {"routed": routed, "dense": dense}
 
 
@@ -129,8 +133,8 @@ class MoEAttention(ExpertLayer):
         xs = x.reshape(r * n, d)
         dense = self.projections(r * n, x.device, x.element_size()) == "dense"
         if dense:
-            select = head_selection(routing.experts, self.num_experts, x.dtype)  # [M, k, E]
-            q, kv = dense_query_kv(xs, self.q, self.kv.weight, self.kv.bias, select)  # [M, k, d], [M, 2d]
+            slots = head_slots(routing.experts, self.num_experts)  # [M, E]: each head's slot in a token, or -1
+            q, kv = dense_query_kv(xs, self.q, self.kv.weight, self.kv.bias, slots, k)  # [M, k, d], [M, 2d]
         else:
             plan = plan_dispatch(routing.experts, self.num_experts, host_sizes=False, noop=False)  # heads only
             q = dispatch_matmul(xs, self.q, plan, slot_order=True)  # [M·k, d] in (token, slot) order
@@ -143,7 +147,7 @@ class MoEAttention(ExpertLayer):
             ctx.attn_scores = scores
         out = out.transpose(1, 2).reshape(r * n, k, dh)  # [M, k, d] in (token, slot) order
         if dense:
-            return dense_gated_output(out, self.o, routing.gates, self.proj_bias, select).view(r, n, d)
+            return dense_gated_output(out, self.o, routing.gates, self.proj_bias, slots).view(r, n, d)
         y = matmul_combine(out.view(r * n * k, dh), self.o, routing.gates, plan, slot_order=True)  # [M, D], fresh
         return y.add_(self.proj_bias).view(r, n, d)
 

@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from squad.config.model import MoNEConfig
-from squad.kernels.nested import nested_linear, nested_linear_, nested_norm
+from squad.kernels.nested import nested_linear, nested_linear_, nested_mlp_, nested_mlp_config, nested_norm
 from squad.layers.attention import attend
 from squad.layers.base import RoutedLayer
 from squad.layers.context import ForwardContext
@@ -123,11 +123,12 @@ class MoNERouter(RoutedLayer):
         p_sorted = probs.gather(1, order.unsqueeze(-1).expand(r, n, e))  # [R, N, E] in routed order
         gate = p_sorted.gather(2, expert.view(1, n, 1).expand(r, n, 1)).squeeze(-1)  # [R, N]
         ctx.mone = MoNEState(order, slices, gate.to(x.dtype))
-        hard = F.one_hot(expert, e).float().sum(0).expand(r, e)  # [R, E] tokens per expert
-        chosen = None
-        if ctx.record_routing:  # [R·N, 1] every token's nested expert, in original token order
-            chosen = torch.empty_like(order).scatter_(1, order, expert.expand(r, n)).reshape(r * n, 1)
-        self.report(ctx, n, hard, probs.sum(1), experts=chosen)
+        if ctx.collect_stats:
+            hard = F.one_hot(expert, e).float().sum(0).expand(r, e)  # [R, E] tokens per expert
+            chosen = None
+            if ctx.record_routing:  # [R·N, 1] every token's nested expert, in original token order
+                chosen = torch.empty_like(order).scatter_(1, order, expert.expand(r, n)).reshape(r * n, 1)
+            self.report(ctx, n, hard, probs.sum(1), experts=chosen)
         return ctx.mone.permute(x)  # [R, N, D] in routed order, [N, R, D] token-major memory
 
     def macs(self, tokens: int, capacity: float | None = None) -> int:
@@ -216,10 +217,11 @@ class MoNEBlock(nn.Module):
     def _forward_kernels(self, x2: torch.Tensor, blocks: list[tuple[int, int, int]], st: MoNEState,
                          ctx: ForwardContext, key_mask: torch.Tensor | None, emb: torch.Tensor | None) -> torch.Tensor:
         """Inference on the kernel path (`squad.kernels.nested`): x2 [T, D] token-major (+ emb [R, D] per row) →
-        [T, D], in six launches besides the attention — both norms write only each token's width, the hidden
-        layer's GELU is inside the first MLP projection, both output projections add into the residual in their
-        epilogue (the first adding the embedding too, the second in place into the block's own tensor), the
-        attention output is read where SDPA wrote it."""
+        [T, D], in four launches besides the attention — the first norm writes only each token's width, the
+        attention's output projection adds into the residual in its epilogue (and the embedding) and reads the
+        attention output where SDPA wrote it, and the whole MLP sublayer (norm, both projections, GELU, the scaled
+        residual add) is one launch into the block's own tensor that never writes the hidden layer (where D fits the
+        fused kernel; else a norm, the first projection with GELU inside and the second adding in place)."""
         t, d = x2.shape
         r = st.order.shape[0]
         n = t // r
@@ -236,11 +238,15 @@ class MoNEBlock(nn.Module):
         rows = out.permute(2, 0, 1, 3)  # [N, R, H, d/H]: token-major rows of D features, a view of SDPA's output
         z = nested_linear(rows, self.attn.proj.weight, self.attn.proj.bias, layout, groups, r, "out", False, x2, emb,
                           None)  # x2 + emb + the projection: the block's own residual tensor
+        fc1, fc2 = self.mlp.fc1, self.mlp.fc2
+        if nested_mlp_config(d, fc1.out_features, z.dtype) is not None:
+            nested_mlp_(z, self.norm2.weight, self.norm2.bias, self.norm2.eps, fc1.weight, fc1.bias, fc2.weight,
+                        fc2.bias, layout, groups, st.gate, self.alpha)
+            return z
         h = nested_norm(z, None, self.norm2.weight, self.norm2.bias, self.norm2.eps, layout, groups, r)
-        hidden = nested_linear(h, self.mlp.fc1.weight, self.mlp.fc1.bias, layout, groups, r, "in", True, None, None,
-                               None)
+        hidden = nested_linear(h, fc1.weight, fc1.bias, layout, groups, r, "in", True, None, None, None)
         scale = torch.addcmul(torch.ones_like(self.alpha), self.alpha, st.gate.t().reshape(t))  # [T] = α · r + 1
-        nested_linear_(hidden, self.mlp.fc2.weight, self.mlp.fc2.bias, layout, groups, z, scale)
+        nested_linear_(hidden, fc2.weight, fc2.bias, layout, groups, z, scale)
         return z
 
     def macs(self, tokens: int, capacity: float | None = None) -> int:

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from squad.analysis.flops import mod_shares, mone_shares, profile
 from squad.data import build_dataset, eval_loader, report
 from squad.eval.metrics import MetricAccumulator, delta_t
+from squad.layers.parallel import is_sharded
 from squad.models.compile import compile_model
 from squad.models.inference import inference_settings, set_inference
 from squad.models.precision import cast_model, precision_name
@@ -79,10 +80,16 @@ def evaluate(model, loader, tasks: Sequence[str], device: torch.device | str = "
     specs = {t: task_of(t) for t in tasks}
     acc = MetricAccumulator(list(specs.values()))
     scored = 0
+    lockstep = is_sharded(model)  # expert-parallel layers exchange tokens: every rank runs every pass
     try:
-        for i, batch in enumerate(loader):
+        for i, batch in enumerate(_batches(loader, lockstep, device)):
             if max_batches and i >= max_batches:
                 break
+            if batch is None:  # this rank is out of batches, others are not: a pass whose results nobody reads
+                cfg = model.cfg
+                model(torch.zeros(1, cfg.in_chans, cfg.img_size, cfg.img_size, device=device, dtype=dtype),
+                      list(tasks))
+                continue
             scored += batch["rgb"].shape[0]
             images = batch["rgb"].to(device)
             if dtype is not None:
@@ -103,6 +110,23 @@ def evaluate(model, loader, tasks: Sequence[str], device: torch.device | str = "
             dist.all_reduce(total)
         counts["images"] = int(total.item())
     return {t: final.get(specs[t].name, {}) for t in tasks}
+
+
+def _batches(loader, lockstep: bool, device):
+    """The loader's batches; with ``lockstep`` (an expert-parallel model, whose layers exchange tokens with the other
+    ranks of their group) the ranks agree before each batch whether any still has one, and a rank that has none
+    gets None until none has."""
+    if not lockstep or not (dist.is_initialized() and dist.get_world_size() > 1):
+        yield from loader
+        return
+    it = iter(loader)
+    while True:
+        batch = next(it, None)
+        flag = torch.tensor([float(batch is not None)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if not flag.item():
+            return
+        yield batch
 
 
 # ------------------------------------------------------------------------------------------------------- models

@@ -284,7 +284,8 @@ def _why(error: Exception) -> str:
 
 
 # ------------------------------------------------------------------------------------------------------ saving
-def export_model(path: str | Path, model: SquadViT, usage: ExpertUsage | None, extra: dict | None = None) -> Path:
+def export_model(path: str | Path, model: SquadViT, usage: ExpertUsage | None, extra: dict | None = None,
+                 state: dict | None = None) -> Path:
     """Writes a ``model.pt`` (format ``squad.model/1``): config, tasks, weights, expert usage, ``extra``.
 
     Args:
@@ -292,13 +293,15 @@ def export_model(path: str | Path, model: SquadViT, usage: ExpertUsage | None, e
         model: the model to save (its weights are copied to the CPU).
         usage: expert-usage statistics to save with it, or None.
         extra: plain data (numbers, strings, lists, dicts, tensors) stored under ``extra``.
+        state: the weights to write (default ``model.state_dict()``; an expert-parallel run passes its experts
+            gathered, `squad.layers.parallel.full_state_dict`).
 
     Returns:
         ``path``; the file loads with `load` (or ``torch.load(weights_only=True)``).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    state = {k: v.detach().cpu().contiguous() for k, v in (model.state_dict() if state is None else state).items()}
     payload = {
         "format": MODEL_FORMAT,
         "config": to_dict(model.cfg),

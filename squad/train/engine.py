@@ -26,6 +26,7 @@ from squad.data import build_dataset, collate, eval_loader, report
 from squad.data.samplers import ResumableSampler
 from squad.distributed import (
     all_reduce_sum,
+    barrier,
     broadcast_object,
     cuda_available,
     init_distributed,
@@ -36,12 +37,15 @@ from squad.io import export_model
 from squad.io.checkpoints import COMPLETE, find_resume_tag, resume_candidates, tag_for
 from squad.io.files import atomic_write_text, write_failure
 from squad.io.weights import read_init_source
+from squad.layers.parallel import full_state_dict, shard_model
 from squad.models import compile as squad_compile
 from squad.models.transfer import initialize_from
 from squad.models.usage import ExpertUsage
 from squad.models.vit import SquadViT, build_model
 from squad.tasks import get_task
 from squad.train import checkpoint as ckpt
+from squad.train import expert_layout
+from squad.train.expert_shards import ExpertShards, check_layout, expert_parallel_sizes
 from squad.train.objective import MultiTaskObjective, TrainingError, nonfinite_stop
 from squad.train.optim import lr_lambda, param_groups, warmup_note
 from squad.train.run_folder import RunFolder, ShmSegments, lock_before_start, resume_source
@@ -159,6 +163,7 @@ class Trainer:
         import deepspeed
 
         init = self._init_file()  # checked before the run folder is touched
+        check_layout(self.cfg.model, self.world, self.prec)
         self._prepare_run_dir()
         self._setup_logging()
         for note in self.folder.notes:
@@ -193,6 +198,8 @@ class Trainer:
             log.info("train.init=%s not loaded: the run resumes from its checkpoint", self.cfg.train.init)
         if self.init_state is not None:  # a run that resumes loads its checkpoint over these
             model.load_state_dict(self.init_state)
+        # expert parallelism: each rank keeps its share of the experts, which DeepSpeed never sees (ExpertShards)
+        shards = shard_model(model) if expert_parallel_sizes(self.cfg.model) else []
         model.set_activation_checkpointing(self.cfg.train.activation_checkpointing, self.cfg.train.checkpoint_every)
         self.objective = MultiTaskObjective(model, self.tasks, self.cfg)
         optimizer = torch.optim.AdamW(param_groups(self.objective, o.weight_decay), lr=o.lr, betas=tuple(o.betas),
@@ -209,6 +216,9 @@ class Trainer:
         if self.cfg.train.compile:  # the objective compiled in place: same parameters, names and checkpoints
             self.engine.compile(backend=squad_compile.BACKEND)
         self.guard = ckpt.guard_engine(self.engine)  # weights_only reads; failed writes reach every rank
+        self.experts = ExpertShards(shards, o, self.device, prefix="model.") if shards else None
+        if self.experts is not None:
+            self.experts.attach(self.engine)
         self.model: SquadViT = self.engine.module.model
         self.usage = ExpertUsage(model.task_names)
         self.state = LoopState()
@@ -243,15 +253,49 @@ class Trainer:
                 raise FileNotFoundError(f"--resume {self.resume}: no complete checkpoint there")
         tag = ckpt.select_resume_tag(load_dir, tags, self.rank, self.world, log.warning if self.rank == 0 else None)
         self.skipped_tags = [load_dir / t for t in tags[: tags.index(tag)]]  # damaged, passed over
-        _, client = self.engine.load_checkpoint(str(load_dir), tag=tag)
-        if client is None:
-            raise RuntimeError(f"checkpoint {load_dir / tag} could not be loaded")
+        source = load_dir / tag
+        load_dir = self._expert_layout(source)
+        try:
+            _, client = self.engine.load_checkpoint(str(load_dir), tag=tag)
+            if client is None:
+                raise RuntimeError(f"checkpoint {source} could not be loaded")
+            if self.experts is not None:
+                self.experts.load(load_dir / tag)
+        finally:
+            if load_dir != source.parent:
+                barrier()
+                if self.rank == 0:
+                    shutil.rmtree(load_dir, ignore_errors=True)
         self.state = LoopState(**client["loop"])
         if client.get("usage"):  # every rank holds the layers; rank 0 the sums (already over every rank)
             self.usage = ExpertUsage.from_state_dict(client["usage"], zeroed=self.rank != 0)
         self._forget_after(self.state.step)
         self.resumed_from = load_dir / tag
         log.info("resumed from %s at step %d", load_dir / tag, self.state.step)
+
+    def _expert_layout(self, tag_dir: Path) -> Path:
+        """The folder to load ``tag_dir``'s tag from: its own, or a converted copy (``checkpoints/.convert``) when
+        layers crossed expert_parallel = 1 since it was saved (`squad.train.expert_layout`)."""
+        saved = expert_layout.saved_shard_names(tag_dir)
+        now = {s.name for s in self.experts.shards} if self.experts is not None else set()
+        if saved == now:
+            return tag_dir.parent
+        scratch = self.run_dir / "checkpoints" / ".convert"
+        error = None
+        if self.rank == 0:
+            try:
+                shutil.rmtree(scratch, ignore_errors=True)
+                params = expert_layout.whole_params(lambda: MultiTaskObjective(build_model(self.cfg.model),
+                                                                               self.tasks, self.cfg))
+                expert_layout.convert(tag_dir, scratch / tag_dir.name, params, saved, now)
+                log.info("%s converted for this run's expert-parallel layers (%d weights moved)", tag_dir,
+                         len(saved ^ now))
+            except (ValueError, OSError) as e:
+                error = f"{tag_dir}: cannot move its experts to this run's expert_parallel layout: {e}"
+        error = broadcast_object(error)
+        if error:
+            raise ConfigError(error)
+        return scratch
 
     def _forget_after(self, step: int) -> None:
         """Rank 0, on resuming at ``step``: drops what was logged after that checkpoint by the run that stopped
@@ -348,7 +392,11 @@ class Trainer:
                     continue
                 self.state.nonfinite = 0
                 self.engine.backward(total)
+                if self.experts is not None:
+                    self.experts.before_step()
                 self.engine.step()
+                if self.experts is not None:
+                    self.experts.after_step()
                 micro += 1
                 images_since += images.shape[0] * self.world
                 self.usage.update(stats)
@@ -473,6 +521,8 @@ class Trainer:
         if not broadcast_object(error):
             self.guard.take()
             self.engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client, save_latest=False)
+            if self.experts is not None:  # the expert shards, by global expert (any layout resumes them)
+                self.experts.save(ckpt_dir / tag, self.engine.checkpoint_engine.save)
             failed = self.guard.take()  # recorded by the guard, so that every rank got through DeepSpeed's barriers
             errors = ckpt.gather_objects(write_failure(what, *failed) if failed else None)
             error = next((e for e in errors if e), None)
@@ -537,13 +587,14 @@ class Trainer:
         self.usage.all_reduce()
         path = self.run_dir / "model.pt"
         error = None
+        state = full_state_dict(self.model) if self.experts is not None else None  # every rank: experts gathered
         if self.rank == 0:
             log_vars = self.objective.weighting.log_vars
             extra = {"step": self.state.step, "metrics": final_metrics, "trained_tasks": self.tasks,
                      "init": self.cfg.train.init,
                      "task_log_vars": log_vars.detach().float().cpu() if log_vars is not None else None}
             try:
-                export_model(path, self.model, self.usage, extra)
+                export_model(path, self.model, self.usage, extra, state=state)
                 log.info("exported %s", path)
             except (OSError, RuntimeError) as e:  # torch reports a full disk as a RuntimeError
                 error = (write_failure("the exported model", path, e) + "; the final checkpoint is complete: "

@@ -72,6 +72,7 @@ RESUMABLE_KEYS = (
     "train.max_nonfinite", "train.progress", "train.init",  # init is read only by a fresh start
     "train.activation_checkpointing", "train.checkpoint_every",  # memory only: same losses and gradients
     "data.root", "data.workers", "data.val_split", "data.val_batches",
+    "model.moe.expert_parallel", "model.moa.expert_parallel",  # where experts live, not what they compute
 )
 
 # What a run writes into its folder (what ``--overwrite`` deletes); the lock and shared-memory records stay.

@@ -1,0 +1,152 @@
+"""Moving a checkpoint's experts between DeepSpeed's state and squad's shard files, for a run that resumes with
+another set of expert-parallel layers.
+
+Where a layer's experts live in a tag depends on its ``expert_parallel`` P when it was saved: at P = 1 inside
+DeepSpeed's files (module weights, and the optimizer's state), at P > 1 in squad's shard files
+(``expert_shards_rank*.pt``, by global expert: `squad.train.expert_shards`). Shard files load at any P > 1 and any
+number of ranks as they are; a layer whose P crosses 1 (a run saved at EP 2 resumed at EP 1, or the other way)
+needs the tag rewritten (`convert`): its experts' weights and Adam moments move from one side to the other, and
+DeepSpeed's optimizer state is re-indexed for the parameters the resuming run gives it. The parameter order of both
+layouts is the order of the whole (unsharded) objective's parameters, grouped as `squad.train.optim` groups them.
+
+This rewrite reads DeepSpeed's optimizer state whole, as ZeRO stage 0 keeps it (in the model-states file); a tag of
+a partitioned optimizer (ZeRO 1/2, bf16) is refused here (its state is DeepSpeed's flat partitions: a universal
+checkpoint first).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from pathlib import Path
+
+import torch
+
+from squad.io.checkpoints import MODEL_STATES, load_checkpoint_file
+from squad.io.files import atomic_torch_save
+from squad.train.expert_shards import SHARD_FILE, SHARD_GLOB, assemble, read_pieces
+from squad.train.optim import group_key, group_name
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamInfo:
+    """One trainable parameter of the whole objective: its name in the engine's module, its dimensions, and its
+    first dimension (the number of experts of an expert weight)."""
+
+    name: str
+    dim: int
+    experts: int = 0
+
+
+def saved_shard_names(tag_dir: str | Path) -> set[str]:
+    """The weights a tag keeps in shard files (model-relative names); empty for a run without expert parallelism."""
+    return set(read_pieces(tag_dir)) if any(Path(tag_dir).glob(SHARD_GLOB)) else set()
+
+
+def _groups(params: list[ParamInfo], outside: set[str]) -> list[tuple[str, list[str]]]:
+    """(group name, parameter names) of DeepSpeed's optimizer when ``outside`` are shards, in its order."""
+    groups: dict[tuple[bool, bool], list[str]] = {}
+    for p in params:
+        if p.name not in outside:
+            groups.setdefault(group_key(p.name, p.dim), []).append(p.name)
+    return [(group_name(k), names) for k, names in sorted(groups.items())]
+
+
+def convert(tag_dir: str | Path, out_dir: str | Path, params: list[ParamInfo], saved: set[str], now: set[str],
+            prefix: str = "model.") -> None:
+    """Writes ``tag_dir`` rewritten for a run whose shards are ``now`` into ``out_dir``.
+
+    Args:
+        tag_dir: the tag to convert.
+        out_dir: the converted tag's folder (created).
+        params: every trainable parameter of the whole objective, in its order.
+        saved: the model-relative names the tag keeps in shard files (`saved_shard_names`).
+        now: the model-relative names the resuming run keeps as shards.
+        prefix: the model's name inside the engine's module.
+
+    Raises:
+        ValueError: the tag's optimizer state is partitioned (ZeRO 1/2), or its optimizer groups are not those of
+            ``params`` (another model).
+    """
+    tag_dir, out_dir = Path(tag_dir), Path(out_dir)
+    states = load_checkpoint_file(tag_dir / MODEL_STATES)
+    opt = states.get("optimizer")
+    if not (isinstance(opt, dict) and "param_groups" in opt):
+        raise ValueError(f"{tag_dir}: its optimizer state is partitioned by rank (ZeRO 1/2 or bf16); moving experts "
+                         f"between DeepSpeed and shard files needs it whole (ZeRO stage 0)")
+    info = {p.name: p for p in params}
+    old_groups = _groups(params, {prefix + n for n in saved})
+    if [(g["name"], len(g["params"])) for g in opt["param_groups"]] != [(n, len(v)) for n, v in old_groups]:
+        raise ValueError(f"{tag_dir}: its optimizer groups {[g['name'] for g in opt['param_groups']]} are not this "
+                         f"model's (expected {[n for n, _ in old_groups]})")
+    old_state = {}  # name -> the optimizer's state of that parameter
+    for g, (_, names) in zip(opt["param_groups"], old_groups, strict=True):
+        for idx, name in zip(g["params"], names, strict=True):
+            old_state[name] = opt["state"].get(idx)
+    pieces = read_pieces(tag_dir)
+    module = dict(states["module"])
+    shards: dict[str, dict] = {}
+    for name in sorted(saved | now):
+        full = prefix + name
+        if name in saved and name not in now:  # into DeepSpeed: whole weights and moments from the pieces
+            weight, moments = assemble(pieces[name], range(info[full].experts), tag_dir, name)
+            module[full] = weight.to(_module_dtype(module))
+            old_state[full] = None if moments is None else {"step": torch.tensor(moments[2]), "exp_avg": moments[0],
+                                                              "exp_avg_sq": moments[1]}
+        elif name in now and name not in saved:  # out of DeepSpeed: into a shard file
+            st = old_state.get(full) or {}
+            shards[name] = {"first": 0, "num_experts": module[full].shape[0], "weight": module.pop(full).float(),
+                            "exp_avg": st.get("exp_avg"), "exp_avg_sq": st.get("exp_avg_sq"),
+                            "step": float(st["step"]) if "step" in st else 0.0}
+        elif name in now:  # stays a shard
+            weight, moments = assemble(pieces[name], range(info[full].experts), tag_dir, name)
+            shards[name] = {"first": 0, "num_experts": weight.shape[0], "weight": weight,
+                            "exp_avg": moments[0] if moments else None, "exp_avg_sq": moments[1] if moments else None,
+                            "step": moments[2] if moments else 0.0}
+    new_groups = _groups(params, {prefix + n for n in now})
+    by_name = {g["name"]: g for g in opt["param_groups"]}
+    groups, state, idx = [], {}, 0
+    for gname, names in new_groups:
+        like = by_name.get(gname) or _sibling(opt["param_groups"], gname)
+        group = {k: v for k, v in like.items() if k != "params"}
+        group.update(name=gname, params=list(range(idx, idx + len(names))))
+        for name in names:
+            if old_state.get(name) is not None:
+                state[idx] = old_state[name]
+            idx += 1
+        groups.append(group)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for f in tag_dir.iterdir():  # everything else of the tag as it is (the optimizer is whole in MODEL_STATES)
+        if f.is_file() and f.name != MODEL_STATES and not f.match(SHARD_GLOB):
+            shutil.copy2(f, out_dir / f.name)
+    states = {**states, "module": module, "optimizer": {"state": state, "param_groups": groups}}
+    sched = states.get("lr_scheduler")
+    if isinstance(sched, dict):  # per-group lists (base_lrs, _last_lr) follow the new groups
+        old_names = [g["name"] for g in opt["param_groups"]]
+        pick = [old_names.index(n) if n in old_names else old_names.index(_sibling(opt["param_groups"], n)["name"])
+                for n, _ in new_groups]
+        states["lr_scheduler"] = {k: [v[i] for i in pick] if isinstance(v, list) and len(v) == len(old_names) else v
+                                  for k, v in sched.items()}
+    atomic_torch_save(states, out_dir / MODEL_STATES, "the converted model states")
+    if shards:
+        atomic_torch_save({"format": "squad.expert_shards/1", "shards": shards}, out_dir / SHARD_FILE.format(0),
+                          "the converted expert shards")
+
+
+def _module_dtype(module: dict) -> torch.dtype:
+    return next((t.dtype for t in module.values() if t.is_floating_point()), torch.float32)
+
+
+def _sibling(groups: list[dict], name: str) -> dict:
+    """The hyperparameters of a group the tag does not have: a group that decays (or not) alike."""
+    no_decay = name.endswith("no_decay")
+    return next((g for g in groups if g["name"].endswith("no_decay") == no_decay), groups[0])
+
+
+def whole_params(objective_factory) -> list[ParamInfo]:
+    """Every trainable parameter of the whole objective, in order: ``objective_factory()`` builds it (on the meta
+    device: nothing is allocated)."""
+    with torch.device("meta"):
+        objective = objective_factory()
+    return [ParamInfo(n, p.dim(), p.shape[0] if p.dim() else 0) for n, p in objective.named_parameters()
+            if p.requires_grad]

@@ -41,6 +41,7 @@ from squad.config.base import ConfigError, to_dict
 from squad.config.loading import load_config
 from squad.config.run import RunConfig
 from squad.io.checkpoints import COMPLETE, MODEL_STATES, find_resume_tag, load_checkpoint_file, refusal_reason
+from squad.io.expert_files import whole_experts
 from squad.io.files import atomic_torch_save
 from squad.models.pruning import prune_model
 from squad.models.single_task import SingleTaskModel
@@ -66,7 +67,9 @@ def load(path: str | Path) -> SquadViT | SingleTaskModel:
       ``mp_rank_00_model_states.pt``) → a `SquadViT` built from the run's ``config.yaml``; the run's
       ``checkpoints/`` folder means its latest complete tag. Tags without the ``COMPLETE`` marker (a save that was
       interrupted) are refused. Under bf16/fp16 training DeepSpeed saves the module's half-precision weights; they
-      are cast to the model's fp32 (the fp32 master copy lives in optimizer shards, which are not read).
+      are cast to the model's fp32 (the fp32 master copy lives in optimizer shards, which are not read). The tag of
+      an expert-parallel run holds its experts in shard files (`squad.io.expert_files`): they are put back
+      together, so the model is the whole single-process one whatever expert-parallel size wrote it.
 
     Returns:
         The model in eval mode, with two attributes beside its weights:
@@ -260,6 +263,7 @@ def _load_checkpoint(tag: Path) -> SquadViT:
             if key in own and value.is_floating_point() and own[key].is_floating_point():
                 value = value.to(own[key].dtype)  # bf16/fp16 training saves half-precision module weights
             state[key] = value
+    state.update(whole_experts(tag))  # an expert-parallel run's experts, from its shard files
     load_assigned(model, state, str(file)).eval()
     loop = states.get("loop") or {}
     log_vars = module.get("weighting.log_vars")  # the objective's learned task weights (uncertainty weighting)

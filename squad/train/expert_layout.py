@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 from squad.io.checkpoints import MODEL_STATES, load_checkpoint_file
+from squad.io.expert_files import SHARD_FILE, SHARD_FORMAT, SHARD_GLOB, assemble, read_pieces
 from squad.io.files import atomic_torch_save
-from squad.train.expert_shards import SHARD_FILE, SHARD_GLOB, assemble, read_pieces
 from squad.train.optim import group_key, group_name
 
 
@@ -129,7 +129,7 @@ def convert(tag_dir: str | Path, out_dir: str | Path, params: list[ParamInfo], s
                                   for k, v in sched.items()}
     atomic_torch_save(states, out_dir / MODEL_STATES, "the converted model states")
     if shards:
-        atomic_torch_save({"format": "squad.expert_shards/1", "shards": shards}, out_dir / SHARD_FILE.format(0),
+        atomic_torch_save({"format": SHARD_FORMAT, "shards": shards}, out_dir / SHARD_FILE.format(0),
                           "the converted expert shards")
 
 

@@ -17,8 +17,9 @@ the engine does for the dense parameters, at the same points of every step:
 - **the optimizer** (`after_step`): AdamW with the run's hyperparameters, weight decay as `squad.train.optim`
   assigns it, and the learning rate the engine's schedule used for the step; it steps only when the engine did;
 - **checkpoints** (`save`, `load`): rank i < P of each layout writes its shard, weights and Adam moments, indexed by
-  GLOBAL expert (``expert_shards_rank<i>.pt`` in the tag folder); loading picks each rank's experts out of whichever
-  files hold them, so a run resumes at any expert-parallel size and any number of data-parallel ranks.
+  GLOBAL expert (``expert_shards_rank<i>.pt`` in the tag folder, `squad.io.expert_files`); loading picks each
+  rank's experts out of whichever files hold them, so a run resumes at any expert-parallel size and any number of
+  data-parallel ranks.
 
 fp16 (loss scaling inside DeepSpeed's optimizer, which never sees the shards) is refused with expert parallelism;
 bf16 and fp32 train with float32 master shards.
@@ -36,12 +37,9 @@ import torch.distributed as dist
 from squad.config.base import ConfigError
 from squad.config.model import ModelConfig
 from squad.config.run import OptimConfig
-from squad.io.checkpoints import DamagedCheckpointError, load_checkpoint_file
+from squad.io.expert_files import SHARD_FILE, SHARD_FORMAT, assemble, read_pieces
 from squad.layers.parallel import ShardedParameter
 from squad.train.optim import named_param_groups
-
-SHARD_FILE = "expert_shards_rank{:05d}.pt"
-SHARD_GLOB = "expert_shards_rank*.pt"
 
 
 def expert_parallel_sizes(cfg: ModelConfig) -> dict[str, int]:
@@ -198,7 +196,7 @@ class ExpertShards:
             out[s.name] = {"first": s.first, "num_experts": s.num_experts, "weight": s.param.detach().cpu(),
                            "exp_avg": _cpu(st.get("exp_avg")), "exp_avg_sq": _cpu(st.get("exp_avg_sq")),
                            "step": float(st["step"]) if "step" in st else 0.0}
-        return {"format": "squad.expert_shards/1", "shards": out} if out else None
+        return {"format": SHARD_FORMAT, "shards": out} if out else None
 
     def save(self, tag_dir: str | Path, write) -> None:
         """Writes this rank's file into ``tag_dir`` with ``write(obj, path)`` (the engine's guarded writer)."""
@@ -228,46 +226,3 @@ class ExpertShards:
 
 def _cpu(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.detach().cpu()
-
-
-def read_pieces(tag_dir: str | Path) -> dict[str, list[dict]]:
-    """Every shard piece of a tag's shard files, by weight name ({} when the tag has none)."""
-    pieces: dict[str, list[dict]] = {}
-    for file in sorted(Path(tag_dir).glob(SHARD_GLOB)):
-        content = load_checkpoint_file(file)
-        for name, piece in content.get("shards", {}).items():
-            pieces.setdefault(name, []).append(piece)
-    return pieces
-
-
-def assemble(pieces: list[dict], rows: range, tag_dir, name: str):
-    """Rows ``rows`` of one expert weight (and its Adam moments when every piece has them) from its pieces.
-
-    Returns:
-        (weight [len(rows), ...], (exp_avg, exp_avg_sq, step) or None).
-
-    Raises:
-        DamagedCheckpointError: some expert of ``rows`` is in no piece.
-    """
-    weight = moments = None
-    have = set()
-    with_moments = bool(pieces) and all(p.get("exp_avg") is not None for p in pieces)
-    for p in pieces:
-        first, w = int(p["first"]), p["weight"]
-        lo, hi = max(rows.start, first), min(rows.stop, first + w.shape[0])
-        if lo >= hi:
-            continue
-        if weight is None:
-            weight = w.new_empty(len(rows), *w.shape[1:])
-            if with_moments:
-                moments = [torch.empty_like(weight), torch.empty_like(weight), float(p["step"])]
-        weight[lo - rows.start : hi - rows.start] = w[lo - first : hi - first]
-        if moments is not None:
-            moments[0][lo - rows.start : hi - rows.start] = p["exp_avg"][lo - first : hi - first]
-            moments[1][lo - rows.start : hi - rows.start] = p["exp_avg_sq"][lo - first : hi - first]
-        have.update(range(lo, hi))
-    missing = [e for e in rows if e not in have]
-    if missing:
-        raise DamagedCheckpointError(f"{tag_dir}: experts {missing[:4]}{'...' if len(missing) > 4 else ''} of "
-                                     f"{name} are in none of its {SHARD_GLOB} files", Path(tag_dir))
-    return weight, None if moments is None else tuple(moments)

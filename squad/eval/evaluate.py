@@ -80,7 +80,8 @@ def evaluate(model, loader, tasks: Sequence[str], device: torch.device | str = "
     specs = {t: task_of(t) for t in tasks}
     acc = MetricAccumulator(list(specs.values()))
     scored = 0
-    lockstep = is_sharded(model)  # expert-parallel layers exchange tokens: every rank runs every pass
+    # expert-parallel layers exchange tokens, ZeRO-3 gathers each layer's weights: every rank runs every pass
+    lockstep = is_sharded(model) or any(hasattr(p, "ds_id") for p in model.parameters())
     try:
         for i, batch in enumerate(_batches(loader, lockstep, device)):
             if max_batches and i >= max_batches:
@@ -114,8 +115,8 @@ def evaluate(model, loader, tasks: Sequence[str], device: torch.device | str = "
 
 def _batches(loader, lockstep: bool, device):
     """The loader's batches; with ``lockstep`` (an expert-parallel model, whose layers exchange tokens with the other
-    ranks of their group) the ranks agree before each batch whether any still has one, and a rank that has none
-    gets None until none has."""
+    ranks of their group, or a ZeRO-3 one, whose layers gather their weights from them) the ranks agree before each
+    batch whether any still has one, and a rank that has none gets None until none has."""
     if not lockstep or not (dist.is_initialized() and dist.get_world_size() > 1):
         yield from loader
         return

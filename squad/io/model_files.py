@@ -40,9 +40,18 @@ import torch
 from squad.config.base import ConfigError, to_dict
 from squad.config.loading import load_config
 from squad.config.run import RunConfig
-from squad.io.checkpoints import COMPLETE, MODEL_STATES, find_resume_tag, load_checkpoint_file, refusal_reason
+from squad.io.checkpoints import (
+    COMPLETE,
+    MODEL_STATES,
+    MODEL_STATES_ZERO3,
+    find_resume_tag,
+    load_checkpoint_file,
+    model_states_file,
+    refusal_reason,
+)
 from squad.io.expert_files import whole_experts
 from squad.io.files import atomic_torch_save
+from squad.io.zero3 import fp32_state_dict, is_zero3_tag
 from squad.models.pruning import prune_model
 from squad.models.single_task import SingleTaskModel
 from squad.models.surgery import build_on_meta, load_assigned
@@ -67,7 +76,9 @@ def load(path: str | Path) -> SquadViT | SingleTaskModel:
       ``mp_rank_00_model_states.pt``) → a `SquadViT` built from the run's ``config.yaml``; the run's
       ``checkpoints/`` folder means its latest complete tag. Tags without the ``COMPLETE`` marker (a save that was
       interrupted) are refused. Under bf16/fp16 training DeepSpeed saves the module's half-precision weights; they
-      are cast to the model's fp32 (the fp32 master copy lives in optimizer shards, which are not read). The tag of
+      are cast to the model's fp32 (the fp32 master copy lives in optimizer shards, which are not read). A ZeRO-3
+      tag's weights are partitioned over its ranks' optimizer files and are put back together in fp32
+      (`squad.io.zero3`). The tag of
       an expert-parallel run holds its experts in shard files (`squad.io.expert_files`): they are put back
       together, so the model is the whole single-process one whatever expert-parallel size wrote it.
 
@@ -221,10 +232,10 @@ def _checkpoint_tag(path: Path) -> Path | None:
     """The checkpoint tag folder ``path`` names (a tag, its model-states file, or a ``checkpoints/`` folder), else
     None (a run folder or a squad file)."""
     if path.is_file():
-        return path.parent if path.name == MODEL_STATES else None
+        return path.parent if path.name in (MODEL_STATES, MODEL_STATES_ZERO3) else None
     if not path.is_dir() or (path / "model.pt").is_file():
         return None
-    if (path / COMPLETE).is_file() or (path / MODEL_STATES).is_file():
+    if (path / COMPLETE).is_file() or model_states_file(path).is_file():
         return path
     if (path / "latest").is_file() or any((p / COMPLETE).is_file() for p in path.iterdir() if p.is_dir()):
         tag = find_resume_tag(path)
@@ -240,7 +251,7 @@ def _load_checkpoint(tag: Path) -> SquadViT:
     if not (tag / COMPLETE).is_file():
         raise ValueError(f"{tag}: incomplete checkpoint (no {COMPLETE} marker: the save was interrupted); load an "
                          f"earlier tag, or {tag.parent} for the latest complete one")
-    file = tag / MODEL_STATES
+    file = model_states_file(tag)
     if not file.is_file():
         raise FileNotFoundError(f"{tag}: no {MODEL_STATES} in this checkpoint")
     cfg_file = tag.parent.parent / "config.yaml"
@@ -254,6 +265,8 @@ def _load_checkpoint(tag: Path) -> SquadViT:
     module = states.get("module") if isinstance(states, dict) else None
     if not isinstance(module, dict):
         raise ValueError(f"{file}: no module weights in this DeepSpeed checkpoint")
+    if is_zero3_tag(tag):  # the weights are partitioned over the ranks' optimizer files: put them back together
+        module = fp32_state_dict(tag)
     model = build_on_meta(run_cfg.model)
     own = model.state_dict()
     state = {}

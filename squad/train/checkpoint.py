@@ -28,13 +28,13 @@ from typing import Any
 from squad.distributed import is_distributed
 from squad.io.checkpoints import (
     COMPLETE,
-    MODEL_STATES,
     CheckpointError,
     DamagedCheckpointError,
     UnsafeCheckpointError,
     check_tag_file,
     complete_tags,
     load_checkpoint_file,
+    model_states_file,
     tag_files,
 )
 from squad.io.files import atomic_write_text
@@ -79,8 +79,9 @@ def verify_tag(tag_dir: str | Path, rank: int = 0, world: int = 1) -> Checkpoint
     except OSError as e:
         files, listing = [], DamagedCheckpointError(f"{tag_dir}: unreadable ({e.strerror or e})", tag_dir)
     else:
-        listing = None if any(f.name == MODEL_STATES for f in files) else DamagedCheckpointError(
-            f"{tag_dir / MODEL_STATES}: missing", tag_dir / MODEL_STATES)
+        states = model_states_file(tag_dir)
+        listing = None if any(f.name == states.name for f in files) else DamagedCheckpointError(
+            f"{states}: missing", states)
     names = {f.name for f in files}
     found: tuple[int, str, str, str] | None = None  # (file index, kind, message, file)
     if listing is not None:

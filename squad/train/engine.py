@@ -587,7 +587,7 @@ class Trainer:
         self.usage.all_reduce()
         path = self.run_dir / "model.pt"
         error = None
-        state = full_state_dict(self.model) if self.experts is not None else None  # every rank: experts gathered
+        state = self._whole_state()  # every rank: partitioned weights and expert shards gathered
         if self.rank == 0:
             log_vars = self.objective.weighting.log_vars
             extra = {"step": self.state.step, "metrics": final_metrics, "trained_tasks": self.tasks,
@@ -606,6 +606,21 @@ class Trainer:
         if error:
             raise TrainingError(error)
         return path
+
+
+    def _whole_state(self) -> dict | None:
+        """The single-process model's state dict when the engine's module does not hold it (a collective: every
+        rank calls it): ZeRO-3 partitions are gathered one parameter at a time in float32 (DeepSpeed's
+        ``safe_get_full_fp32_param``), expert shards whole; None when ``self.model.state_dict()`` is complete."""
+        if self.cfg.train.zero_stage != 3 and self.experts is None:
+            return None
+        state = full_state_dict(self.model)  # expert shards gathered (every rank)
+        if self.cfg.train.zero_stage == 3:
+            from deepspeed.utils import safe_get_full_fp32_param
+
+            for name, p in self.model.named_parameters():
+                state[name] = safe_get_full_fp32_param(p).detach().cpu()
+        return state
 
 
 def train(cfg: RunConfig, run_dir: str | Path, resume: str | None = "auto", *, overwrite: bool = False,

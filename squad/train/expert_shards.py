@@ -66,6 +66,17 @@ def check_layout(cfg: ModelConfig, world: int, precision: str) -> None:
                               f"optimizer, which never sees the expert shards; use bf16")
 
 
+def _undecorated(fn):
+    """The function under DeepSpeed's decorators (``instrument_w_nvtx`` keeps no ``__wrapped__``: its closure
+    holds the function)."""
+    while not inspect.signature(fn).parameters.get("total_norm") and fn.__closure__:
+        inner = [c.cell_contents for c in fn.__closure__ if callable(c.cell_contents)]
+        if not inner:
+            break
+        fn = inner[0]
+    return fn
+
+
 class _GlobalNorm:
     """Puts the shards' squared gradient norm into DeepSpeed's clipping, wrapping the one method the engine's
     optimizer clips with (``unscale_and_clip_grads(..., total_norm)`` of the ZeRO and fp16/bf16 optimizers) or,
@@ -79,7 +90,8 @@ class _GlobalNorm:
         opt = engine.optimizer
         method = getattr(opt, "unscale_and_clip_grads", None)
         if method is not None:
-            sig = inspect.signature(method)
+            params = inspect.signature(_undecorated(type(opt).unscale_and_clip_grads)).parameters.values()
+            sig = inspect.Signature([p for p in params if p.name != "self"])  # of the bound method
 
             def clip_with_experts(*args, **kwargs):
                 bound = sig.bind(*args, **kwargs)

@@ -132,3 +132,33 @@ def test_exchange_moves_every_real_slot_and_nothing_else(worker_results):
             assert any(c["real_slots"] < c["slots"] for c in ranks), name
         else:
             assert all(c["real_slots"] == c["slots"] for c in ranks), name
+
+
+# ------------------------------------------------------------------------------- the plan: memory and traffic
+def test_plan_layouts_count_experts_memory_and_all_to_all():
+    """squad.bench.layouts on the ViT-L config: parameter counts, model state per GPU by the ZeRO paper's rules with
+    expert shards at 16 bytes per parameter over the group, and all-to-all bytes by the slots that leave a rank."""
+    from squad.bench.layouts import GPU_BYTES, all_to_all_bytes, expert_parameters, layout_table, state_bytes
+
+    cfg = squad.load_config("configs/taskonomy/modsquad_vit_l.yaml")
+    with torch.device("meta"):
+        model = squad.build_model(cfg.model)
+    experts = expert_parameters(model)
+    assert experts == {"moe": 24 * 64 * (2 * 1024 * 2048 + 2048 + 1024), "moa": 12 * 2 * 64 * 1024 * 64}
+    params = sum(p.numel() for p in model.parameters())
+    assert 6e9 < params < 7e9 and params * 16 > GPU_BYTES  # its AdamW state alone fills more than one GPU
+    dense = params - experts["moe"]
+    assert state_bytes(params, experts, "bf16", 1, {"moe": 8, "moa": 1}, 64) == pytest.approx(
+        dense * (2 + 2 + 12 / 64) + experts["moe"] / 8 * 16)
+    assert state_bytes(params, experts, "bf16", 3, 1, 4) == pytest.approx(params * 16 / 4)
+    tokens = 104 * 197  # 8 images × 13 tasks, 197 tokens each
+    moe_only = all_to_all_bytes(model, 104, {"moe": 8, "moa": 1})
+    assert moe_only == pytest.approx(2 * 24 * tokens * 7 / 8 * 2 * 2 * 1024 * 2)  # 24 layers, top-2, D out and back
+    rows = {(r["zero_stage"], r["expert_parallel"]["moe"], r["expert_parallel"]["moa"]): r
+            for r in layout_table(model, "bf16", 1, 104, 20 * 2**30, [{"moe": 1, "moa": 1}, {"moe": 8, "moa": 1}])}
+    assert not rows[(0, 1, 1)]["fits_80gib"] and rows[(0, 1, 1)]["gpus_needed_80gib"] is None
+    ep8 = rows[(0, 8, 1)]
+    assert ep8["gpus"] == 8 and ep8["fits_80gib"] and ep8["gpus_needed_80gib"] == 8
+    assert rows[(3, 1, 1)]["gpus_needed_80gib"] == 2  # 6.6 B × 16 bytes / 2 + 20 GiB of activations < 80 GiB
+    assert rows[(0, 1, 1)]["all_to_all_bytes_per_step"] == 0
+    assert rows[(0, 8, 1)]["sync_bytes_per_step"] < rows[(2, 1, 1)]["sync_bytes_per_step"]

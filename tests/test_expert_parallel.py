@@ -155,7 +155,7 @@ def test_plan_layouts_count_experts_memory_and_all_to_all():
     moe_only = all_to_all_bytes(model, 104, {"moe": 8, "moa": 1})
     assert moe_only == pytest.approx(2 * 24 * tokens * 7 / 8 * 2 * 2 * 1024 * 2)  # 24 layers, top-2, D out and back
     rows = {(r["zero_stage"], r["expert_parallel"]["moe"], r["expert_parallel"]["moa"]): r
-            for r in layout_table(model, "bf16", 1, 104, 20 * 2**30, [{"moe": 1, "moa": 1}, {"moe": 8, "moa": 1}])}
+            for r in layout_table(model, "bf16", 8, 104, 20 * 2**30, [{"moe": 1, "moa": 1}, {"moe": 8, "moa": 1}])}
     assert not rows[(0, 1, 1)]["fits_80gib"] and rows[(0, 1, 1)]["gpus_needed_80gib"] is None
     ep8 = rows[(0, 8, 1)]
     assert ep8["gpus"] == 8 and ep8["fits_80gib"] and ep8["gpus_needed_80gib"] == 8

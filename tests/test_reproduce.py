@@ -15,7 +15,7 @@ import pytest
 import squad
 from squad.config.run import RunConfig
 from squad.reproduce.claims import CLAIMS, finetune_judgement, plateau
-from squad.reproduce.finetune import FairFinetune, holdout_split, load_cached
+from squad.reproduce.finetune import FairFinetune, load_cached
 from squad.reproduce.invocation import plan_table
 from squad.reproduce.runs import Runner, settings_of
 from squad.reproduce.scales import get_scale, parallel_speedup
@@ -316,16 +316,6 @@ def test_plateau_from_the_training_loss(tmp_path):
     falling = plateau(log([3.0 - 0.1 * i for i in range(20)]), 500)
     assert not falling["at_plateau"] and falling["drop"] > 0.05
     assert not plateau(tmp_path / "missing", 500)["at_plateau"]
-
-
-def test_holdout_split_is_seeded_and_disjoint():
-    idx = list(range(100, 150))
-    fit, held = holdout_split(idx, 0.2, seed=3)
-    assert len(held) == 10 and len(fit) == 40 and sorted(fit + held) == idx
-    assert holdout_split(idx, 0.2, seed=3) == (fit, held) and holdout_split(idx, 0.2, seed=4) != (fit, held)
-    assert holdout_split([7, 8], 0.01, 0) in (([8], [7]), ([7], [8]))  # at least one image on each side
-    with pytest.raises(ValueError, match="cannot be split"):
-        holdout_split([7], 0.2, 0)
 
 
 def test_cached_results_are_recomputed_when_a_setting_changes(tmp_path):

@@ -38,11 +38,13 @@ from the tag's expert shard files, float32 master weights, put back together wha
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
 from squad.cli import run
 from squad.cli.evaluate import add_inference_arguments, add_precision_argument
+from squad.config.tools import InferenceOptions, from_namespace
 
 TOLERANCE = 1e-4  # max |exported − squad| the check accepts (the programs are exact on the CPU: 0 in the tests)
 BF16_TOLERANCE = 1e-2  # the same in bf16: the program's per-expert matmuls round unlike grouped ones (~1e-3)
@@ -90,7 +92,7 @@ def _export(argv: list[str] | None) -> int:
                          f"{args.static_batch}")
     if args.check_images < 0:
         raise ValueError(f"--check-images must be >= 0, got {args.check_images}")
-    set_inference(model, args.mone_capacity, args.mod_inference)
+    set_inference(model, **dataclasses.asdict(from_namespace(InferenceOptions, args)))
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else None
     dtype = precision_dtype(args.precision, "cpu")
     program = export_program(model, tasks, dynamic_batch=args.static_batch is None,

@@ -52,9 +52,8 @@ from squad.io.checkpoints import (
 from squad.io.expert_files import whole_experts
 from squad.io.files import atomic_torch_save
 from squad.io.zero3 import fp32_state_dict, is_zero3_tag
-from squad.models.pruning import prune_model
 from squad.models.single_task import SingleTaskModel
-from squad.models.surgery import build_on_meta, load_assigned
+from squad.models.surgery import build_on_meta, keep_experts, load_assigned
 from squad.models.usage import ExpertUsage
 from squad.models.vit import SquadViT
 
@@ -218,7 +217,7 @@ def _extracted_from_payload(payload: dict) -> SingleTaskModel:
     model = build_on_meta(cfg)
     kept = {str(k): [int(i) for i in v] for k, v in payload["kept"].items()}
     try:
-        prune_model(model, kept, exact=bool(payload["exact"]))
+        keep_experts(model, kept, exact=bool(payload["exact"]))
     except ValueError as e:
         raise ValueError(f"{source}: {e}") from e
     load_assigned(model, payload["state_dict"], source)

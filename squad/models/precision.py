@@ -17,7 +17,8 @@ import copy
 import torch
 import torch.nn as nn
 
-PRECISIONS = ("bf16", "fp32")
+from squad.config.tools import PRECISIONS
+
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 

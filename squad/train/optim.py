@@ -1,4 +1,7 @@
-"""The optimiser's parameter groups (which parameters decay, which are experts) and the learning-rate schedule."""
+"""The optimiser's side of a run: AdamW parameter groups (`param_groups`, `named_param_groups`: no weight decay on
+norms, biases, embeddings, task weights; expert weights in groups of their own) and the learning-rate schedule
+(`lr_lambda`: linear warm-up, then cosine to a floor; `warmup_note` when the warm-up outlasts the run).
+"""
 
 from __future__ import annotations
 

@@ -119,7 +119,9 @@ def capacity_plan(config: str | Path, gpus: int, *, batch_per_gpu: int | None = 
     width = [] if cuda and not quick else (bench_step.QUICK_WIDTH if quick else bench_step.CPU_WIDTH)
     measured_batch = min(batch, 4) if quick else batch
     full_cfg = cfg.model
-    small = squad.load_config(config, [*overrides, *width]) if width else cfg
+    # the measured step runs in one process: its shrunken experts are not split over ranks
+    single = ["model.moe.expert_parallel=1", "model.moa.expert_parallel=1"]
+    small = squad.load_config(config, [*overrides, *width, *single]) if width else cfg
     setup = StepSetup(small.model, cfg.loss, measured_batch, device, dtype,
                       checkpointing=cfg.train.activation_checkpointing, checkpoint_every=cfg.train.checkpoint_every)
     (res,), rate = measure_steps([setup], repeats=2 if quick else 5, warmup=1, tasks=tasks, quick=quick)

@@ -266,8 +266,8 @@ class Trainer:
         if client.get("usage"):  # every rank holds the layers; rank 0 the sums (already over every rank)
             self.usage = ExpertUsage.from_state_dict(client["usage"], zeroed=self.rank != 0)
         self._forget_after(self.state.step)
-        self.resumed_from = load_dir / tag
-        log.info("resumed from %s at step %d", load_dir / tag, self.state.step)
+        self.resumed_from = source
+        log.info("resumed from %s at step %d", source, self.state.step)
 
     def _expert_layout(self, tag_dir: Path) -> Path:
         """The folder to load ``tag_dir``'s tag from: its own, or a converted copy (``checkpoints/.convert``) when

@@ -44,7 +44,7 @@ The kernel bodies are plain functions wrapped at first use by `_kernels()`, for 
 following the mode Triton itself was imported in (see `interpreter_enabled`). Their shared prologue lives in device
 helpers they call (`_program_tile`: program ids → head, batch row, feature and row offsets and masks; `_block_rows`:
 a block's positions, mask and token-index gather; `_load_tile`: a masked, optionally upcast q/k/v/dO tile), wrapped
-the same way at import (`_device_function`); the compiler inlines them.
+the same way at import (`triton_common.device_function`); the compiler inlines them.
 """
 
 from __future__ import annotations
@@ -55,29 +55,13 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
-from triton.runtime.jit import JITFunction
+
+from .triton_common import device_function, interpreter_enabled, wrap_kernels
 
 LOG2E = 1.4426950408889634
 
 
-def interpreter_enabled() -> bool:
-    """Whether Triton runs kernels in its CPU interpreter.
-
-    Triton reads TRITON_INTERPRET=1 when `triton.language` is first imported (and `import torch` imports it), building
-    its library helpers for one mode; so the variable must be in the environment before Python imports torch.
-    This reports the mode Triton actually runs in.
-    """
-    return not isinstance(tl.zeros, JITFunction)
-
-
-def _device_function(fn):
-    """``@triton.jit`` for a helper the kernels call, in the mode Triton was imported in (`interpreter_enabled`):
-    a `JITFunction` the compiler inlines into the kernel, or an `InterpretedFunction` the interpreter calls."""
-    return InterpretedFunction(fn) if interpreter_enabled() else JITFunction(fn)
-
-
-@_device_function
+@device_function
 def _block_rows(IDX, b, stride_ib, stride_ik, start, M,
                 BLOCK: tl.constexpr, HAS_INDEX: tl.constexpr):
     """Positions ``start .. start + BLOCK`` of the M attended rows of batch row b.
@@ -94,7 +78,7 @@ def _block_rows(IDX, b, stride_ib, stride_ik, start, M,
     return offs, mask, rows
 
 
-@_device_function
+@device_function
 def _load_tile(base, rows, mask_rows, stride_n, offs_d, mask_d, stride_d, UPCAST: tl.constexpr):
     """The [BLOCK, BLOCK_D] tile ``base[rows, offs_d]`` (zeros outside the masks), upcast to fp32 when UPCAST."""
     tile = tl.load(base + rows[:, None] * stride_n + offs_d[None, :] * stride_d,
@@ -104,7 +88,7 @@ def _load_tile(base, rows, mask_rows, stride_n, offs_d, mask_d, stride_d, UPCAST
     return tile
 
 
-@_device_function
+@device_function
 def _program_tile(IDX, stride_ib, stride_ik, M, D,
                   BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, HAS_INDEX: tl.constexpr):
     """The prologue of every kernel: grid (row block, head, batch row) → where this program works.
@@ -284,8 +268,7 @@ def _bwd_dq_kernel(Q, K, V, DO, IDX, LSE, DELTA, DQ,
 @functools.cache
 def _kernels() -> dict[str, object]:
     """The kernels, wrapped for the compiler or the interpreter (whichever mode Triton was imported in)."""
-    wrap = InterpretedFunction if interpreter_enabled() else JITFunction
-    return {fn.__name__: wrap(fn) for fn in (_fwd_kernel, _bwd_dkdv_kernel, _bwd_dq_kernel)}
+    return wrap_kernels(_fwd_kernel, _bwd_dkdv_kernel, _bwd_dq_kernel)
 
 
 def _config(d: int, dtype: torch.dtype, device: torch.device) -> dict[str, object]:

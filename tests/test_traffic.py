@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from squad.bench.traffic import HostReadOnMeta, TrafficRecorder, record
-from squad.layers import experts
+from squad.kernels import device
 
 
 def test_matmul_flops_and_bytes_are_exact():
@@ -52,9 +52,9 @@ def test_backward_is_recorded_and_the_cuda_path_is_forced_only_inside():
     x = torch.randn(4, 16, requires_grad=True)
     seen = []
     with TrafficRecorder() as rec:
-        seen.append(experts.FORCE_SYNC_FREE)
+        seen.append(device.forced())
         (x @ w).backward(torch.ones(4, 8))
-    assert seen == [True] and experts.FORCE_SYNC_FREE is False
+    assert seen == [True] and device.forced() is False
     mms = [r for r in rec.summary().records if r.op == "mm"]
     assert len(mms) == 3  # forward, grad of x, grad of w
     assert rec.summary().flops == 3 * 2 * 4 * 16 * 8

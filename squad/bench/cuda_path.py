@@ -1,7 +1,8 @@
 """What CUDA runs, recorded on any device: the pieces of a `squad.bench.traffic.TrafficRecorder` that make a CPU or
 ``meta`` recording follow the GPU's path.
 
-- `force_cuda_path`: squad's routed layers take the algorithm CUDA tensors take (``FORCE_SYNC_FREE``).
+- `force_cuda_path`: squad's routed layers take the algorithm CUDA tensors take (the forced
+  `squad.kernels.device` predicate; ``FORCE_SYNC_FREE`` on older commits).
 - `CudaKernels`, a `TorchFunctionMode` active while a recorder runs with ``cuda_path=True``:
   ``F.scaled_dot_product_attention`` becomes one fused flash kernel forward and one backward (`FusedAttention`),
   where the CPU and ``meta`` would decompose it into an N×N softmax; on ``meta`` tensors squad's attention custom ops

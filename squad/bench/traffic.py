@@ -6,7 +6,7 @@ and prices it from its operands' shapes and dtypes alone — nothing is timed, s
 every machine. Code runs on the ``meta`` device at full size (no memory, no arithmetic: a ViT-B block at 12 images ×
 13 tasks costs milliseconds to record) or on real tensors. With ``cuda_path=True`` (the default) what is recorded is
 the path a GPU takes (`squad.bench.cuda_path`): squad's routed layers take their CUDA algorithm (`force_cuda_path`:
-today `squad.layers.experts.FORCE_SYNC_FREE`), ``F.scaled_dot_product_attention`` is the one fused flash kernel CUDA
+the forced `squad.kernels.device` predicate), ``F.scaled_dot_product_attention`` is the one fused flash kernel CUDA
 runs (where the CPU and ``meta`` would form an N×N softmax), and on ``meta`` squad's Triton attention runs its real
 wrappers with each launch recorded from its operands.
 
@@ -401,7 +401,9 @@ class TrafficRecorder(TorchDispatchMode):
         record = OpRecord(name, bytes_read=read, bytes_written=sum(map(_logical_bytes, written)), kind=kind,
                           dtype=str(outputs[0].dtype).removeprefix("torch.") if outputs else "")
         base = name.rstrip("_")  # in-place forms (addmm_) cost what their functional form does
-        if base in _MATMUL:
+        if func.namespace == "squad" and name in SQUAD_OPS:  # squad's grouped and nested GEMMs: their own prices
+            SQUAD_OPS[name](record, args)
+        elif base in _MATMUL:
             record.flops = _matmul_flops(base, args, outputs[0] if outputs else written[0])
         elif name in _CONV:
             record.flops = _conv_flops(args, outputs[0])
@@ -483,3 +485,75 @@ def record(fn: Callable[[], object], cuda_path: bool = True) -> Traffic:
     with TrafficRecorder(cuda_path=cuda_path) as rec:
         fn()
     return rec.summary()
+
+
+# ------------------------------------------------------------------------------ squad's own custom ops
+# The grouped GEMMs of the routed layers (`squad.kernels.grouped`) are one launch each: their FLOPs are the
+# multiply-adds of every sorted row (rows past the last group, zero-filled, counted too: an upper bound), and an
+# input read through a row index (a token's row gathered once per slot) is counted once per row that reads it, the
+# traffic a GPU pays when the gathered rows miss in cache.
+
+
+def _rows_read(t: torch.Tensor, rows: torch.Tensor | None) -> float:
+    """Bytes of ``t`` as read through ``rows`` (each indexed row once per index), or once when not indexed."""
+    if rows is None:
+        return _logical_bytes(t)
+    return float(rows.numel() * t.shape[1] * t.element_size())
+
+
+def _price_grouped_mm(record: OpRecord, args: Sequence) -> None:
+    a, a_rows, w, rows = args[0], args[1], args[2], args[8]
+    record.matmul = True
+    record.flops = 2.0 * rows * w.shape[1] * w.shape[2]
+    record.bytes_read += _rows_read(a, a_rows) - _logical_bytes(a)
+
+
+def _price_grouped_wgrad(record: OpRecord, args: Sequence) -> None:
+    a, a_rows, b, b_rows = args[0], args[1], args[2], args[3]
+    rows = (a_rows if a_rows is not None else a).shape[0]
+    record.matmul = True
+    record.flops = 2.0 * rows * a.shape[1] * b.shape[1]
+    record.bytes_read += _rows_read(a, a_rows) - _logical_bytes(a) + _rows_read(b, b_rows) - _logical_bytes(b)
+
+
+def _nested_groups(groups: Sequence[int]) -> list[tuple[int, int]]:
+    """(rows, width) of each group of a ``squad::nested_*`` op (its host ints [ends..., widths...])."""
+    g = len(groups) // 2
+    ends, widths = list(groups[:g]), list(groups[g:])
+    return [(end - first, w) for first, end, w in zip([0, *ends[:-1]], ends, widths, strict=True)]
+
+
+def _price_nested_linear(record: OpRecord, args: Sequence) -> None:
+    """A nested projection reads the first w features of a token's row (input projections) or computes only the
+    first w output features (output projections; with the residual read and written whole, or in place only there)."""
+    a, w, groups = args[0], args[1], _nested_groups(args[4])
+    in_mode = len(args) == 11 and args[6] == "in"
+    item = a.element_size()
+    n_out, k = w.shape  # a may be [T, K], [T / R, R, K] or [T / R, R, H, K / H]
+    record.matmul = True
+    if in_mode:
+        record.flops = sum(2.0 * n * width * n_out for n, width in groups)
+        record.bytes_read += sum(n * width for n, width in groups) * item - _logical_bytes(a)
+    else:
+        record.flops = sum(2.0 * n * k * width for n, width in groups)
+    if len(args) == 7:  # in place (nested_linear_): only each group's first w features of the residual
+        residual = args[5]
+        touched = sum(n * width for n, width in groups) * residual.element_size()
+        record.bytes_read += touched - _logical_bytes(residual)
+        record.bytes_written += touched - _logical_bytes(residual)
+
+
+def _price_nested_norm(record: OpRecord, args: Sequence) -> None:
+    """A nested layer norm reads every feature and writes each token's first w."""
+    x, groups = args[0], _nested_groups(args[6])
+    record.bytes_written = sum(n * width for n, width in groups) * x.element_size()
+
+
+SQUAD_OPS: dict[str, Callable[[OpRecord, Sequence], None]] = {
+    "grouped_mm": _price_grouped_mm,
+    "grouped_wgrad": _price_grouped_wgrad,
+    "nested_linear": _price_nested_linear,
+    "nested_linear_": _price_nested_linear,
+    "nested_norm": _price_nested_norm,
+}
+"""Pricing of ``squad::`` custom ops by their name (the ops' schemas: `squad.kernels.grouped`)."""

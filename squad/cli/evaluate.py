@@ -56,8 +56,8 @@ def add_inference_arguments(p: argparse.ArgumentParser) -> None:
 def add_precision_argument(p: argparse.ArgumentParser, default: str = "bf16 on CUDA, fp32 on the CPU") -> None:
     """``--precision``, shared by evaluate, predict, extract and export (`squad.models.precision`)."""
     p.add_argument("--precision", choices=["bf16", "fp32"], default=None,
-                   help=f"dtype the model runs in (default: {default}; bf16 keeps the routed layers on their "
-                        "sync-free grouped matmuls on CUDA)")
+                   help=f"dtype the model runs in (default: {default}; on CUDA the routed layers' grouped GEMMs "
+                        "run in either without a host sync, bf16 the faster)")
 
 
 def add_compile_argument(p: argparse.ArgumentParser) -> None:

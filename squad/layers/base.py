@@ -67,8 +67,7 @@ class RoutedLayer(nn.Module):
             experts: [R·N, k] every token's selections (the counts' columns); kept only when ``ctx.record_routing``
                 ([B·N, k] of image rows shared by the task rows are recorded per task row, [R·N, k]).
         """
-        rows = ctx.task_ids.numel()
-        tokens = ctx.per_task_sum(torch.full((rows,), float(tokens_per_row), device=counts.device))
+        tokens = ctx.rows_per_task() * tokens_per_row
         recorded = None
         if experts is not None and ctx.record_routing:
             recorded = experts.detach()

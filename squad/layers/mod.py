@@ -12,6 +12,7 @@ Only the k tokens are gathered and processed; the output is one copy of the inpu
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -22,6 +23,15 @@ from squad.layers.base import RoutedLayer
 from squad.layers.block import Block
 from squad.layers.context import ForwardContext
 from squad.layers.routing import TaskLinear
+
+
+@functools.lru_cache(maxsize=8)
+def _first_token_bias(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[N] with +inf at token 0 and 0 elsewhere (cached: a constant of the sequence length; compiled code calls
+    ``_first_token_bias.__wrapped__``, as dynamo warns that a traced cache could go stale)."""
+    with torch.inference_mode(False):
+        return torch.zeros(n, dtype=dtype, device=device).index_fill_(0, torch.zeros(1, dtype=torch.long,
+                                                                                     device=device), float("inf"))
 
 
 class MoDBlock(RoutedLayer):
@@ -64,9 +74,9 @@ class MoDBlock(RoutedLayer):
     def forward(self, x: torch.Tensor, ctx: ForwardContext, key_mask: torch.Tensor | None = None) -> torch.Tensor:
         r, n, d = x.shape
         select, logits = self._scores(x, ctx)
-        if self.keep_cls:
-            select = select.clone()
-            select[:, 0] = float("inf")
+        if self.keep_cls:  # the class token always first: +inf on its score (one add of a cached row)
+            bias = _first_token_bias.__wrapped__ if torch.compiler.is_compiling() else _first_token_bias
+            select = select + bias(n, select.dtype, select.device)
         threshold = logits is not None and not self.training and self.cfg.inference == "threshold"
         if threshold:
             keep = logits > 0
@@ -86,7 +96,7 @@ class MoDBlock(RoutedLayer):
         y_sel = self.block(x_sel, ctx, key_mask=valid)
         if logits is not None:
             r_sel = logits.gather(1, idx).unsqueeze(-1).to(x.dtype)  # [R, k, 1]
-            y_sel = x_sel + r_sel * (y_sel - x_sel)  # only the block's added term is scaled
+            y_sel = torch.lerp(x_sel, y_sel, r_sel)  # x + r · (y - x): only the block's added term is scaled
         if valid is not None:
             y_sel = torch.where(valid.unsqueeze(-1), y_sel, x_sel)
         out = x.scatter(1, gather_idx, y_sel)  # one copy of x: the input is never written (hooks may hold it)

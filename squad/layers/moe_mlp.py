@@ -14,12 +14,11 @@ import math
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from squad.config.model import MoEConfig
 from squad.layers.base import ExpertLayer, select_rows
 from squad.layers.context import ForwardContext
-from squad.layers.experts import dispatch_matmul, matmul_combine, plan_dispatch
+from squad.layers.experts import expert_mlp, plan_dispatch
 from squad.layers.parallel import SINGLE, routed
 from squad.layers.routing import Routing, TaskRouter
 
@@ -65,13 +64,20 @@ class ExpertMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, gates: torch.Tensor, experts: torch.Tensor, noop: bool = True) -> torch.Tensor:
         """x [M, D], gates/experts [M, k] → [M, D] = Σ_slots gate · expert(x); ``noop=False`` promises that no slot
-        names a no-op expert (the sync-free path then skips masking their rows)."""
+        names a no-op expert.
+
+        Three separable steps, the seam expert parallelism cuts at: the plan (`plan_dispatch`: the (token, slot)
+        pairs grouped by expert, ``plan.counts`` rows per expert), the experts on grouped rows, and the combine (each
+        token's k outputs, gated and summed). `expert_mlp` runs them fused on one device (the gather inside the first
+        grouped GEMM, the gate and the way back to (token, slot) order inside the second). With the experts sharded
+        over ``self.ep`` the same steps run apart (`squad.layers.parallel.routed.expert_mlp`): the rows go to their
+        experts' ranks by the plan's counts, the local experts run `expert_mlp` on what arrived, the outputs come
+        back and are combined here."""
         if self.ep.size > 1:  # float32 master shards, used in the tokens' dtype
             w = [None if t is None else t.to(x.dtype) for t in (self.w1, self.b1, self.w2, self.b2)]
             return routed.expert_mlp(x, gates, experts, *w, self.ep, noop)
         plan = plan_dispatch(experts, self.num_experts, host_sizes=False, noop=noop)
-        h = F.gelu(dispatch_matmul(x, self.w1, plan, self.b1))  # [M·k, H], rows grouped by expert
-        return matmul_combine(h, self.w2, gates, plan, self.b2)  # [M, D]
+        return expert_mlp(x, self.w1, self.b1, self.w2, self.b2, gates, plan)  # [M, D]
 
 
 def apply_capacity(routing: Routing, num_experts: int, capacity_factor: float) -> Routing:

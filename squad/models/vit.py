@@ -299,9 +299,12 @@ class SquadViT(nn.Module):
         for i, block in enumerate(self.blocks):
             if i == fan_out and ctx.shared_rows is not None:
                 x = self._fan_out(x, ctx)
-            if emb is not None and self.cfg.task_embed == "every_block":
-                x = x + emb[:, None, :]
             is_mone = isinstance(block, MoNEBlock)
+            if emb is not None and self.cfg.task_embed == "every_block":
+                if is_mone:  # MoNE blocks add it themselves, fused into their kernels where those run
+                    ctx.pending_embed = emb
+                else:
+                    x = x + emb[:, None, :]
             if ctx.mone is not None and is_mone and routed is None:
                 x = ctx.mone.permute(x)
             elif routed is not None and not is_mone:

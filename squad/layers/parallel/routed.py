@@ -7,14 +7,15 @@ rows to the ranks that hold their experts, runs its E/P local experts as grouped
 gates exactly as the single-process layer does. Outputs and gradients equal the single-process layer's
 (tests/test_expert_parallel.py, float64 on 2 and 4 gloo ranks).
 
-The local expert computation uses the ops of `squad.layers.experts` unchanged (CPU algorithm or the CUDA path, as the
-plan says); the one host read of a layer is the count exchange (`ExpertExchange`).
+The local experts run the ops of `squad.layers.experts` unchanged on the received rows — `expert_mlp`,
+`dispatch_matmul`, `matmul_combine` with (token, slot) order = received order, k = 1, unit gates — so the CUDA path's
+grouped-GEMM kernels serve them as they serve a single-process layer; the one host read of a layer is the count
+exchange (`ExpertExchange`).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from squad.layers.experts import (
     Dispatch,
@@ -25,6 +26,9 @@ from squad.layers.experts import (
     matmul_combine,
     plan_dispatch,
     to_slots,
+)
+from squad.layers.experts import (
+    expert_mlp as local_expert_mlp,
 )
 from squad.layers.parallel.exchange import ExpertExchange
 from squad.layers.parallel.groups import ExpertGroups
@@ -61,9 +65,7 @@ def expert_mlp(x: torch.Tensor, gates: torch.Tensor, experts: torch.Tensor, w1: 
     """
     plan, ex = plan_exchange(experts, w1.shape[0] * ep.size, ep, noop)
     rows = ex.to_experts(dispatch_tokens(x, plan))  # [A', D] received, source-major
-    local = ex.local_plan
-    h = F.gelu(dispatch_matmul(rows, w1, local, b1))  # [A', H] grouped by local expert
-    y = matmul_combine(h, w2, ex.unit_gates(h), local, b2)  # [A', D] back in received order, ungated
+    y = local_expert_mlp(rows, w1, b1, w2, b2, ex.unit_gates(rows), ex.local_plan)  # [A', D] received order, ungated
     return combine(ex.to_tokens(y), gates, plan)  # [M, D]
 
 
@@ -77,8 +79,7 @@ def head_queries(x: torch.Tensor, q: torch.Tensor, plan: Dispatch, ex: ExpertExc
         [M, k, d] the query of every (token, slot), in (token, slot) order.
     """
     rows = ex.to_experts(dispatch_tokens(x, plan))  # [A', D]
-    local = ex.local_plan
-    qr = to_slots(dispatch_matmul(rows, q, local), local).flatten(0, 1)  # [A', d] in received order
+    qr = dispatch_matmul(rows, q, ex.local_plan, slot_order=True)  # [A', d] in received order
     return to_slots(ex.to_tokens(qr), plan)  # [M, k, d]
 
 
@@ -94,6 +95,5 @@ def head_outputs(out: torch.Tensor, o: torch.Tensor, gates: torch.Tensor, plan: 
         [M, D] = Σ_slots gate · out · W_o[e] (no output bias).
     """
     rows = ex.to_experts(from_slots(out, plan))  # [A', d] received, source-major
-    local = ex.local_plan
-    y = matmul_combine(from_slots(rows.unsqueeze(1), local), o, ex.unit_gates(rows), local)  # [A', D]
+    y = matmul_combine(rows, o, ex.unit_gates(rows), ex.local_plan, slot_order=True)  # [A', D] received order
     return combine(ex.to_tokens(y), gates, plan)  # [M, D]

@@ -7,7 +7,8 @@ largest differences of outputs and gradients per case (and what the exchange mov
 
 Cases: odd token counts that differ per rank, an expert no token chooses, every token on the first rank's experts
 (the others receive nothing), no-op experts, capacity drops (the whole MoE MLP with its routers), and the whole MoE
-attention layer.
+attention layer; some again on the CUDA path (`force_cuda_path`: the grouped-GEMM custom ops, which the local experts
+run on a GPU).
 """
 
 from __future__ import annotations
@@ -214,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--local_rank", type=int, default=0)
     args = parser.parse_args(argv)
     from squad.distributed import init_distributed, shutdown
+    from squad.kernels.device import force_cuda_path
     from squad.layers.parallel import expert_groups
 
     rank, world, _ = init_distributed()
@@ -248,6 +250,15 @@ def main(argv: list[str] | None = None) -> int:
             res["case"] += f" P={p}"
             results.append(res)
         results.append(moa_projection_case(ep, odd))
+        with force_cuda_path():  # the CUDA path's grouped-GEMM ops (their PyTorch implementation on the CPU)
+            for name, fn in (("odd_tokens", rand_experts), ("noop_experts", with_noop)):
+                results.append(expert_case(f"{name} cuda_path P={p}", ep, odd, fn))
+            res = moe_layer_case(ep, 0.75, 2)
+            res["case"] += f" cuda_path P={p}"
+            results.append(res)
+            res = moa_projection_case(ep, odd)
+            res["case"] += " cuda_path"
+            results.append(res)
         res = moa_layer_case(ep)
         res["case"] += f" P={p}"
         results.append(res)

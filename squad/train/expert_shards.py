@@ -106,7 +106,7 @@ class _GlobalNorm:
         else:
             def clip_fp32(*_args, **_kwargs):
                 grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
-                dense = sum(float(g.detach().float().pow(2).sum()) for g in grads)
+                dense = float(torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum()) if grads else 0.0
                 self.total = math.sqrt(dense + self.expert_sq)
                 coef = self.coefficient()
                 if coef < 1.0:
@@ -162,7 +162,7 @@ class ExpertShards:
         if not self._boundary:
             return
         self._lr = self.engine.get_lr()[0]  # the rate of this step (the schedule advances inside engine.step)
-        sq = torch.zeros((), dtype=torch.float64)
+        sq = torch.zeros((), dtype=torch.float64, device=self.shards[0].param.device)
         for s in self.shards:
             g = s.param.grad
             if g is None:
@@ -170,11 +170,11 @@ class ExpertShards:
             if s.ep.data_group is not None:
                 dist.all_reduce(g, group=s.ep.data_group)
             g.div_(self.world)
-            sq += g.double().pow(2).sum().cpu() / s.ep.data_size  # every rank adds its copy: counted once overall
+            sq += g.double().pow(2).sum() / s.ep.data_size  # every rank adds its copy: counted once overall
         if self.world > 1:
             dist.all_reduce(sq)
         if self.norm is not None:
-            self.norm.expert_sq = float(sq)
+            self.norm.expert_sq = float(sq)  # one read of the device per step
             self.norm.total = None
 
     @torch.no_grad()

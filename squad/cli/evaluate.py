@@ -25,7 +25,7 @@ import logging
 import sys
 from pathlib import Path
 
-from squad.cli import device_arg, run
+from squad.cli import device_arg, require_paths, run
 from squad.config.tools import EvaluateConfig, defaults, from_namespace
 
 
@@ -116,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _evaluate(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
+    require_paths(args.checkpoint, args.data)  # before anything heavy is imported
     logging.basicConfig(level=logging.INFO, format="[squad] %(message)s")
 
     from squad.eval.evaluate import delta_against, evaluate_run, format_results, load_baseline

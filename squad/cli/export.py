@@ -42,7 +42,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from squad.cli import run
+from squad.cli import require_paths, run
 from squad.cli.evaluate import add_inference_arguments, add_precision_argument
 from squad.config.tools import InferenceOptions, from_namespace
 
@@ -74,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _export(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
+    require_paths(args.checkpoint)  # before anything heavy is imported
 
     import torch
 

@@ -1,80 +1,30 @@
-"""Reading DeepSpeed checkpoints as squad lays them out: the tags, their ``COMPLETE`` marker and ``latest``, and
-every file read with ``weights_only`` (the write side and resuming are `squad.train.checkpoint`'s).
+"""Reading DeepSpeed checkpoint files with ``weights_only``: every file squad reads from a checkpoint tag goes through
+`load_checkpoint_file` (``weights_only=True``, with exactly DeepSpeed's few plain records allowed:
+`deepspeed_safe_globals`), and `check_tag_file` also checks that a tag's model-states file finds every ZeRO shard it
+lists.
 
-DeepSpeed writes a checkpoint's files into ``checkpoints/<tag>/``; only after every rank has finished does rank 0
-write ``<tag>/COMPLETE`` and atomically replace ``checkpoints/latest``. A tag without its marker (a run killed while
-saving) is never loaded.
-
-Every file squad reads from a checkpoint goes through `load_checkpoint_file`: ``weights_only=True``, with exactly
-DeepSpeed's few plain records allowed (`deepspeed_safe_globals`). A file that would need arbitrary unpickling is an
-`UnsafeCheckpointError` (squad never writes one: it was modified or planted), a truncated, missing or unreadable one
-a `DamagedCheckpointError`.
+A file that would need arbitrary unpickling is an `UnsafeCheckpointError` (squad never writes one: it was modified or
+planted), a truncated, missing or unreadable one a `DamagedCheckpointError`. Where the tags live, what marks one
+complete, saving and resuming are `squad.train.checkpointer`'s.
 """
 
 from __future__ import annotations
 
-import json
 import pickle
 import re
 from pathlib import Path
 from typing import Any
 
-import torch
-
-COMPLETE = "COMPLETE"  # marker file of a tag every rank finished saving
 MODEL_STATES = "mp_rank_00_model_states.pt"  # DeepSpeed's file with the module weights and the client state
 MODEL_STATES_ZERO3 = "zero_pp_rank_0_mp_rank_00_model_states.pt"  # its counterpart under ZeRO-3 (no weights in it)
-_ZERO_SHARD = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
-
-
-# ------------------------------------------------------------------------------------------------------- tags
-def tag_for(step: int) -> str:
-    return f"step{step:08d}"
-
-
-def _marked_step(tag_dir: Path) -> int | None:
-    """The step in a tag's ``COMPLETE`` marker; None without a readable marker (the tag is not complete)."""
-    try:
-        return int(json.loads((tag_dir / COMPLETE).read_text())["step"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def complete_tags(ckpt_dir: Path) -> list[str]:
-    """Complete checkpoint tags, oldest first (a tag whose marker is unreadable counts as incomplete)."""
-    if not ckpt_dir.is_dir():
-        return []
-    steps = {p.name: _marked_step(p) for p in ckpt_dir.iterdir() if p.is_dir()}
-    return sorted((t for t, s in steps.items() if s is not None), key=lambda t: steps[t])
-
-
-def find_resume_tag(ckpt_dir: Path) -> str | None:
-    """The tag to resume from: ``latest`` if it is complete, else the newest complete tag, else None."""
-    latest = ckpt_dir / "latest"
-    if latest.is_file():
-        tag = latest.read_text().strip()
-        if tag and _marked_step(ckpt_dir / tag) is not None:
-            return tag
-    tags = complete_tags(ckpt_dir)
-    return tags[-1] if tags else None
-
-
-def resume_candidates(ckpt_dir: Path) -> list[str]:
-    """Complete tags to try, best first: `find_resume_tag`, then the older complete tags, newest first."""
-    first = find_resume_tag(ckpt_dir)
-    if first is None:
-        return []
-    tags = complete_tags(ckpt_dir)
-    step = _marked_step(ckpt_dir / first)
-    older = [t for t in reversed(tags) if t != first and (_marked_step(ckpt_dir / t) or 0) <= (step or 0)]
-    return [first, *older]
+ZERO_SHARD = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")  # one per data-parallel rank
 
 
 # ---------------------------------------------------------------------------------------------- safe reading
 class CheckpointError(ValueError):
     """A checkpoint file squad will not load; ``file`` names it."""
 
-    every_rank = True  # a resume agrees on it across ranks (squad.train.checkpoint): the tools print it once
+    every_rank = True  # a resume agrees on it across ranks (squad.train.checkpointer): the tools print it once
 
     def __init__(self, message: str, file: str | Path):
         super().__init__(message)
@@ -126,6 +76,8 @@ def load_checkpoint_file(file: str | Path, map_location: Any = "cpu", mmap: bool
         UnsafeCheckpointError: only arbitrary unpickling would load it (the file names what it holds).
         DamagedCheckpointError: missing, truncated or otherwise unreadable.
     """
+    import torch
+
     try:
         return torch.load(file, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
@@ -148,8 +100,8 @@ def load_checkpoint_file(file: str | Path, map_location: Any = "cpu", mmap: bool
 
 
 def tag_files(tag_dir: Path) -> list[Path]:
-    """Every file of a checkpoint tag that DeepSpeed may read (all but the ``COMPLETE`` marker), sorted."""
-    return sorted(p for p in tag_dir.iterdir() if p.is_file() and p.name != COMPLETE)
+    """Every file of a checkpoint tag that DeepSpeed may read (its ``.pt`` files), sorted."""
+    return sorted(p for p in Path(tag_dir).iterdir() if p.is_file() and p.suffix == ".pt")
 
 
 def model_states_file(tag_dir: Path) -> Path:
@@ -168,8 +120,8 @@ def check_tag_file(tag_dir: Path, file: Path, names: set[str]) -> None:
         raise DamagedCheckpointError(f"{file}: no module weights in this DeepSpeed checkpoint", file)
     ds = states.get("ds_config") if isinstance(states.get("ds_config"), dict) else {}
     stage = (ds.get("zero_optimization") or {}).get("stage", 0)
-    if stage or any(_ZERO_SHARD.match(n) for n in names):
-        have = {int(m.group(1)) for n in names if (m := _ZERO_SHARD.match(n))}
+    if stage or any(ZERO_SHARD.match(n) for n in names):
+        have = {int(m.group(1)) for n in names if (m := ZERO_SHARD.match(n))}
         missing = [r for r in range(int(states.get("dp_world_size") or 1)) if r not in have]
         if missing:
             name = f"zero_pp_rank_{missing[0]}_mp_rank_00_optim_states.pt"

@@ -74,6 +74,16 @@ def assemble(pieces: list[dict], rows: range, tag_dir: str | Path, name: str):
     return weight, None if moments is None else tuple(moments)
 
 
+def shard_names(tag_dir: str | Path) -> set[str]:
+    """The weights a tag keeps in shard files (single-process names; empty for a run without expert parallelism).
+    The files are mapped, not read: only their index is."""
+    names: set[str] = set()
+    for file in sorted(Path(tag_dir).glob(SHARD_GLOB)):
+        content = load_checkpoint_file(file, mmap=True)
+        names.update(content.get("shards", {}) if isinstance(content, dict) else {})
+    return names
+
+
 def whole_experts(tag_dir: str | Path) -> dict[str, torch.Tensor]:
     """Every sharded expert weight of a tag, whole ([E, ...] float32), by the single-process model's names; {} for
     a tag of a run without expert parallelism."""

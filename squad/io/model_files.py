@@ -19,8 +19,9 @@ extracted single-task model (``<task>_theta<θ>.pt``) — format ``"squad.extrac
     ``exact``, ``mone_capacity``, ``state_dict``, ``report``; the report also sits beside it as ``<name>.json``. Loads
     with `load` or `load_extracted` → `SingleTaskModel`.
 ``<run>/checkpoints/<tag>/`` — DeepSpeed checkpoints
-    DeepSpeed's own files plus squad's ``COMPLETE`` marker, and ``checkpoints/latest`` naming the newest tag (layout
-    in `squad.io.checkpoints`). tools/train.py resumes from them. `load` reads a complete tag's
+    DeepSpeed's own files plus squad's ``COMPLETE`` marker, and ``checkpoints/latest`` naming the newest tag (the
+    layout is `squad.train.checkpointer`'s, which this module asks which tag a path names). tools/train.py resumes
+    from them. `load` reads a complete tag's
     ``mp_rank_00_model_states.pt`` (its ``module`` weights, the expert usage and the loop counters) and takes the
     model config from the run's ``config.yaml``; ``checkpoints/`` itself means its latest complete tag.
 Other files of a run folder
@@ -40,15 +41,7 @@ import torch
 from squad.config.base import ConfigError, to_dict
 from squad.config.loading import load_config
 from squad.config.run import RunConfig
-from squad.io.checkpoints import (
-    COMPLETE,
-    MODEL_STATES,
-    MODEL_STATES_ZERO3,
-    find_resume_tag,
-    load_checkpoint_file,
-    model_states_file,
-    refusal_reason,
-)
+from squad.io.checkpoints import MODEL_STATES, load_checkpoint_file, model_states_file, refusal_reason
 from squad.io.expert_files import whole_experts
 from squad.io.files import atomic_torch_save
 from squad.io.zero3 import fp32_state_dict, is_zero3_tag
@@ -102,11 +95,11 @@ def load(path: str | Path) -> SquadViT | SingleTaskModel:
     path = Path(path)
     tag = _checkpoint_tag(path)
     if tag is not None:
-        return _load_checkpoint(tag)
+        return _load_checkpoint(tag).eval()
     payload = read_payload(path)
     if payload["format"] == EXTRACTED_FORMAT:
-        return _extracted_from_payload(payload)
-    return _full_from_payload(payload)
+        return _extracted_from_payload(payload).eval()
+    return _full_from_payload(payload).eval()
 
 
 def load_model(path: str | Path) -> SquadViT:
@@ -141,7 +134,7 @@ def load_extracted(path: str | Path) -> SingleTaskModel:
     if payload["format"] != EXTRACTED_FORMAT:
         raise ValueError(f"{payload['path']} is a full multi-task model file, not an extracted one; load it with "
                          f"squad.load, or extract a task with tools/extract.py")
-    return _extracted_from_payload(payload)
+    return _extracted_from_payload(payload).eval()
 
 
 def read_payload(path: str | Path) -> dict:
@@ -166,6 +159,10 @@ def read_payload(path: str | Path) -> dict:
         path = path / "model.pt"
     if not path.is_file():
         raise FileNotFoundError(f"model file not found: {path}")
+    if _is_export(path):
+        raise ValueError(f"{path} is a torch.export program (tools/export.py), not a squad model file: load it with "
+                         f"torch.export.load(path).module(), which needs no squad (README: Export a model); "
+                         f"squad.load opens model.pt, extracted models and checkpoints")
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unpickling problem means: not one of our files
@@ -177,6 +174,20 @@ def read_payload(path: str | Path) -> dict:
                          f"tools/train.py or {EXTRACTED_FORMAT!r} from tools/extract.py)")
     payload["path"] = str(path)
     return payload
+
+
+def _is_export(path: Path) -> bool:
+    """Whether ``path`` is a ``torch.export.save`` archive (a zip whose ``archive_format`` entry says ``pt2``)."""
+    import zipfile
+
+    if not zipfile.is_zipfile(path):
+        return False
+    try:
+        with zipfile.ZipFile(path) as z:
+            marks = [n for n in z.namelist() if n.rsplit("/", 1)[-1] == "archive_format"]
+            return any(z.read(n).strip() == b"pt2" for n in marks)
+    except (OSError, zipfile.BadZipFile):
+        return False
 
 
 def _model_config(payload: dict, source: str):
@@ -230,24 +241,18 @@ def _extracted_from_payload(payload: dict) -> SingleTaskModel:
 def _checkpoint_tag(path: Path) -> Path | None:
     """The checkpoint tag folder ``path`` names (a tag, its model-states file, or a ``checkpoints/`` folder), else
     None (a run folder or a squad file)."""
-    if path.is_file():
-        return path.parent if path.name in (MODEL_STATES, MODEL_STATES_ZERO3) else None
-    if not path.is_dir() or (path / "model.pt").is_file():
+    from squad.train.checkpointer import checkpoint_tag  # the layout's owner (io may ask it: pyproject.toml)
+
+    if path.is_dir() and (path / "model.pt").is_file():
         return None
-    if (path / COMPLETE).is_file() or model_states_file(path).is_file():
-        return path
-    if (path / "latest").is_file() or any((p / COMPLETE).is_file() for p in path.iterdir() if p.is_dir()):
-        tag = find_resume_tag(path)
-        if tag is None:
-            raise FileNotFoundError(f"{path}: no complete checkpoint (tags without a {COMPLETE} marker were "
-                                    f"interrupted while saving and are never loaded)")
-        return path / tag
-    return None
+    return checkpoint_tag(path)
 
 
 def _load_checkpoint(tag: Path) -> SquadViT:
     """The `SquadViT` of a complete DeepSpeed checkpoint tag, configured by its run's ``config.yaml``."""
-    if not (tag / COMPLETE).is_file():
+    from squad.train.checkpointer import COMPLETE, marked_step
+
+    if marked_step(tag) is None:
         raise ValueError(f"{tag}: incomplete checkpoint (no {COMPLETE} marker: the save was interrupted); load an "
                          f"earlier tag, or {tag.parent} for the latest complete one")
     file = model_states_file(tag)

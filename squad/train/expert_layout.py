@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -25,6 +26,7 @@ import torch
 from squad.io.checkpoints import MODEL_STATES, load_checkpoint_file
 from squad.io.expert_files import SHARD_FILE, SHARD_FORMAT, SHARD_GLOB, assemble, read_pieces
 from squad.io.files import atomic_torch_save
+from squad.train.checkpointer import Conversion, Topology
 from squad.train.optim import group_key, group_name
 
 
@@ -36,11 +38,6 @@ class ParamInfo:
     name: str
     dim: int
     experts: int = 0
-
-
-def saved_shard_names(tag_dir: str | Path) -> set[str]:
-    """The weights a tag keeps in shard files (model-relative names); empty for a run without expert parallelism."""
-    return set(read_pieces(tag_dir)) if any(Path(tag_dir).glob(SHARD_GLOB)) else set()
 
 
 def _groups(params: list[ParamInfo], outside: set[str]) -> list[tuple[str, list[str]]]:
@@ -60,7 +57,7 @@ def convert(tag_dir: str | Path, out_dir: str | Path, params: list[ParamInfo], s
         tag_dir: the tag to convert.
         out_dir: the converted tag's folder (created).
         params: every trainable parameter of the whole objective, in its order.
-        saved: the model-relative names the tag keeps in shard files (`saved_shard_names`).
+        saved: the model-relative names the tag keeps in shard files (`squad.io.expert_files.shard_names`).
         now: the model-relative names the resuming run keeps as shards.
         prefix: the model's name inside the engine's module.
 
@@ -150,3 +147,33 @@ def whole_params(objective_factory) -> list[ParamInfo]:
         objective = objective_factory()
     return [ParamInfo(n, p.dim(), p.shape[0] if p.dim() else 0) for n, p in objective.named_parameters()
             if p.requires_grad]
+
+
+class ExpertLayout(Conversion):
+    """The checkpointer's conversion for a run whose set of sharded expert weights differs from the tag's (a layer's
+    expert_parallel crossed 1): `convert` above, into ``.convert/<tag>``.
+
+    Args:
+        now: the expert weights this run keeps as shards (single-process names).
+        params: builds the whole objective's `ParamInfo` list (called only when a tag is converted).
+    """
+
+    name = "expert layout"
+
+    def __init__(self, now: set[str], params: Callable[[], list[ParamInfo]]):
+        self.now = set(now)
+        self.params = params
+
+    def needed(self, saved: Topology, now: Topology) -> bool:
+        return set(saved.expert_shards) != self.now
+
+    def convert(self, tag_dir: Path, out_dir: Path) -> None:
+        saved = Topology.of_tag(tag_dir)
+        if saved is not None and saved.partitioned:
+            raise ValueError(f"{tag_dir} was written with a partitioned optimizer (ZeRO {saved.zero_stage} or bf16) "
+                             f"and other expert-parallel layers ({sorted(saved.expert_shards) or 'none'} in shard "
+                             f"files, this run: {sorted(self.now) or 'none'}): moving experts across "
+                             f"expert_parallel = 1 needs the optimizer state whole (ZeRO stage 0 in fp32). Resume with "
+                             f"the saved "
+                             f"layout, or any expert_parallel > 1 for the layers that had one")
+        convert(tag_dir, out_dir, self.params(), set(saved.expert_shards) if saved else set(), self.now)

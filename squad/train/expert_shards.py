@@ -37,7 +37,7 @@ import torch.distributed as dist
 from squad.config.base import ConfigError
 from squad.config.model import ModelConfig
 from squad.config.run import OptimConfig
-from squad.io.expert_files import SHARD_FILE, SHARD_FORMAT, assemble, read_pieces
+from squad.io.expert_files import SHARD_FILE, SHARD_FORMAT, SHARD_GLOB, assemble, read_pieces
 from squad.layers.parallel import ShardedParameter
 from squad.train.optim import named_param_groups
 
@@ -218,13 +218,21 @@ class ExpertShards:
             write(state, str(Path(tag_dir) / SHARD_FILE.format(rank)))
 
     @torch.no_grad()
-    def load(self, tag_dir: str | Path, optimizer: bool = True) -> None:
+    def load(self, tag_dir: str | Path, saved: str | Path | None = None, optimizer: bool = True) -> None:
         """Loads every shard's rows (and Adam moments) from the tag's shard files, whatever expert-parallel size and
         number of ranks wrote them.
+
+        Args:
+            tag_dir: the tag DeepSpeed loaded (a converted copy when the checkpointer converted it).
+            saved: the tag as written: its shard files serve when ``tag_dir`` has none (a conversion of DeepSpeed's
+                files only, such as the universal checkpoint).
+            optimizer: load the Adam moments too.
 
         Raises:
             DamagedCheckpointError: a shard's experts are not all in the files (naming the weight and experts).
         """
+        if saved is not None and not any(Path(tag_dir).glob(SHARD_GLOB)):
+            tag_dir = saved
         pieces = read_pieces(tag_dir)
         for s in self.shards:
             rows = s.ep.local_range(s.num_experts)

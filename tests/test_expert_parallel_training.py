@@ -3,12 +3,14 @@
 One module fixture launches the runs once (each test reads them):
 
 - ``ref``: expert_parallel 1, ZeRO 0, 2 ranks, 20 steps, a checkpoint at step 10 — the uninterrupted run;
-- ``ep2``: expert_parallel 2 (MoE MLP and MoE attention), otherwise the same;
-- ``ep2_to_1`` / ``ep1_to_2``: ``ep2`` resumed at step 10 with expert_parallel 1, ``ref`` resumed with 2 (the tag is
-  converted: the experts move between DeepSpeed's files and squad's shard files);
+- ``ep2``: expert_parallel 2 (MoE MLP and MoE attention) at ZeRO-1, otherwise the same;
+- ``ep2_to_1`` / ``ep1_to_2``: ``ep2`` resumed at step 10 with expert_parallel 1 (ZeRO-1: the tag becomes a universal
+  checkpoint the experts join), ``ref`` resumed with 2 (ZeRO 0: the experts leave DeepSpeed's model states and
+  optimizer for shard files);
 - ``z3``: expert_parallel 2 at ZeRO-3, stopped at step 10 (``train.stop_at``) and resumed by the same command;
-- ``ep4``: ``ep2``'s step 10 on 4 ranks with expert_parallel 4 (experts re-sharded, another data-parallel size), with
-  ``optim.steps=10``: nothing is trained, the loaded weights are exported.
+- ``ep4``: ``ep2``'s step 10 on 4 ranks with expert_parallel 4 (experts re-sharded, another data-parallel size: a
+  universal checkpoint for DeepSpeed's ZeRO-1 state), with ``optim.steps=10``: nothing is trained, the loaded weights
+  are exported.
 
 Every run of the same data reaches the reference's losses and weights to float32 tolerance.
 """
@@ -53,13 +55,15 @@ def runs(tmp_path_factory, tiny_data) -> dict[str, Path]:
     base = tmp_path_factory.mktemp("ep_runs")
     out = {name: base / name for name in ("ref", "ep2", "ep2_to_1", "ep1_to_2", "z3", "ep4")}
     _train(_config(base / "ref.yaml", tiny_data, 1), out["ref"])
-    _train(_config(base / "ep2.yaml", tiny_data, 2), out["ep2"])
-    _train(base / "ref.yaml", out["ep2_to_1"], 2, "--resume", str(out["ep2"] / "checkpoints" / "step00000010"))
-    _train(base / "ep2.yaml", out["ep1_to_2"], 2, "--resume", str(out["ref"] / "checkpoints" / "step00000010"))
+    _train(_config(base / "ep2.yaml", tiny_data, 2, zero=1), out["ep2"])
+    _train(_config(base / "ep1z1.yaml", tiny_data, 1, zero=1), out["ep2_to_1"], 2, "--resume",
+           str(out["ep2"] / "checkpoints" / "step00000010"))
+    _train(_config(base / "ep2z0.yaml", tiny_data, 2), out["ep1_to_2"], 2, "--resume",
+           str(out["ref"] / "checkpoints" / "step00000010"))
     z3 = _config(base / "z3.yaml", tiny_data, 2, zero=3, stop_at=10)
     _train(z3, out["z3"])
     _train(z3, out["z3"])  # resumes from its step-10 checkpoint
-    _train(_config(base / "ep4.yaml", tiny_data, 4), out["ep4"], 4, "--resume",
+    _train(_config(base / "ep4.yaml", tiny_data, 4, zero=1), out["ep4"], 4, "--resume",
            str(out["ep2"] / "checkpoints" / "step00000010"), "--allow-world-size-change", "--set", "optim.steps=10")
     return out
 

@@ -9,9 +9,9 @@ needs the tag rewritten (`convert`): its experts' weights and Adam moments move 
 DeepSpeed's optimizer state is re-indexed for the parameters the resuming run gives it. The parameter order of both
 layouts is the order of the whole (unsharded) objective's parameters, grouped as `squad.train.optim` groups them.
 
-This rewrite reads DeepSpeed's optimizer state whole, as ZeRO stage 0 keeps it (in the model-states file); a tag of
-a partitioned optimizer (ZeRO 1/2, bf16) is refused here (its state is DeepSpeed's flat partitions: a universal
-checkpoint first).
+At ZeRO stage 0 the optimizer state is whole in the model-states file and is re-indexed there (`convert`); a tag of
+a partitioned optimizer (ZeRO 1/2/3, bf16) becomes DeepSpeed's universal checkpoint first, whose per-parameter
+folders the experts join or leave (`convert_universal`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 from squad.io.checkpoints import MODEL_STATES, load_checkpoint_file
 from squad.io.expert_files import SHARD_FILE, SHARD_FORMAT, SHARD_GLOB, assemble, read_pieces
 from squad.io.files import atomic_torch_save
-from squad.train.checkpointer import Conversion, Topology
+from squad.train.checkpointer import Conversion, Topology, Universal
 from squad.train.optim import group_key, group_name
 
 
@@ -130,6 +130,11 @@ def convert(tag_dir: str | Path, out_dir: str | Path, params: list[ParamInfo], s
                           "the converted expert shards")
 
 
+def _whole_module(states: dict) -> bool:
+    """Whether a model-states file holds the module's weights (ZeRO-3's hold empty partitions)."""
+    return any(t.numel() for t in states["module"].values() if torch.is_tensor(t) and t.is_floating_point())
+
+
 def _module_dtype(module: dict) -> torch.dtype:
     return next((t.dtype for t in module.values() if t.is_floating_point()), torch.float32)
 
@@ -149,9 +154,67 @@ def whole_params(objective_factory) -> list[ParamInfo]:
             if p.requires_grad]
 
 
+def convert_universal(tag_dir: Path, out_dir: Path, params: list[ParamInfo], saved: set[str], now: set[str],
+                      prefix: str = "model.") -> None:
+    """`convert` for a tag of a partitioned optimizer (ZeRO 1/2/3, bf16): DeepSpeed's universal checkpoint first
+    (`squad.train.checkpointer.Universal`: every parameter's fp32 weights and Adam moments whole, in
+    ``zero/<name>/{fp32,exp_avg,exp_avg_sq,step}.pt``), then the experts moved between its folders and shard files,
+    and its optimizer groups (``zero/optimizer_state.pt``, which DeepSpeed pairs with the run's groups by position)
+    made those of the resuming run. The converted tag loads with ``checkpoint.load_universal`` on any number of
+    ranks."""
+    Universal().convert(tag_dir, out_dir)
+    zero = out_dir / "zero"
+    info = {p.name: p for p in params}
+    pieces = read_pieces(tag_dir)
+    shards: dict[str, dict] = {}
+    for name in sorted(saved | now):
+        folder = zero / (prefix + name)
+        if name in saved:  # whole from the shard files
+            weight, moments = assemble(pieces.get(name, []), range(info[prefix + name].experts), tag_dir, name)
+        else:  # whole from the universal folder
+            parts = {k: load_checkpoint_file(folder / f"{k}.pt") for k in ("fp32", "exp_avg", "exp_avg_sq", "step")
+                     if (folder / f"{k}.pt").is_file()}
+            weight = parts["fp32"]["param"]
+            moments = (parts["exp_avg"]["param"], parts["exp_avg_sq"]["param"], float(parts.get("step", 0))) \
+                if "exp_avg" in parts else None
+            shutil.rmtree(folder)
+        if name in now:
+            shards[name] = {"first": 0, "num_experts": weight.shape[0], "weight": weight.float(),
+                            "exp_avg": moments[0] if moments else None, "exp_avg_sq": moments[1] if moments else None,
+                            "step": moments[2] if moments else 0.0}
+            continue
+        folder.mkdir(parents=True, exist_ok=True)  # into DeepSpeed: a universal parameter folder
+        torch.save({"cat_dim": 0, "param": weight.float()}, folder / "fp32.pt")
+        if moments is not None:
+            torch.save({"cat_dim": 0, "param": moments[0]}, folder / "exp_avg.pt")
+            torch.save({"cat_dim": 0, "param": moments[1]}, folder / "exp_avg_sq.pt")
+            torch.save(torch.tensor(moments[2]), folder / "step.pt")
+    for file in out_dir.glob("*model_states.pt"):  # DeepSpeed loads the module strictly: the same weights as the run
+        states = load_checkpoint_file(file)
+        module = {k: v for k, v in states["module"].items() if k.removeprefix(prefix) not in now}
+        for name in saved - now:
+            module[prefix + name] = torch.zeros(0) if not _whole_module(states) else \
+                assemble(pieces[name], range(info[prefix + name].experts), tag_dir, name)[0].to(_module_dtype(module))
+        atomic_torch_save({**states, "module": module}, file, "the converted model states")
+    optim = load_checkpoint_file(zero / "optimizer_state.pt")
+    old_names = [g["name"] for g in optim["param_groups"]]
+    pick = [old_names.index(n) if n in old_names else old_names.index(_sibling(optim["param_groups"], n)["name"])
+            for n, _ in _groups(params, {prefix + n for n in now})]
+    for key, value in list(optim.items()):  # per-group lists (param_groups, paddings, partition counts)
+        if isinstance(value, list) and len(value) == len(old_names):
+            optim[key] = [dict(value[i]) if isinstance(value[i], dict) else value[i] for i in pick]
+    for group, (gname, _) in zip(optim["param_groups"], _groups(params, {prefix + n for n in now}), strict=True):
+        group["name"] = gname
+    torch.save(optim, zero / "optimizer_state.pt")
+    if shards:
+        atomic_torch_save({"format": SHARD_FORMAT, "shards": shards}, out_dir / SHARD_FILE.format(0),
+                          "the converted expert shards")
+
+
 class ExpertLayout(Conversion):
     """The checkpointer's conversion for a run whose set of sharded expert weights differs from the tag's (a layer's
-    expert_parallel crossed 1): `convert` above, into ``.convert/<tag>``.
+    expert_parallel crossed 1): `convert` (ZeRO stage 0) or `convert_universal` (a partitioned optimizer), into
+    ``.convert/<tag>``.
 
     Args:
         now: the expert weights this run keeps as shards (single-process names).
@@ -163,17 +226,23 @@ class ExpertLayout(Conversion):
     def __init__(self, now: set[str], params: Callable[[], list[ParamInfo]]):
         self.now = set(now)
         self.params = params
+        self.partitioned = False  # of the tag `needed` last said yes to
 
     def needed(self, saved: Topology, now: Topology) -> bool:
+        self.partitioned = saved.partitioned
         return set(saved.expert_shards) != self.now
+
+    def ds_config(self) -> dict:
+        return Universal().ds_config() if self.partitioned else {}
 
     def convert(self, tag_dir: Path, out_dir: Path) -> None:
         saved = Topology.of_tag(tag_dir)
+        old = set(saved.expert_shards) if saved is not None else set()
         if saved is not None and saved.partitioned:
-            raise ValueError(f"{tag_dir} was written with a partitioned optimizer (ZeRO {saved.zero_stage} or bf16) "
-                             f"and other expert-parallel layers ({sorted(saved.expert_shards) or 'none'} in shard "
-                             f"files, this run: {sorted(self.now) or 'none'}): moving experts across "
-                             f"expert_parallel = 1 needs the optimizer state whole (ZeRO stage 0 in fp32). Resume with "
-                             f"the saved "
-                             f"layout, or any expert_parallel > 1 for the layers that had one")
-        convert(tag_dir, out_dir, self.params(), set(saved.expert_shards) if saved else set(), self.now)
+            convert_universal(tag_dir, out_dir, self.params(), old, self.now)
+        else:
+            convert(tag_dir, out_dir, self.params(), old, self.now)
+
+    def after_load(self, engine, tag_dir: Path) -> None:
+        if self.partitioned:
+            Universal().after_load(engine, tag_dir)

@@ -117,17 +117,26 @@ def convert(tag_dir: str | Path, out_dir: str | Path, params: list[ParamInfo], s
         if f.is_file() and f.name != MODEL_STATES and not f.match(SHARD_GLOB):
             shutil.copy2(f, out_dir / f.name)
     states = {**states, "module": module, "optimizer": {"state": state, "param_groups": groups}}
-    sched = states.get("lr_scheduler")
-    if isinstance(sched, dict):  # per-group lists (base_lrs, _last_lr) follow the new groups
-        old_names = [g["name"] for g in opt["param_groups"]]
-        pick = [old_names.index(n) if n in old_names else old_names.index(_sibling(opt["param_groups"], n)["name"])
-                for n, _ in new_groups]
-        states["lr_scheduler"] = {k: [v[i] for i in pick] if isinstance(v, list) and len(v) == len(old_names) else v
-                                  for k, v in sched.items()}
+    _regroup_schedule(states, opt["param_groups"], [n for n, _ in new_groups])
     atomic_torch_save(states, out_dir / MODEL_STATES, "the converted model states")
     if shards:
         atomic_torch_save({"format": SHARD_FORMAT, "shards": shards}, out_dir / SHARD_FILE.format(0),
                           "the converted expert shards")
+
+
+def _regroup(values: dict, old_groups: list[dict], new_names: list[str]) -> dict:
+    """``values`` with every per-group list (one entry per group of ``old_groups``) rearranged for the groups
+    ``new_names``: a group the tag lacks takes the entry of a group that decays alike (`_sibling`)."""
+    old = [g["name"] for g in old_groups]
+    pick = [old.index(n) if n in old else old.index(_sibling(old_groups, n)["name"]) for n in new_names]
+    return {k: [dict(v[i]) if isinstance(v[i], dict) else v[i] for i in pick]
+            if isinstance(v, list) and len(v) == len(old) else v for k, v in values.items()}
+
+
+def _regroup_schedule(states: dict, old_groups: list[dict], new_names: list[str]) -> None:
+    """The learning-rate schedule's per-group lists (``base_lrs``, ``_last_lr``) follow the new groups."""
+    if isinstance(states.get("lr_scheduler"), dict):
+        states["lr_scheduler"] = _regroup(states["lr_scheduler"], old_groups, new_names)
 
 
 def _whole_module(states: dict) -> bool:
@@ -189,22 +198,21 @@ def convert_universal(tag_dir: Path, out_dir: Path, params: list[ParamInfo], sav
             torch.save({"cat_dim": 0, "param": moments[0]}, folder / "exp_avg.pt")
             torch.save({"cat_dim": 0, "param": moments[1]}, folder / "exp_avg_sq.pt")
             torch.save(torch.tensor(moments[2]), folder / "step.pt")
+    new_names = [n for n, _ in _groups(params, {prefix + n for n in now})]
+    optim = load_checkpoint_file(zero / "optimizer_state.pt")
+    old_groups = [dict(g) for g in optim["param_groups"]]
     for file in out_dir.glob("*model_states.pt"):  # DeepSpeed loads the module strictly: the same weights as the run
         states = load_checkpoint_file(file)
         module = {k: v for k, v in states["module"].items() if k.removeprefix(prefix) not in now}
         for name in saved - now:
             module[prefix + name] = torch.zeros(0) if not _whole_module(states) else \
                 assemble(pieces[name], range(info[prefix + name].experts), tag_dir, name)[0].to(_module_dtype(module))
-        atomic_torch_save({**states, "module": module}, file, "the converted model states")
-    optim = load_checkpoint_file(zero / "optimizer_state.pt")
-    old_names = [g["name"] for g in optim["param_groups"]]
-    pick = [old_names.index(n) if n in old_names else old_names.index(_sibling(optim["param_groups"], n)["name"])
-            for n, _ in _groups(params, {prefix + n for n in now})]
-    for key, value in list(optim.items()):  # per-group lists (param_groups, paddings, partition counts)
-        if isinstance(value, list) and len(value) == len(old_names):
-            optim[key] = [dict(value[i]) if isinstance(value[i], dict) else value[i] for i in pick]
-    for group, (gname, _) in zip(optim["param_groups"], _groups(params, {prefix + n for n in now}), strict=True):
-        group["name"] = gname
+        states = {**states, "module": module}
+        _regroup_schedule(states, old_groups, new_names)
+        atomic_torch_save(states, file, "the converted model states")
+    optim = _regroup(optim, old_groups, new_names)  # param groups, paddings, partition counts
+    for group, name in zip(optim["param_groups"], new_names, strict=True):
+        group["name"] = name
     torch.save(optim, zero / "optimizer_state.pt")
     if shards:
         atomic_torch_save({"format": SHARD_FORMAT, "shards": shards}, out_dir / SHARD_FILE.format(0),

@@ -106,7 +106,7 @@ def test_train_help_documents_the_flags_and_the_resumable_keys():
     text = " ".join(build_parser().format_help().split())
     assert "--overwrite" in text and "--allow-world-size-change" in text
     for key in rf.RESUMABLE_KEYS:
-        section, name = key.split(".")
+        section, name = key.split(".", 1)  # model.moe.expert_parallel: section model, name moe.expert_parallel
         assert f"{section}." in text and name in text, key
 
 

@@ -96,6 +96,9 @@ class TrainConfig:
 
     seed: int = 0
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: bf16 on GPUs, fp32 on CPUs
+    # ZeRO: 1 partitions the optimizer state over the data-parallel ranks, 2 the gradients too, 3 the parameters too
+    # (gathered per module as the forward and backward reach it). Expert shards (model.moe/moa.expert_parallel) are
+    # squad's own at every stage (squad.train.expert_shards).
     zero_stage: int = 0
     # torch.compile the training step's forward (model and losses; DeepSpeed's engine.compile, inductor): the module
     # keeps its parameters and names, so checkpoints, resume and ZeRO are unchanged. The first steps pay the
@@ -132,8 +135,8 @@ class TrainConfig:
                               f"blocks 0, n, 2n, ...), got {self.checkpoint_every}")
         if self.init is not None and not self.init.strip():
             raise ConfigError(f"{path}.init must be a file path or null, got an empty string")
-        if self.zero_stage not in (0, 1, 2):
-            raise ConfigError(f"{path}.zero_stage must be 0, 1 or 2 (ZeRO-3 is not supported with MoE layers)")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError(f"{path}.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
         for key in ("seed", "tasks_per_image", "log_every", "eval_every", "ckpt_every", "stop_at"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{path}.{key} must be >= 0, got {getattr(self, key)}")

@@ -7,6 +7,8 @@
 - files.py: atomic writes (`atomic_write_text`, `atomic_torch_save`) and the message a failed write gives
   (`write_failure`).
 - weights.py: the weight files other models start from (timm state dicts, dense squad models).
+- expert_files.py: the expert shard files of an expert-parallel run's tags, and its experts put back together.
+- zero3.py: a ZeRO-3 tag's fp32 weights put back together from its ranks' partitions.
 
 `io` reads and writes; building and changing models is `squad.models`'s (`io` asks it to build). The names below
 are imported on first use, so ``squad.io.files`` (atomic text writes) loads without torch.

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 MODEL_STATES = "mp_rank_00_model_states.pt"  # DeepSpeed's file with the module weights and the client state
+MODEL_STATES_ZERO3 = "zero_pp_rank_0_mp_rank_00_model_states.pt"  # its counterpart under ZeRO-3 (no weights in it)
 ZERO_SHARD = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")  # one per data-parallel rank
 
 
@@ -59,13 +60,14 @@ def refusal_reason(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"[:200]
 
 
-def load_checkpoint_file(file: str | Path, map_location: Any = "cpu") -> Any:
+def load_checkpoint_file(file: str | Path, map_location: Any = "cpu", mmap: bool = False) -> Any:
     """``torch.load(weights_only=True)`` of a DeepSpeed checkpoint file; if DeepSpeed stored one of its own records
     beside the weights, once more with exactly those classes allowed (`deepspeed_safe_globals`).
 
     Args:
         file: the file (``mp_rank_00_model_states.pt``, a ZeRO optimizer shard, ...).
         map_location: as for ``torch.load``.
+        mmap: map the file instead of reading it (tensors are read as they are used).
 
     Returns:
         The file's contents.
@@ -77,7 +79,7 @@ def load_checkpoint_file(file: str | Path, map_location: Any = "cpu") -> Any:
     import torch
 
     try:
-        return torch.load(file, map_location=map_location, weights_only=True)
+        return torch.load(file, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         error: BaseException = e
     except Exception as e:  # noqa: BLE001 - a damaged file: say which
@@ -87,7 +89,7 @@ def load_checkpoint_file(file: str | Path, map_location: Any = "cpu") -> Any:
     if allowed:
         try:
             with torch.serialization.safe_globals(allowed):
-                return torch.load(file, map_location=map_location, weights_only=True)
+                return torch.load(file, map_location=map_location, weights_only=True, mmap=mmap)
         except pickle.UnpicklingError as e:
             error = e
         except Exception as e:  # noqa: BLE001
@@ -102,10 +104,17 @@ def tag_files(tag_dir: Path) -> list[Path]:
     return sorted(p for p in Path(tag_dir).iterdir() if p.is_file() and p.suffix == ".pt")
 
 
+def model_states_file(tag_dir: Path) -> Path:
+    """The tag's model-states file: ``mp_rank_00_model_states.pt``, or rank 0's under ZeRO-3 (which has one per rank
+    and no module weights: `squad.io.zero3`)."""
+    tag_dir = Path(tag_dir)
+    return tag_dir / MODEL_STATES_ZERO3 if (tag_dir / MODEL_STATES_ZERO3).is_file() else tag_dir / MODEL_STATES
+
+
 def check_tag_file(tag_dir: Path, file: Path, names: set[str]) -> None:
     """Loads one file of a tag safely; the model-states file must also list every ZeRO shard the tag needs."""
-    states = load_checkpoint_file(file)
-    if file.name != MODEL_STATES:
+    states = load_checkpoint_file(file, mmap=True)
+    if file.name not in (MODEL_STATES, MODEL_STATES_ZERO3):
         return
     if not isinstance(states, dict) or not isinstance(states.get("module"), dict):
         raise DamagedCheckpointError(f"{file}: no module weights in this DeepSpeed checkpoint", file)

@@ -41,8 +41,10 @@ import torch
 from squad.config.base import ConfigError, to_dict
 from squad.config.loading import load_config
 from squad.config.run import RunConfig
-from squad.io.checkpoints import MODEL_STATES, load_checkpoint_file, refusal_reason
+from squad.io.checkpoints import MODEL_STATES, load_checkpoint_file, model_states_file, refusal_reason
+from squad.io.expert_files import whole_experts
 from squad.io.files import atomic_torch_save
+from squad.io.zero3 import fp32_state_dict, is_zero3_tag
 from squad.models.single_task import SingleTaskModel
 from squad.models.surgery import build_on_meta, keep_experts, load_assigned
 from squad.models.usage import ExpertUsage
@@ -66,7 +68,11 @@ def load(path: str | Path) -> SquadViT | SingleTaskModel:
       ``mp_rank_00_model_states.pt``) → a `SquadViT` built from the run's ``config.yaml``; the run's
       ``checkpoints/`` folder means its latest complete tag. Tags without the ``COMPLETE`` marker (a save that was
       interrupted) are refused. Under bf16/fp16 training DeepSpeed saves the module's half-precision weights; they
-      are cast to the model's fp32 (the fp32 master copy lives in optimizer shards, which are not read).
+      are cast to the model's fp32 (the fp32 master copy lives in optimizer shards, which are not read). A ZeRO-3
+      tag's weights are partitioned over its ranks' optimizer files and are put back together in fp32
+      (`squad.io.zero3`). The tag of
+      an expert-parallel run holds its experts in shard files (`squad.io.expert_files`): they are put back
+      together, so the model is the whole single-process one whatever expert-parallel size wrote it.
 
     Returns:
         The model in eval mode, with two attributes beside its weights:
@@ -249,7 +255,7 @@ def _load_checkpoint(tag: Path) -> SquadViT:
     if marked_step(tag) is None:
         raise ValueError(f"{tag}: incomplete checkpoint (no {COMPLETE} marker: the save was interrupted); load an "
                          f"earlier tag, or {tag.parent} for the latest complete one")
-    file = tag / MODEL_STATES
+    file = model_states_file(tag)
     if not file.is_file():
         raise FileNotFoundError(f"{tag}: no {MODEL_STATES} in this checkpoint")
     cfg_file = tag.parent.parent / "config.yaml"
@@ -263,6 +269,8 @@ def _load_checkpoint(tag: Path) -> SquadViT:
     module = states.get("module") if isinstance(states, dict) else None
     if not isinstance(module, dict):
         raise ValueError(f"{file}: no module weights in this DeepSpeed checkpoint")
+    if is_zero3_tag(tag):  # the weights are partitioned over the ranks' optimizer files: put them back together
+        module = fp32_state_dict(tag)
     model = build_on_meta(run_cfg.model)
     own = model.state_dict()
     state = {}
@@ -272,6 +280,7 @@ def _load_checkpoint(tag: Path) -> SquadViT:
             if key in own and value.is_floating_point() and own[key].is_floating_point():
                 value = value.to(own[key].dtype)  # bf16/fp16 training saves half-precision module weights
             state[key] = value
+    state.update(whole_experts(tag))  # an expert-parallel run's experts, from its shard files
     load_assigned(model, state, str(file)).eval()
     loop = states.get("loop") or {}
     log_vars = module.get("weighting.log_vars")  # the objective's learned task weights (uncertainty weighting)
@@ -296,7 +305,8 @@ def _why(error: Exception) -> str:
 
 
 # ------------------------------------------------------------------------------------------------------ saving
-def export_model(path: str | Path, model: SquadViT, usage: ExpertUsage | None, extra: dict | None = None) -> Path:
+def export_model(path: str | Path, model: SquadViT, usage: ExpertUsage | None, extra: dict | None = None,
+                 state: dict | None = None) -> Path:
     """Writes a ``model.pt`` (format ``squad.model/1``): config, tasks, weights, expert usage, ``extra``.
 
     Args:
@@ -304,13 +314,15 @@ def export_model(path: str | Path, model: SquadViT, usage: ExpertUsage | None, e
         model: the model to save (its weights are copied to the CPU).
         usage: expert-usage statistics to save with it, or None.
         extra: plain data (numbers, strings, lists, dicts, tensors) stored under ``extra``.
+        state: the weights to write (default ``model.state_dict()``; an expert-parallel run passes its experts
+            gathered, `squad.layers.parallel.full_state_dict`).
 
     Returns:
         ``path``; the file loads with `load` (or ``torch.load(weights_only=True)``).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    state = {k: v.detach().cpu().contiguous() for k, v in (model.state_dict() if state is None else state).items()}
     payload = {
         "format": MODEL_FORMAT,
         "config": to_dict(model.cfg),

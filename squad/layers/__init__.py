@@ -10,6 +10,8 @@
 - routing:       per-task routers: `TaskLinear` (per-task weight bank) and `TaskRouter` (noisy top-k gate, `Routing`).
 - experts:       grouped expert matmuls and token dispatch/combine (a package: the dispatch plan, the CPU algorithm,
                  the kernel path of grouped GEMMs for CUDA, dense all-head projections, the ops layers call).
+- parallel:      expert parallelism (a package): DeepSpeed's expert(-data)-parallel groups, the token exchange
+                 (all_to_all_single, uneven splits, autograd), the routed layers across a group, expert shards.
 - moe_mlp:       `MoEMlp`, the mixture-of-experts MLP (`ExpertMLP`, no-op experts, capacity dropping).
 - moe_attention: `MoEAttention`, mixture of attention heads (MoA) over one shared key/value head.
 - mod:           `MoDBlock`, Mixture-of-Depths around any block (learned or attention routing).

@@ -15,6 +15,11 @@ token once per selected head and write k rows of width D per token, `squad.layer
 (every head's query by one GEMM, only the selected ones written; one output GEMM over the [M, E·d] operand of the
 gated heads, which is never in memory: `squad.layers.experts.heads` and its ops in `squad.kernels.heads`). On the CPU
 the routed form's CPU algorithm runs.
+
+With ``expert_parallel`` P > 1 a training run shards the heads over P ranks (`squad.layers.parallel`) and the routed
+form runs across them: each token's rows travel to their heads' ranks for the query projection and back, the
+attention runs where the token is, and the head outputs travel again for the output projection (one count exchange
+serves both).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from squad.layers.base import ExpertLayer, select_rows
 from squad.layers.context import ForwardContext
 from squad.layers.experts import dispatch_matmul, matmul_combine, plan_dispatch, takes_kernel_path
 from squad.layers.experts.heads import dense_gated_output, dense_query_kv, head_slots
+from squad.layers.parallel import SINGLE, routed
 from squad.layers.routing import TaskRouter
 
 GPU_MATMUL_FLOPS = 600e12
@@ -93,9 +99,15 @@ class MoEAttention(ExpertLayer):
             give the current counts (fewer after `keep_experts`).
         num_tasks: T routers.
         qkv_bias: bias on the shared key/value projection.
+
+    Attributes:
+        ep: the expert-parallel layout once a training run sharded the heads (`SINGLE` before; ``cfg.expert_parallel``
+            says how many ranks share them): ``q`` and ``o`` then hold this rank's E/P heads.
     """
 
     kind = "moa"
+    expert_params = ("q", "o")  # stacked [E, ...] head weights (what expert parallelism shards)
+    expert_parallel_key = "model.moa.expert_parallel"
 
     def __init__(self, dim: int, cfg: MoAConfig, num_tasks: int, qkv_bias: bool = True):
         super().__init__()
@@ -109,12 +121,17 @@ class MoEAttention(ExpertLayer):
         nn.init.trunc_normal_(self.q, std=0.02)
         nn.init.trunc_normal_(self.o, std=0.02)
         self.want_scores = False  # set by the model when the next block routes on this layer's attention
+        self.expert_parallel = cfg.expert_parallel
+        self.ep = SINGLE
 
     @property
     def num_experts(self) -> int:
-        return self.q.shape[0]
+        return self.q.shape[0] * self.ep.size
 
     def _select_experts(self, index: torch.Tensor) -> None:
+        if self.ep.size > 1:
+            raise ValueError(f"{self.layer_name}: a sharded MoE attention cannot drop heads: load the run as one "
+                             f"single-process model (squad.load) first")
         self.q = select_rows(self.q, index)  # [K, D, d]
         self.o = select_rows(self.o, index)  # [K, d, D]
 
@@ -130,6 +147,8 @@ class MoEAttention(ExpertLayer):
         r, n, d = x.shape
         k, dh = self.top_k, self.head_dim
         routing = self.route(x, ctx)
+        if self.ep.size > 1:
+            return self._forward_parallel(x, ctx, routing, key_mask)
         xs = x.reshape(r * n, d)
         dense = self.projections(r * n, x.device, x.element_size()) == "dense"
         if dense:
@@ -150,6 +169,21 @@ class MoEAttention(ExpertLayer):
             return dense_gated_output(out, self.o, routing.gates, self.proj_bias, slots).view(r, n, d)
         y = matmul_combine(out.view(r * n * k, dh), self.o, routing.gates, plan, slot_order=True)  # [M, D], fresh
         return y.add_(self.proj_bias).view(r, n, d)
+
+    def _forward_parallel(self, x: torch.Tensor, ctx: ForwardContext, routing, key_mask: torch.Tensor | None):
+        """The forward with the heads spread over ``self.ep`` (`squad.layers.parallel.routed`): the same result."""
+        r, n, d = x.shape
+        k, dh = self.top_k, self.head_dim
+        plan, ex = routed.plan_exchange(routing.experts, self.num_experts, self.ep, noop=False)
+        q = routed.head_queries(x.reshape(r * n, d), self.q.to(x.dtype), plan, ex)  # [M, k, d]
+        q = q.view(r, n, k, dh).transpose(1, 2)  # [R, k, N, d]
+        kv = self.kv(x).view(r, n, 2, 1, dh).permute(2, 0, 3, 1, 4)  # [2, R, 1, N, d]
+        out, scores = attend(q, kv[0], kv[1], want_scores=self.want_scores, key_mask=key_mask)  # [R, k, N, d]
+        if self.want_scores:
+            ctx.attn_scores = scores
+        out = out.transpose(1, 2).reshape(r * n, k, dh)  # [M, k, d]
+        y = routed.head_outputs(out, self.o.to(x.dtype), routing.gates, plan, ex)  # [M, D]
+        return (y + self.proj_bias).view(r, n, d)
 
     def macs(self, tokens: int, capacity: float | None = None) -> int:
         """Multiply-accumulates per sequence of ``tokens`` tokens: router, k query heads, the shared key/value

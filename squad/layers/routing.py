@@ -8,7 +8,7 @@ MoNE all plug into the same expert code.
 
 from __future__ import annotations
 
-import dataclasses
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -164,9 +164,11 @@ class TaskLinear(nn.Module):
                 self.register_parameter(name, nn.Parameter(p.index_select(dim, columns).clone(), p.requires_grad))
 
 
-@dataclasses.dataclass
-class Routing:
+class Routing(NamedTuple):
     """A token-choice routing decision for M tokens.
+
+    A named tuple, so that module hooks that look for the tensors of a module's output (DeepSpeed ZeRO-3 gathers a
+    router's weights again for its backward through them) find them.
 
     Attributes:
         gates: [M, k] weight of each selected expert.

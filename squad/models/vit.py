@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -40,9 +41,9 @@ from squad.layers.routing import TaskLinear
 from squad.tasks import Task, canonical_name, get_task
 
 
-@dataclasses.dataclass
-class SquadOutput:
-    """What one forward pass returns.
+class SquadOutput(NamedTuple):
+    """What one forward pass returns (a named tuple: module hooks that look for the tensors of a module's output find
+    them, as DeepSpeed ZeRO-3 does to gather the model's own weights again for its backward).
 
     Attributes:
         preds: task → prediction ([B_t, C, H, W] for dense heads, [B_t, C] logits for class heads).

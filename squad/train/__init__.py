@@ -9,6 +9,10 @@
 - objective.py: `MultiTaskObjective` (fused forward, task losses, auxiliary losses, weighting).
 - losses.py: mutual-information loss (all-reduced with autograd), switch/cv² balance, uncertainty weighting.
 - optim.py: AdamW parameter groups (no decay on norms/biases/embeddings) and the warm-up + cosine schedule.
+- expert_shards.py: `ExpertShards`, the training side of expert parallelism: the shards' gradients (expert-data-
+  parallel sums), their share of the clipping norm, their AdamW, their checkpoint files.
+- expert_layout.py: a tag's experts moved between DeepSpeed's files and shard files when a layer's expert_parallel
+  crosses 1 on resume (the checkpointer's `ExpertLayout` conversion).
 - run_folder.py: the run folder's lock, the config and world-size checks on resume (before torch is imported),
   fresh starts over a run.
 - shm.py: the /dev/shm segments DeepSpeed's CPU communication op leaves, freed.

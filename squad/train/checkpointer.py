@@ -63,14 +63,17 @@ from typing import Any
 
 from squad.io.checkpoints import (
     MODEL_STATES,
+    MODEL_STATES_ZERO3,
     ZERO_SHARD,
     CheckpointError,
     DamagedCheckpointError,
     UnsafeCheckpointError,
     check_tag_file,
     load_checkpoint_file,
+    model_states_file,
     tag_files,
 )
+from squad.io.expert_files import shard_names
 from squad.io.files import atomic_write_text, write_failure
 from squad.train.signals import SignalWatch, signal_name
 from squad.train.stops import EXIT_PREEMPTED, Preempted, TrainingError
@@ -145,10 +148,10 @@ def checkpoint_tag(path: Path) -> Path | None:
     """
     path = Path(path)
     if path.is_file():
-        return path.parent if path.name == MODEL_STATES else None
+        return path.parent if path.name in (MODEL_STATES, MODEL_STATES_ZERO3) else None
     if not path.is_dir():
         return None
-    if (path / COMPLETE).is_file() or (path / MODEL_STATES).is_file():
+    if (path / COMPLETE).is_file() or model_states_file(path).is_file():
         return path
     if (path / LATEST).is_file() or complete_tags(path):
         tag = find_resume_tag(path)
@@ -168,11 +171,15 @@ class Topology:
         zero_stage: DeepSpeed ZeRO stage (0, 1, 2).
         partitioned: the optimizer state is split by rank (ZeRO 1/2, or DeepSpeed's bf16 optimizer): a tag then holds
             one optimizer file per rank.
+        expert_shards: the expert weights (single-process names) kept in squad's shard files instead of DeepSpeed's
+            (layers with expert_parallel > 1: `squad.train.expert_shards`); shard files load at any expert-parallel
+            size, so only a change of this set needs a conversion (`squad.train.expert_layout.ExpertLayout`).
     """
 
     world_size: int
     zero_stage: int = 0
     partitioned: bool = False
+    expert_shards: frozenset[str] = frozenset()
 
     @classmethod
     def of_tag(cls, tag_dir: Path) -> Topology | None:
@@ -180,10 +187,12 @@ class Topology:
         for a tag without either (a checkpoint of another tool)."""
         shards = {int(m.group(1)) for p in Path(tag_dir).iterdir() if (m := ZERO_SHARD.match(p.name))}
         record = read_marker(tag_dir) or {}
+        experts = frozenset(record["expert_shards"]) if isinstance(record.get("expert_shards"), list) else \
+            frozenset(shard_names(tag_dir))
         if shards:
-            return cls(max(shards) + 1, int(record.get("zero_stage", 1)), True)
+            return cls(max(shards) + 1, int(record.get("zero_stage", 1)), True, experts)
         if isinstance(record.get("world_size"), int):
-            return cls(int(record["world_size"]), int(record.get("zero_stage", 0)), False)
+            return cls(int(record["world_size"]), int(record.get("zero_stage", 0)), False, experts)
         return None
 
 
@@ -263,8 +272,9 @@ def verify_tag(tag_dir: str | Path, rank: int = 0, world: int = 1) -> Checkpoint
     except OSError as e:
         files, listing = [], DamagedCheckpointError(f"{tag_dir}: unreadable ({e.strerror or e})", tag_dir)
     else:
-        listing = None if any(f.name == MODEL_STATES for f in files) else DamagedCheckpointError(
-            f"{tag_dir / MODEL_STATES}: missing", tag_dir / MODEL_STATES)
+        states = model_states_file(tag_dir)
+        listing = None if any(f.name == states.name for f in files) else DamagedCheckpointError(
+            f"{states}: missing", states)
     names = {f.name for f in files}
     found: tuple[int, str, str, str] | None = None  # (file index, kind, message, file)
     if listing is not None:
@@ -374,7 +384,7 @@ class Universal(Conversion):
         come from the module weights of the tag."""
         import torch
 
-        states = load_checkpoint_file(tag_dir / MODEL_STATES)["module"]
+        states = load_checkpoint_file(model_states_file(tag_dir))["module"]  # ZeRO-3: buffers only hold data
         trained = {n for n, p in engine.module.named_parameters() if p.requires_grad}
         rest = {n: t for n, t in states.items() if n not in trained}
         if rest:
@@ -477,6 +487,26 @@ class Checkpointer:
         self.guard: EngineGuard | None = None
         self.last_saved: int | None = None  # the step of the newest checkpoint of this run
         self._saving: Path | None = None
+        self.conversions: list[Conversion] = list(CONVERSIONS)
+        self._savers: list[Callable[[Path, Callable], None]] = []
+        self._loaders: list[Callable[[Path, Path], None]] = []
+
+    def expert_shards(self, names: set[str], conversion: Conversion) -> None:
+        """This run keeps the expert weights ``names`` in squad's shard files; ``conversion`` moves a tag's experts
+        between DeepSpeed's files and shard files when the saved set differs (tried first). Call before
+        `plan_resume`."""
+        self.topology = dataclasses.replace(self.topology, expert_shards=frozenset(names))
+        self.conversions.insert(0, conversion)
+
+    def also_save(self, save: Callable[[Path, Callable], None]) -> None:
+        """``save(tag_dir, write)`` writes more of this rank's state into each tag, after DeepSpeed's files (every
+        rank calls it; ``write(obj, path)`` is the engine's guarded writer, so a failure reaches every rank)."""
+        self._savers.append(save)
+
+    def also_load(self, load: Callable[[Path, Path], None]) -> None:
+        """``load(loaded, saved)`` reads that state back after DeepSpeed loaded the tag: ``loaded`` is the tag folder
+        DeepSpeed read (the converted one when converted), ``saved`` the tag as it was written."""
+        self._loaders.append(load)
 
     # ---------------------------------------------------------------------------------------------- resume
     def plan_resume(self, source: ResumeSource | None) -> LoadPlan | None:
@@ -490,7 +520,8 @@ class Checkpointer:
         warn = log.warning if self.rank == 0 else None
         tag = select_tag(source.ckpt_dir, source.tags, self.rank, self.world, warn)
         saved = Topology.of_tag(source.ckpt_dir / tag)
-        conversion = next((c for c in CONVERSIONS if saved is not None and c.needed(saved, self.topology)), None)
+        conversion = next((c for c in self.conversions if saved is not None and c.needed(saved, self.topology)),
+                          None)
         skipped = [source.ckpt_dir / t for t in source.tags[: source.tags.index(tag)]]
         self.plan = LoadPlan(source.ckpt_dir, tag, skipped, saved, conversion)
         return self.plan
@@ -537,6 +568,8 @@ class Checkpointer:
             _, client = self.engine.load_checkpoint(str(load_dir), tag=plan.tag)
             if plan.conversion is not None:
                 plan.conversion.after_load(self.engine, plan.tag_dir)
+            for load in self._loaders:
+                load(load_dir / plan.tag, plan.tag_dir)
         finally:
             if plan.conversion is not None:
                 barrier()
@@ -622,13 +655,16 @@ class Checkpointer:
             self._saving = staging
             self.guard.take()
             self.engine.save_checkpoint(str(staging.parent), tag=tag, client_state=client, save_latest=False)
+            for save in self._savers:
+                save(staging, self.engine.checkpoint_engine.save)
             failed = self.guard.take()  # recorded by the guard, so that every rank got through DeepSpeed's barriers
             outcomes = gather_objects((write_failure(what, *failed) if failed else None, self.stop_requested()))
             error = next((e for e, _ in outcomes if e), None)
             asked = any(s for _, s in outcomes)
             if error is None and self.rank == 0:
                 try:
-                    record = {"step": step, "world_size": self.world, "zero_stage": self.topology.zero_stage}
+                    record = {"step": step, "world_size": self.world, "zero_stage": self.topology.zero_stage,
+                              "expert_shards": sorted(self.topology.expert_shards)}
                     commit_tag(self.ckpt_dir, tag, record, self.train.keep_checkpoints)
                 except OSError as e:
                     error = write_failure(what, self.ckpt_dir / tag, e)

@@ -36,12 +36,15 @@ from squad.eval.evaluate import evaluate
 from squad.io import export_model
 from squad.io.files import atomic_write_text, write_failure
 from squad.io.weights import read_init_source
+from squad.layers.parallel import full_state_dict, shard_model
 from squad.models import compile as squad_compile
 from squad.models.transfer import initialize_from
 from squad.models.usage import ExpertUsage
 from squad.models.vit import SquadViT, build_model
 from squad.tasks import get_task
 from squad.train.checkpointer import Checkpointer
+from squad.train.expert_layout import ExpertLayout, whole_params
+from squad.train.expert_shards import ExpertShards, check_layout, expert_parallel_sizes
 from squad.train.objective import MultiTaskObjective, nonfinite_stop
 from squad.train.optim import lr_lambda, param_groups, warmup_note
 from squad.train.run_folder import RunFolder, RunLock, init_file, lock_before_start
@@ -162,6 +165,7 @@ class Trainer:
         import deepspeed
 
         init = init_file(self.cfg, self.run_dir, self.resume, self.overwrite)  # before the run folder is touched
+        check_layout(self.cfg.model, self.world, self.prec)
         source = self.folder.prepare(self.cfg, self.resume, overwrite=self.overwrite,
                                      allow_world_size_change=self.allow_world_size_change)
         self._setup_logging()
@@ -196,6 +200,11 @@ class Trainer:
             log.info("train.init=%s not loaded: the run resumes from its checkpoint", self.cfg.train.init)
         if self.init_state is not None:  # a run that resumes loads its checkpoint over these
             model.load_state_dict(self.init_state)
+        # expert parallelism: each rank keeps its share of the experts, which DeepSpeed never sees (ExpertShards)
+        shards = shard_model(model) if expert_parallel_sizes(self.cfg.model) else []
+        names = {s.name for s in shards}
+        self.checkpointer.expert_shards(names, ExpertLayout(names, lambda: whole_params(
+            lambda: MultiTaskObjective(build_model(self.cfg.model), self.tasks, self.cfg))))
         model.set_activation_checkpointing(self.cfg.train.activation_checkpointing, self.cfg.train.checkpoint_every)
         self.objective = MultiTaskObjective(model, self.tasks, self.cfg)
         optimizer = torch.optim.AdamW(param_groups(self.objective, o.weight_decay), lr=o.lr, betas=tuple(o.betas),
@@ -208,6 +217,11 @@ class Trainer:
                                                     lr_scheduler=scheduler, config=ds_cfg)
         if self.cfg.train.compile:  # the objective compiled in place: same parameters, names and checkpoints
             self.engine.compile(backend=squad_compile.BACKEND)
+        self.experts = ExpertShards(shards, o, self.device, prefix="model.") if shards else None
+        if self.experts is not None:
+            self.experts.attach(self.engine)
+            self.checkpointer.also_save(self.experts.save)  # the shard files, in every tag
+            self.checkpointer.also_load(self.experts.load)
         self.checkpointer.attach(self.engine, self.total_steps)  # weights_only reads; failed writes reach every rank
         self.model: SquadViT = self.engine.module.model
         self.usage = ExpertUsage(model.task_names)
@@ -340,7 +354,11 @@ class Trainer:
                 continue
             self.state.nonfinite = 0
             self.engine.backward(total)
+            if self.experts is not None:
+                self.experts.before_step()
             self.engine.step()
+            if self.experts is not None:
+                self.experts.after_step()
             micro += 1
             self._window["images"] += images.shape[0] * self.world
             self.usage.update(stats)
@@ -487,13 +505,14 @@ class Trainer:
         self.usage.all_reduce()
         path = self.run_dir / "model.pt"
         error = None
+        state = self._whole_state()  # every rank: partitioned weights and expert shards gathered
         if self.rank == 0:
             log_vars = self.objective.weighting.log_vars
             extra = {"step": self.state.step, "metrics": final_metrics, "trained_tasks": self.tasks,
                      "init": self.cfg.train.init,
                      "task_log_vars": log_vars.detach().float().cpu() if log_vars is not None else None}
             try:
-                export_model(path, self.model, self.usage, extra)
+                export_model(path, self.model, self.usage, extra, state=state)
                 log.info("exported %s", path)
             except (OSError, RuntimeError) as e:  # torch reports a full disk as a RuntimeError
                 error = (write_failure("the exported model", path, e) + "; the final checkpoint is complete: "
@@ -505,6 +524,21 @@ class Trainer:
         if error:
             raise TrainingError(error)
         return path
+
+
+    def _whole_state(self) -> dict | None:
+        """The single-process model's state dict when the engine's module does not hold it (a collective: every
+        rank calls it): ZeRO-3 partitions are gathered one parameter at a time in float32 (DeepSpeed's
+        ``safe_get_full_fp32_param``), expert shards whole; None when ``self.model.state_dict()`` is complete."""
+        if self.cfg.train.zero_stage != 3 and self.experts is None:
+            return None
+        state = full_state_dict(self.model)  # expert shards gathered (every rank)
+        if self.cfg.train.zero_stage == 3:
+            from deepspeed.utils import safe_get_full_fp32_param
+
+            for name, p in self.model.named_parameters():
+                state[name] = safe_get_full_fp32_param(p).detach().cpu()
+        return state
 
 
 def train(cfg: RunConfig, run_dir: str | Path, resume: str | None = "auto", *, overwrite: bool = False,

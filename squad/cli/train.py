@@ -20,8 +20,8 @@ may change only the keys that keep it exact: optim.steps/epochs/min_lr/clip, tra
 ckpt_every/keep_checkpoints/stop_at/max_nonfinite/progress/activation_checkpointing/checkpoint_every/save_on_signal,
 data.root/workers/val_split/val_batches, model.moe.expert_parallel and model.moa.expert_parallel (recorded in
 train.log, config.prev.yaml and run_history.jsonl), and optim.batch_per_rank/grad_accum when the global batch stays
-the same; any other change is refused — start a new run for it. A run resumes on any number of ranks that keeps its global batch (batch_per_rank × grad_accum × ranks), for
-every ZeRO stage.
+the same; any other change is refused — start a new run for it. A run resumes on any number of ranks that keeps
+its global batch (batch_per_rank × grad_accum × ranks), for every ZeRO stage.
 
 SIGTERM and SIGUSR1 (train.save_on_signal) make every rank checkpoint at the next step boundary and exit 75: run the
 same command again to resume. A second signal exits at once (128 + its number). Under the deepspeed runner, signal

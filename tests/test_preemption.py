@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from squad.distributed import free_port
-from squad.train.checkpointer import SAVING, complete_tags, find_resume_tag, tag_for
+from squad.io.checkpoints import SAVING, complete_tags, find_resume_tag, tag_for
 from squad.train.stops import EXIT_PREEMPTED
 from tests.helpers import PY, ROOT, launcher, tool_env, write_run_config
 

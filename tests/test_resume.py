@@ -15,9 +15,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from squad.io.checkpoints import MODEL_STATES, DamagedCheckpointError, UnsafeCheckpointError
+from squad.io.checkpoints import (
+    COMPLETE,
+    MODEL_STATES,
+    SAVING,
+    DamagedCheckpointError,
+    UnsafeCheckpointError,
+    complete_tags,
+    find_resume_tag,
+    resume_candidates,
+    tag_for,
+)
 from squad.train import checkpointer as ckpt
-from squad.train.checkpointer import COMPLETE, SAVING, complete_tags, find_resume_tag, resume_candidates, tag_for
 from tests.helpers import ROOT, launcher, tool_env, write_run_config
 
 TIMEOUT = 240  # a 2-rank tiny run takes well under a minute, even on 2 busy cores

@@ -15,10 +15,10 @@ import pytest
 import yaml
 
 from squad.distributed import free_port
+from squad.io.checkpoints import complete_tags, find_resume_tag
 from squad.train import checkpointer as ckpt
 from squad.train import run_folder as rf
 from squad.train import shm as sh
-from squad.train.checkpointer import complete_tags, find_resume_tag
 from squad.train.objective import nonfinite_stop
 from tests.helpers import DEEPSPEED, PY, ROOT, tool_env
 

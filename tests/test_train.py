@@ -13,8 +13,8 @@ import torch
 
 import squad
 from squad.distributed import free_port
+from squad.io.checkpoints import find_resume_tag
 from squad.train import checkpointer as ckpt
-from squad.train.checkpointer import find_resume_tag
 from tests.helpers import DEEPSPEED, PY, ROOT, tool_env, write_run_config
 
 pytestmark = pytest.mark.slow  # every test here runs tools/train.py (subprocesses, launchers)

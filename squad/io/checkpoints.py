@@ -4,12 +4,17 @@
 lists.
 
 A file that would need arbitrary unpickling is an `UnsafeCheckpointError` (squad never writes one: it was modified or
-planted), a truncated, missing or unreadable one a `DamagedCheckpointError`. Where the tags live, what marks one
-complete, saving and resuming are `squad.train.checkpointer`'s.
+planted), a truncated, missing or unreadable one a `DamagedCheckpointError`.
+
+The tag layout's names and how to read it also live here, torch-free, so that `squad.load` and the tools' fast checks
+read a run's tags without the training floor: `tag_for`, the ``COMPLETE`` marker (`read_marker`, `marked_step`),
+`complete_tags`, `find_resume_tag`, `resume_candidates` and `checkpoint_tag` (which tag a path names). Writing tags,
+resuming, damaged-tag fallback and conversions are `squad.train.checkpointer`'s.
 """
 
 from __future__ import annotations
 
+import json
 import pickle
 import re
 from pathlib import Path
@@ -127,3 +132,85 @@ def check_tag_file(tag_dir: Path, file: Path, names: set[str]) -> None:
             name = f"zero_pp_rank_{missing[0]}_mp_rank_00_optim_states.pt"
             raise DamagedCheckpointError(f"{tag_dir / name}: missing (the optimizer shard of data-parallel rank "
                                          f"{missing[0]})", tag_dir / name)
+
+
+COMPLETE = "COMPLETE"  # marker file of a tag every rank finished saving
+LATEST = "latest"  # names the newest complete tag
+SAVING = ".saving"  # saves in progress: <ckpt_dir>/.saving/<tag>
+CONVERTED = ".convert"  # tags converted for loading: <ckpt_dir>/.convert/<tag>
+
+
+# ------------------------------------------------------------------------------------------------------ layout
+def tag_for(step: int) -> str:
+    """The tag (folder name) of the checkpoint at optimiser step ``step``."""
+    return f"step{step:08d}"
+
+
+def read_marker(tag_dir: Path) -> dict | None:
+    """A tag's ``COMPLETE`` record (``step``, and from this version on ``world_size`` and ``zero_stage``); None
+    without a readable marker (the tag is not complete)."""
+    try:
+        record = json.loads((Path(tag_dir) / COMPLETE).read_text())
+        int(record["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def marked_step(tag_dir: Path) -> int | None:
+    """The step in a tag's ``COMPLETE`` marker; None when the tag is not complete."""
+    record = read_marker(tag_dir)
+    return None if record is None else int(record["step"])
+
+
+def complete_tags(ckpt_dir: Path) -> list[str]:
+    """Complete checkpoint tags, oldest first (a tag whose marker is unreadable counts as incomplete)."""
+    if not Path(ckpt_dir).is_dir():
+        return []
+    steps = {p.name: marked_step(p) for p in Path(ckpt_dir).iterdir() if p.is_dir() and not p.name.startswith(".")}
+    return sorted((t for t, s in steps.items() if s is not None), key=lambda t: steps[t])
+
+
+def find_resume_tag(ckpt_dir: Path) -> str | None:
+    """The tag to resume from: ``latest`` if it is complete, else the newest complete tag, else None."""
+    latest = Path(ckpt_dir) / LATEST
+    if latest.is_file():
+        tag = latest.read_text().strip()
+        if tag and not tag.startswith(".") and marked_step(Path(ckpt_dir) / tag) is not None:
+            return tag
+    tags = complete_tags(ckpt_dir)
+    return tags[-1] if tags else None
+
+
+def resume_candidates(ckpt_dir: Path) -> list[str]:
+    """Complete tags to try, best first: `find_resume_tag`, then the older complete tags, newest first."""
+    first = find_resume_tag(ckpt_dir)
+    if first is None:
+        return []
+    step = marked_step(Path(ckpt_dir) / first) or 0
+    older = [t for t in reversed(complete_tags(ckpt_dir)) if t != first and (marked_step(Path(ckpt_dir) / t) or 0)
+             <= step]
+    return [first, *older]
+
+
+def checkpoint_tag(path: Path) -> Path | None:
+    """The tag folder ``path`` names for loading a model (`squad.load`): a tag, its model-states file, or a
+    checkpoints folder (its `find_resume_tag`); None when ``path`` is none of those.
+
+    Raises:
+        FileNotFoundError: a checkpoints folder without a complete tag.
+    """
+    path = Path(path)
+    if path.is_file():
+        return path.parent if path.name in (MODEL_STATES, MODEL_STATES_ZERO3) else None
+    if not path.is_dir():
+        return None
+    if (path / COMPLETE).is_file() or model_states_file(path).is_file():
+        return path
+    if (path / LATEST).is_file() or complete_tags(path):
+        tag = find_resume_tag(path)
+        if tag is None:
+            raise FileNotFoundError(f"{path}: no complete checkpoint (tags without a {COMPLETE} marker were "
+                                    f"interrupted while saving)")
+        return path / tag
+    return None

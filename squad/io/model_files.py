@@ -20,7 +20,7 @@ extracted single-task model (``<task>_theta<θ>.pt``) — format ``"squad.extrac
     with `load` or `load_extracted` → `SingleTaskModel`.
 ``<run>/checkpoints/<tag>/`` — DeepSpeed checkpoints
     DeepSpeed's own files plus squad's ``COMPLETE`` marker, and ``checkpoints/latest`` naming the newest tag (the
-    layout is `squad.train.checkpointer`'s, which this module asks which tag a path names). tools/train.py resumes
+    layout is `squad.io.checkpoints`', which this module asks which tag a path names). tools/train.py resumes
     from them. `load` reads a complete tag's
     ``mp_rank_00_model_states.pt`` (its ``module`` weights, the expert usage and the loop counters) and takes the
     model config from the run's ``config.yaml``; ``checkpoints/`` itself means its latest complete tag.
@@ -41,7 +41,15 @@ import torch
 from squad.config.base import ConfigError, to_dict
 from squad.config.loading import load_config
 from squad.config.run import RunConfig
-from squad.io.checkpoints import MODEL_STATES, load_checkpoint_file, model_states_file, refusal_reason
+from squad.io.checkpoints import (
+    COMPLETE,
+    MODEL_STATES,
+    checkpoint_tag,
+    load_checkpoint_file,
+    marked_step,
+    model_states_file,
+    refusal_reason,
+)
 from squad.io.expert_files import whole_experts
 from squad.io.files import atomic_torch_save
 from squad.io.zero3 import fp32_state_dict, is_zero3_tag
@@ -241,8 +249,6 @@ def _extracted_from_payload(payload: dict) -> SingleTaskModel:
 def _checkpoint_tag(path: Path) -> Path | None:
     """The checkpoint tag folder ``path`` names (a tag, its model-states file, or a ``checkpoints/`` folder), else
     None (a run folder or a squad file)."""
-    from squad.train.checkpointer import checkpoint_tag  # the layout's owner (io may ask it: pyproject.toml)
-
     if path.is_dir() and (path / "model.pt").is_file():
         return None
     return checkpoint_tag(path)
@@ -250,8 +256,6 @@ def _checkpoint_tag(path: Path) -> Path | None:
 
 def _load_checkpoint(tag: Path) -> SquadViT:
     """The `SquadViT` of a complete DeepSpeed checkpoint tag, configured by its run's ``config.yaml``."""
-    from squad.train.checkpointer import COMPLETE, marked_step
-
     if marked_step(tag) is None:
         raise ValueError(f"{tag}: incomplete checkpoint (no {COMPLETE} marker: the save was interrupted); load an "
                          f"earlier tag, or {tag.parent} for the latest complete one")

@@ -10,8 +10,8 @@ from pathlib import Path
 import torch.nn as nn
 
 from squad.config.run import RunConfig
+from squad.io.checkpoints import find_resume_tag
 from squad.models.vit import SquadViT
-from squad.train.checkpointer import find_resume_tag
 from squad.train.losses import TaskWeighting, auxiliary_loss
 from squad.train.stops import TrainingError
 

@@ -51,15 +51,10 @@ import yaml
 from squad.config.base import ConfigError, to_dict
 from squad.config.loading import load_config
 from squad.config.run import RunConfig
+from squad.io.checkpoints import complete_tags, read_marker
 from squad.io.files import atomic_write_text, fail
 from squad.runtime import launch_rank, pid_alive
-from squad.train.checkpointer import (
-    ResumeSource,
-    complete_tags,
-    read_marker,
-    remove_interrupted_saves,
-    resolve_resume,
-)
+from squad.train.checkpointer import ResumeSource, remove_interrupted_saves, resolve_resume
 from squad.train.shm import ShmSegments, remove_stale_shm
 
 log = logging.getLogger("squad.train")

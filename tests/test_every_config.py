@@ -129,7 +129,8 @@ def trained(request, tmp_path_factory, tiny_data) -> Trained:
 # The family of every shipped config, as the walk sees it (a config added or removed must be added here too).
 EXPECTED_FAMILIES = {
     "amod_vit_s": "mod", "m3vit_vit_b": "moe", "mod_vit_s": "mod", "modsquad_vit_b": "moe", "modsquad_vit_s": "moe",
-    "moe_attn_only_vit_b": "moe", "moe_mlp_only_vit_b": "moe", "mone_vit_s": "mone", "mtl_vit_b": "dense",
+    "modsquad_vit_l": "moe", "moe_attn_only_vit_b": "moe", "moe_mlp_only_vit_b": "moe", "mone_vit_s": "mone",
+    "mtl_vit_b": "dense",
     "stl_vit_b": "dense",
     # the other benchmarks' configs (trained by test_other_benchmark_config_trains, tools in test_pascal_nyud_training)
     "modsquad_vit_s_nyud": "moe", "modsquad_vit_s_pascal": "moe", "mtl_vit_s_pascal": "dense",

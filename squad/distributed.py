@@ -40,15 +40,20 @@ def extensions_dir() -> Path:
     ``.ninja_log``), and every rank of every run waits on the cache's lock meanwhile (60–120 s on 2 cores). So each
     installation keeps its own: ``<venv>/torch_extensions`` inside a virtual environment, else a folder of the
     default cache named by the installation's paths. ``TORCH_EXTENSIONS_DIR`` set by the user is kept.
+
+    Inside the virtual environment the folder is named by the installation's paths too
+    (``<venv>/torch_extensions/squad-<digest>``): a virtual environment copied to another checkout with hard links
+    (``cp -al``, as a fast clone does) otherwise shares the build files, ninja log and lock of the original's folder
+    through the links, and the two rebuild each other's op at every start exactly as through the shared cache.
     """
     if os.environ.get("TORCH_EXTENSIONS_DIR"):
         return Path(os.environ["TORCH_EXTENSIONS_DIR"])
-    if sys.prefix != sys.base_prefix and os.access(sys.prefix, os.W_OK):
-        return Path(sys.prefix) / "torch_extensions"
     where = f"{sys.prefix}|{Path(torch.__file__).parent}"
-    digest = hashlib.sha1(where.encode()).hexdigest()[:12]
+    name = f"squad-{hashlib.sha1(where.encode()).hexdigest()[:12]}"
+    if sys.prefix != sys.base_prefix and os.access(sys.prefix, os.W_OK):
+        return Path(sys.prefix) / "torch_extensions" / name
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torch_extensions"
-    return base / f"squad-{digest}"
+    return base / name
 
 
 def use_own_extensions() -> Path:

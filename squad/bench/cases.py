@@ -91,6 +91,8 @@ CASES: list[Case] = [
     Case("mone", "squad.bench.cases:bench_mone", "MoNE ViT-S at e_c = 0.3 forward vs dense ViT-S"),
     Case("routed_attention", "squad.kernels.bench:bench_routed_attention", "routed attention with scores vs SDPA"),
     Case("data", "squad.bench.data:bench_shards_vs_png", "HDF5 shards vs PNG tree, 13 domains, images/s"),
+    Case("engine", "squad.bench.engine:bench_engine",
+         "training engine step and whole run / bare fwd+bwd+AdamW step (small STL run, 1 thread, CPU time)"),
     Case("extraction", "squad.bench.extract:bench_extraction",
          "extracted depth (θ=0.01) params / full, forward vs full"),
 ]

@@ -7,7 +7,7 @@ are reported beside the verdict without counting in it (controls, and tasks the 
 
 * ``modsquad-table2`` (Mod-Squad Table 2): STL, MTL, M3ViT-like, MoE MLP only, MoE attention only, Mod-Squad; Δt
   against STL per task and mean, parameters and MACs (`squad.analysis.flops.profile`), seconds per training step and
-  peak training memory (`squad.reproduce.runs.measure_cost`). Claim: Δt(Mod-Squad) > Δt(M3ViT) > Δt(MTL) > 0. A
+  peak training memory (`squad.train.cost.measure_cost`). Claim: Δt(Mod-Squad) > Δt(M3ViT) > Δt(MTL) > 0. A
   control, MTL with the per-block task embedding of the Mod-Squad families and no experts, separates the
   embedding's effect from the experts' (reported apart).
 * ``pruning`` (Table 2's pruned row, Fig. 3): every task extracted from Mod-Squad (`squad.posttrain.extract`, usage
@@ -82,7 +82,6 @@ from squad.reproduce.specs import (
     amod_spec,
     cached,
     held_out,
-    iso_flops_steps,
     method_spec,
     mone_spec,
     pascal_ctx,
@@ -113,12 +112,9 @@ class Claim:
     jobs: Callable[[Context], list[Job]] | None = None
 
 
-TABLE2_METHODS = ("mtl", "mtl_embed", "m3vit", "moe_mlp", "moe_attn", "modsquad")
-
-
 def _table2_specs(ctx: Context) -> list[RunSpec]:
     return [s for seed in ctx.seeds for s in [*stl_specs(ctx, seed), *(method_spec(ctx, f, seed)
-                                                                       for f in TABLE2_METHODS)]]
+                                                                       for f in ctx.scale.table2_methods)]]
 
 
 def _baseline(ctx: Context, seed: int) -> dict[str, dict[str, float]]:
@@ -142,14 +138,14 @@ def measure_table2(ctx: Context) -> dict:
     """Mod-Squad Table 2 at this scale, with the MTL + task embedding control."""
     methods: dict[str, dict] = {"stl": {"label": "STL (one model per task)", "dt": [], "per_task": [],
                                         "metrics": []}}
-    for f in TABLE2_METHODS:
+    for f in ctx.scale.table2_methods:
         methods[f] = {"label": FAMILIES[f].label, "dt": [], "per_task": [], "metrics": []}
     for seed in ctx.seeds:
         base = _baseline(ctx, seed)
         methods["stl"]["metrics"].append(primary_of(base))
         methods["stl"]["dt"].append(0.0)
         methods["stl"]["per_task"].append({t: 0.0 for t in ctx.tasks})
-        for f in TABLE2_METHODS:
+        for f in ctx.scale.table2_methods:
             metrics = final_metrics(ctx.runner.ensure(method_spec(ctx, f, seed)))
             d = delta(metrics, base)
             methods[f]["dt"].append(d["mean"])
@@ -165,7 +161,7 @@ def measure_table2(ctx: Context) -> dict:
                           step_s=sum(c["step_s"] for c in stl_costs), cpu_s=sum(c.get("cpu_s", float("nan"))
                                                                                for c in stl_costs),
                           peak_mib=max(peaks) if peaks else None)
-    for f in TABLE2_METHODS:
+    for f in ctx.scale.table2_methods:
         spec = method_spec(ctx, f, seed0)
         cost = ctx.cost(spec)
         methods[f].update(**_size(ctx.runner.path(spec), ctx.tasks), step_s=cost["step_s"],
@@ -630,7 +626,7 @@ def measure_mone(ctx: Context) -> dict:
         raise ValueError("mone-budget: the fixed e_c must include 1.0 (the baseline of Δt)")
     sampled = {f"{c:g}": {"dt": [], "forward_s": [], "macs": []} for c in fixed}
     fixed_out = {f"{c:g}": {"dt": [], "forward_s": [], "macs": []} for c in fixed}
-    adaptive_steps = iso_flops_steps(ctx)
+    adaptive_steps = ctx.scale.steps
     for seed in ctx.seeds:
         fixed_eval = {f"{c:g}": _mone_eval(ctx, mone_spec(ctx, seed, c), [c])[f"{c:g}"] for c in fixed}
         base = fixed_eval["1"]["metrics"]

@@ -67,7 +67,7 @@ def plan_table(scale: str | Scale, claims: Sequence[str] = ("all",), parallel: i
 def reproduce(claims: Sequence[str], scale: str = "small", out: str | Path = "reports/small", *,
               seeds: int | None = None, steps: int | None = None, data: str | Path | None = None,
               pascal: str | Path | None = None, hostfile: str = "hostfile", command: str = "", parallel: int = 1,
-              say: Callable[[str], None] | None = None) -> Path:
+              report_dir: str | Path | None = None, say: Callable[[str], None] | None = None) -> Path:
     """Measures ``claims`` at ``scale`` into ``out`` and writes the report; returns its path.
 
     Args:
@@ -82,10 +82,11 @@ def reproduce(claims: Sequence[str], scale: str = "small", out: str | Path = "re
         command: the command line, recorded in the report.
         parallel: runs trained at once, each in a process of its own (one GPU each where there are several); the
             fine-tunes of router-finetune run that way too.
+        report_dir: where report.md, results.json and figures/ go (default: ``out``).
         say: where progress lines go (default: stdout).
 
     Returns:
-        ``out/report.md`` (paper scale: the commands file).
+        ``report_dir/report.md`` (paper scale: the commands file).
 
     Raises:
         ValueError: an unknown claim (listing them), seeds, steps or parallel below 1, or an ``out`` holding another
@@ -154,6 +155,9 @@ def reproduce(claims: Sequence[str], scale: str = "small", out: str | Path = "re
             f"evaluations")
         if parallel > 1:
             ctx.runner.train_all(todo, parallel, gpus)
+        else:  # every run first, seed by seed (a run from another's weights after it), then the claims measure
+            for s in sorted(todo, key=lambda s: s.seed):
+                ctx.runner.ensure(s)
     if parallel > 1:
         jobs = [j for c in claims if CLAIMS[c].jobs is not None for j in CLAIMS[c].jobs(ctx)]
         if jobs:
@@ -181,7 +185,7 @@ def reproduce(claims: Sequence[str], scale: str = "small", out: str | Path = "re
             meta["data_line"] += f"; pascal-table3: {data_line(pdata, pinfo)}"
     meta["train_seconds"] = sum(json.loads(f.read_text()).get("train_seconds", 0.0)
                                 for f in (out / "runs").glob("*/reproduce.json"))
-    report = write_report(out, results, meta)
+    report = write_report(Path(report_dir) if report_dir else out, results, meta)
     verdicts = ", ".join(f"{n}: {results[n]['verdict']}" for n in results)
     say(f"report {report} ({verdicts}) in {format_duration(seconds)}")
     return report
@@ -204,6 +208,7 @@ def taskonomy_data(data: str | Path | None, scale: Scale, out: Path,
             f"(tools/make_data.py synthetic)")
         t0 = time.perf_counter()
         render_dataset(tree, n=scale.images, image_size=scale.img_size, seed=0, buildings=scale.buildings,
+                       workers=os.cpu_count() or 1,  # every core (a GPU machine renders its own data in seconds)
                        overwrite=tree.exists())
         say(f"data rendered in {time.perf_counter() - t0:.0f} s")
     if not (shards / "shards.json").is_file():

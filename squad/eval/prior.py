@@ -6,6 +6,8 @@ them with the task's own metrics on an evaluation split, exactly as `squad.eval.
 
 * dense tasks: the per-pixel mean map and the per-pixel median map of the valid training targets (a pixel that is
   never valid takes the global value), and the global mean and the global median (one value per channel);
+* per-pixel classification (segmentation: label ids against per-class logits): the per-pixel and the global class
+  frequencies of the valid training pixels, as logits;
 * class tasks: the mean training distribution (as logits) and the most frequent training label (one-hot logits).
 
 `image_independent` returns every predictor's metrics and the best one by the task's primary metric
@@ -71,6 +73,25 @@ def fit_dense(task: Task, batches: Iterable[dict], median_every: int = 1) -> dic
             "global median": global_median.float()}
 
 
+def fit_labels(task: Task, batches: Iterable[dict]) -> dict[str, torch.Tensor]:
+    """Logits of the per-pixel (``[C, H, W]``) and the global (``[C, 1, 1]``) class frequencies of a per-pixel
+    classification task's valid training pixels."""
+    counts = None
+    for b in batches:
+        ids = task.target(b["targets"][task.name]).long()  # [B, 1, H, W]
+        valid = b["masks"][task.name].bool() & (ids >= 0) & (ids < task.channels)  # [B, 1, H, W]
+        onehot = torch.zeros(ids.shape[0], task.channels, *ids.shape[2:], dtype=torch.float64)
+        onehot.scatter_(1, ids.clamp(0, task.channels - 1), valid.double())  # [B, C, H, W]
+        counts = onehot.sum(0) if counts is None else counts + onehot.sum(0)
+    if counts is None or counts.sum() == 0:
+        raise ValueError(f"{task.name}: no valid training pixel to fit an image-independent predictor on")
+    total = counts.sum((1, 2), keepdim=True)  # [C, 1, 1]
+    glob = total / total.sum()
+    per_pixel = torch.where(counts.sum(0, keepdim=True) > 0, counts / counts.sum(0, keepdim=True).clamp_min(1), glob)
+    return {"per-pixel class frequencies": per_pixel.clamp_min(1e-8).log().float(),
+            "global class frequencies": glob.clamp_min(1e-8).log().float()}
+
+
 def fit_class(task: Task, batches: Iterable[dict]) -> dict[str, torch.Tensor]:
     """Logits ``[C]`` of the mean training distribution and of the most frequent training label (one-hot)."""
     total, labels = None, []
@@ -94,11 +115,21 @@ def score(task: Task, prediction: torch.Tensor, batches: Iterable[dict]) -> dict
     acc = MetricAccumulator([task])
     for b in batches:
         target = task.target(b["targets"][task.name])
-        pred = prediction.to(target.dtype).unsqueeze(0).expand(target.shape[0], *prediction.shape)
+        pred = prediction.to(torch.float32).unsqueeze(0)  # [1, C, h, w] (dense) or [1, C] (class)
         if task.head_kind == "dense":
-            pred = pred.expand_as(target)
+            pred = pred.expand(target.shape[0], pred.shape[1], *target.shape[2:])  # [B, C, H, W]
+        else:
+            pred = pred.expand(target.shape[0], -1)
         acc.update(task.name, task.metric_sums(pred.contiguous(), target, b["masks"][task.name]))
     return acc.compute(reduce=False).get(task.name, {})
+
+
+def _labels(task: Task, dataset) -> bool:
+    """Whether a dense task is a per-pixel classification: one target channel of ids against ``channels`` logits."""
+    if task.channels < 2:
+        return False
+    first = dataset[0]["targets"][task.name].unsqueeze(0)  # [1, C, H, W]
+    return task.target(first).shape[1] == 1
 
 
 def best_predictor(task: Task, predictors: dict[str, dict[str, float]]) -> str:
@@ -128,7 +159,9 @@ def image_independent(train_set, eval_set, tasks: Sequence[str | Task], batch: i
     n_train = len(train_set)
     for t in tasks:
         task = t if isinstance(t, Task) else get_task(t)
-        if task.head_kind == "dense":
+        if task.head_kind == "dense" and _labels(task, train_set):
+            fitted = fit_labels(task, _batches(train_set, batch))
+        elif task.head_kind == "dense":
             fitted = fit_dense(task, _batches(train_set, batch), max(1, math.ceil(n_train / MEDIAN_IMAGES)))
         else:
             fitted = fit_class(task, _batches(train_set, batch))
@@ -139,4 +172,4 @@ def image_independent(train_set, eval_set, tasks: Sequence[str | Task], batch: i
     return out
 
 
-__all__ = ["MEDIAN_IMAGES", "best_predictor", "fit_class", "fit_dense", "image_independent", "score"]
+__all__ = ["MEDIAN_IMAGES", "best_predictor", "fit_class", "fit_dense", "fit_labels", "image_independent", "score"]

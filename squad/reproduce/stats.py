@@ -77,17 +77,21 @@ def holm(pvalues: Sequence[float], alpha: float = ALPHA) -> list[bool]:
     return rejected
 
 
-def judge(comparisons: list[dict], alpha: float = ALPHA) -> list[dict]:
-    """Fills in each comparison's pooled noise, bounds, p-values and status (in place; returned too).
+def judge_family(comparisons: list[dict], apart: list[dict] | None = None, alpha: float = ALPHA) -> list[dict]:
+    """Fills in each comparison's pooled noise, bounds, p-values and status (in place; ``comparisons`` returned).
 
-    The first comparison is the primary (tested at ``alpha``), the others are secondary (Holm over them). Each
-    comparison needs ``diffs`` (per seed) and ``pool`` (its unit: comparisons sharing it pool their seed variance).
+    The first of ``comparisons`` is the primary (tested at ``alpha``), the others are secondary (Holm over them);
+    ``apart`` (controls reported beside) is a Holm family of its own. Each comparison needs ``diffs`` (per seed,
+    oriented: > 0 is what the claim predicts) and ``pool`` (its unit): comparisons sharing a unit, in both lists,
+    pool their seed variance.
     """
+    apart = apart or []
+    every = comparisons + apart
     pools: dict[str, list[list[float]]] = {}
-    for c in comparisons:
+    for c in every:
         pools.setdefault(c.get("pool", ""), []).append(_finite(c["diffs"]))
     pooled = {k: pooled_sd(v) for k, v in pools.items()}
-    for c in comparisons:
+    for c in every:
         d = _finite(c["diffs"])
         sd, df = pooled[c.get("pool", "")]
         c["n"] = len(d)
@@ -95,28 +99,37 @@ def judge(comparisons: list[dict], alpha: float = ALPHA) -> list[dict]:
         c["std"] = statistics.stdev(d) if len(d) > 1 else float("nan")
         c["pooled_sd"], c["df"] = sd, df
         c.update(t_bounds(c["mean"], sd, len(d), df, alpha))
-        c["role"] = "primary" if c is comparisons[0] else "secondary"
-    secondary = comparisons[1:]
-    up = holm([c["p_greater"] for c in secondary], alpha)
-    down = holm([c["p_less"] for c in secondary], alpha)
-    for c, u, dn in zip(comparisons, [None, *up], [None, *down], strict=True):
-        if c["n"] < 2:
-            c["status"] = "one seed"
-        elif c["n"] < MIN_SEEDS:
-            c["status"] = "ahead" if c["mean"] > 0 else "behind" if c["mean"] < 0 else "tied"
-        elif u is None:  # the primary
-            c["status"] = "holds" if c["lower"] > 0 else "reversed" if c["upper"] < 0 else "within noise"
-        else:
-            c["status"] = "holds" if u else "reversed" if dn else "within noise"
+    for i, c in enumerate(comparisons):
+        c["role"] = "primary" if i == 0 else "secondary"
+    for c in apart:
+        c["role"] = "apart"
+    families = [comparisons[1:], apart]
+    for family in families:
+        up = holm([c["p_greater"] for c in family], alpha)
+        down = holm([c["p_less"] for c in family], alpha)
+        for c, u, dn in zip(family, up, down, strict=True):
+            c["status"] = _status(c, "holds" if u else "reversed" if dn else "within noise")
+    if comparisons:
+        c = comparisons[0]
+        c["status"] = _status(c, "holds" if c["lower"] > 0 else "reversed" if c["upper"] < 0 else "within noise")
     return comparisons
+
+
+def _status(c: dict, tested: str) -> str:
+    """The tested status with ≥ `MIN_SEEDS` seeds; the direction with 2; "one seed" below."""
+    if c["n"] < 2:
+        return "one seed"
+    if c["n"] < MIN_SEEDS:
+        return "ahead" if c["mean"] > 0 else "behind" if c["mean"] < 0 else "tied"
+    return tested
 
 
 def simulate_null(seeds: int = 3, comparisons: int = 3, trials: int = 20000, rng_seed: int = 0,
                   sd: float = 1.0, alpha: float = ALPHA) -> dict:
     """Rates of false findings under no effect: ``trials`` claims of ``comparisons`` comparisons over ``seeds``
     seeds whose differences are Gaussian around 0 with standard deviation ``sd`` (for a non-inferiority comparison
-    'A ≥ B − m', d = A − B + m: A falling short of B by exactly the margin), judged by the rule of `judge` (the same
-    arithmetic on arrays, all trials at once; `judge` itself is checked against it on a sample).
+    'A ≥ B − m', d = A − B + m: A falling short of B by exactly the margin), judged by the rule of `judge_family` (the
+    same arithmetic on arrays, all trials at once; `judge_family` itself is checked against it on a sample).
 
     Returns the primary's rates ``holds`` and ``reversed``, the family-wise rates over the secondaries
     ``any_secondary_holds`` and ``any_secondary_reversed``, and ``trials``.
@@ -132,8 +145,8 @@ def simulate_null(seeds: int = 3, comparisons: int = 3, trials: int = 20000, rng
 
 
 def judge_arrays(d: np.ndarray, alpha: float = ALPHA) -> np.ndarray:
-    """`judge` for many claims at once: ``d`` [trials, comparisons, seeds] of differences sharing one pool; returns
-    [trials, comparisons] of 1 (holds), −1 (reversed) or 0 (within noise). Needs ≥ `MIN_SEEDS` seeds."""
+    """`judge_family` for many claims at once: ``d`` [trials, comparisons, seeds] of differences sharing one pool;
+    returns [trials, comparisons] of 1 (holds), −1 (reversed) or 0 (within noise). Needs ≥ `MIN_SEEDS` seeds."""
     trials, m, n = d.shape
     df = m * (n - 1)
     sd = np.sqrt(d.var(axis=2, ddof=1).mean(axis=1, keepdims=True))  # [trials, 1]: pooled over the comparisons

@@ -77,6 +77,9 @@ SKIPPED = {
     "test_reproduce.py runs every claim at --scale tiny, and the tiny command below runs here",
     "python tools/reproduce.py modsquad-table2 --scale gpu": "the gpu scale needs a GPU (minutes there, many hours "
     "on a CPU); test_reproduce.py checks its plan and runs --parallel at tiny scale",
+    "python tools/reproduce.py modsquad-table2 pruning mi-vs-balance amod-table3 mone-budget --scale cpu": "the "
+    "converged CPU runs train 54 models for hours (reports/cpu holds their report); test_reproduce.py runs every "
+    "claim at --scale tiny",
 }
 
 SIZES = {"--n": "32", "--image-size": "32", "--nproc_per_node": "2", "--num-heads": "4"}  # vit_small.pth: 4 heads

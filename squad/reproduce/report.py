@@ -105,7 +105,8 @@ def _section_table2(d: dict) -> list[str]:
     counted = (d.get("gate") or {}).get("learnable", tasks)
     for t in tasks:
         stl = [m.get(t) for m in d["methods"]["stl"]["metrics"]]
-        row = [t if t in counted else f"{t} (apart: not learnable)", f"{get_task(t).primary_metric} {_ms(stl, '{:.4f}')}"]
+        name = t if t in counted else f"{t} (apart: not learnable)"
+        row = [name, f"{get_task(t).primary_metric} {_ms(stl, '{:.4f}')}"]
         for k, m in d["methods"].items():
             if k != "stl":
                 row.append(_ms([p.get(t) for p in m["per_task"]]))

@@ -74,7 +74,7 @@ def bench_engine(quick: bool = False, tmpdir: str | Path | None = None) -> list[
         with tempfile.TemporaryDirectory() as tmp:
             return bench_engine(quick, tmp)
     tmp = Path(tmpdir)
-    short, long_, bare_steps = (10, 40, 6) if quick else (20, 200, 20)
+    short, long_, bare_steps = (4, 12, 3) if quick else (20, 200, 20)
     prepare_environment()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

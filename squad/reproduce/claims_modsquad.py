@@ -34,11 +34,19 @@ from squad.models.surgery import select_tasks
 from squad.models.usage import ExpertUsage
 from squad.models.vit import build_model
 from squad.posttrain.extract import collect_usage, extract
-from squad.reproduce.measure import baseline, baseline_histories, budget, delta_curve, size, stl_gate
+from squad.reproduce.measure import (
+    baseline,
+    baseline_histories,
+    budget,
+    delta_curve,
+    size,
+    stl_gate,
+    stl_summary,
+)
 from squad.reproduce.runs import FAMILIES, RunSpec, final_metrics, metrics_history, run_config
 from squad.reproduce.scales import Scale
 from squad.reproduce.specs import Context, cached, method_spec, stl_spec
-from squad.reproduce.verdicts import compare, delta, finite, judge, primary_of, spread
+from squad.reproduce.verdicts import compare, delta, judge, primary_of, spread
 
 EQUAL_MARGIN = 1.0  # percent of Δt / Δm: "equal" (pruned vs full, MI vs balance) means not worse by more than this
 SHARE = 0.6  # the extracted model's parameters / the full model's (like with like), at most
@@ -75,15 +83,7 @@ def measure_table2(ctx: Context) -> dict:
             methods[f]["per_task"].append(d["per_task"])
             methods[f]["metrics"].append(primary_of(metrics))
     seed0 = ctx.seeds[0]
-    stl_sizes = [size(ctx.runner.path(stl_spec(ctx, t, seed0)), [t]) for t in ctx.tasks]
-    stl_costs = [ctx.cost(stl_spec(ctx, t, seed0)) for t in ctx.tasks]
-    peaks = finite([c["peak_mib"] for c in stl_costs])
-    methods["stl"].update(params=sum(s["params"] for s in stl_sizes),
-                          params_each=statistics.fmean(s["params"] for s in stl_sizes),
-                          macs=statistics.fmean(s["macs"] for s in stl_sizes),
-                          step_s=sum(c["step_s"] for c in stl_costs),
-                          cpu_s=sum(c.get("cpu_s", float("nan")) for c in stl_costs),
-                          peak_mib=max(peaks) if peaks else None)
+    methods["stl"].update(stl_summary(ctx, [stl_spec(ctx, t, seed0) for t in ctx.tasks]))
     for f in families:
         spec = method_spec(ctx, f, seed0)
         cost = ctx.cost(spec)

@@ -25,12 +25,12 @@ from squad.io import load_extracted
 from squad.reproduce.claims_modsquad import EQUAL_MARGIN, SHARE, extraction_table, shares
 from squad.reproduce.finetune import MODES, FairFinetune, finetune_task, load_cached
 from squad.reproduce.gate import learnability, predictors
-from squad.reproduce.measure import PLATEAU_GAIN, plateau, size
+from squad.reproduce.measure import PLATEAU_GAIN, plateau, size, stl_summary
 from squad.reproduce.parallel import Job
 from squad.reproduce.runs import RunSpec, final_metrics, metrics_history
 from squad.reproduce.scales import PASCAL_THETA
 from squad.reproduce.specs import PASCAL_METHODS, Context, held_out, pascal_ctx, pascal_spec, pretrain_spec, stl_spec
-from squad.reproduce.verdicts import compare, delta, finite, judge, primary_of, spread
+from squad.reproduce.verdicts import compare, delta, judge, primary_of, spread
 
 
 # ---------------------------------------------------------------------------------------------- router-finetune
@@ -231,16 +231,7 @@ def measure_pascal(ctx: Context) -> dict:
             for k, v in shares(table, label).items():
                 share[key].setdefault(k, []).append(v)
     seed0 = ctx.seeds[0]
-    stl_specs_ = [pascal_spec(pctx, "pascal_stl", seed0, t) for t in tasks]
-    stl_sizes = [size(ctx.runner.path(s), s.tasks) for s in stl_specs_]
-    stl_costs = [pctx.cost(s) for s in stl_specs_]
-    peaks = finite([c["peak_mib"] for c in stl_costs])
-    methods["stl"].update(params=sum(s["params"] for s in stl_sizes),
-                          params_each=statistics.fmean(s["params"] for s in stl_sizes),
-                          macs=statistics.fmean(s["macs"] for s in stl_sizes),
-                          step_s=sum(c["step_s"] for c in stl_costs),
-                          cpu_s=sum(c.get("cpu_s", float("nan")) for c in stl_costs),
-                          peak_mib=max(peaks) if peaks else None)
+    methods["stl"].update(stl_summary(pctx, [pascal_spec(pctx, "pascal_stl", seed0, t) for t in tasks]))
     for f in PASCAL_METHODS:
         spec = pascal_spec(pctx, f, seed0)
         cost = pctx.cost(spec)

@@ -101,7 +101,8 @@ def reproduce(claims: Sequence[str], scale: str = "small", out: str | Path = "re
 
     Args:
         claims: claim names (`squad.reproduce.claims.CLAIMS`) or ``"all"``.
-        scale: ``tiny``, ``small``, ``gpu`` or ``paper`` (paper writes configs and commands and runs nothing).
+        scale: ``tiny``, ``small``, ``cpu``, ``gpu`` or ``paper`` (paper writes configs and commands and runs
+            nothing).
         out: the output folder (report.md, results.json, figures/, runs/, data/).
         seeds: seeds per run (default: the scale's).
         steps: training steps per run instead of the scale's.

@@ -18,7 +18,7 @@ from scipy import stats as sps
 from squad.analysis.flops import profile
 from squad.io import load_model
 from squad.reproduce.gate import learnability, predictors
-from squad.reproduce.runs import final_metrics, metrics_history
+from squad.reproduce.runs import RunSpec, final_metrics, metrics_history
 from squad.reproduce.specs import Context, stl_specs
 from squad.reproduce.verdicts import delta, finite
 from squad.tasks import get_task
@@ -45,6 +45,18 @@ def size(run_dir: Path, tasks: Sequence[str]) -> dict:
     """Parameters and MACs per image and task of a run's model (`squad.profile`)."""
     prof = profile(load_model(run_dir), tasks)
     return {"params": prof["params"], "macs": statistics.fmean(prof["tasks"][t]["macs"] for t in tasks)}
+
+
+def stl_summary(ctx: Context, specs: Sequence[RunSpec]) -> dict:
+    """The size and cost of a set of single-task models taken together (one STL run per task, one seed): parameters
+    summed (and per model), MACs per image and task averaged, step time and CPU seconds summed (one step of each),
+    peak memory the largest."""
+    sizes = [size(ctx.runner.path(s), s.tasks) for s in specs]
+    costs = [ctx.cost(s) for s in specs]
+    peaks = finite([c["peak_mib"] for c in costs])
+    return {"params": sum(s["params"] for s in sizes), "params_each": statistics.fmean(s["params"] for s in sizes),
+            "macs": statistics.fmean(s["macs"] for s in sizes), "step_s": sum(c["step_s"] for c in costs),
+            "cpu_s": sum(c.get("cpu_s", float("nan")) for c in costs), "peak_mib": max(peaks) if peaks else None}
 
 
 def budget(ctx: Context) -> str:

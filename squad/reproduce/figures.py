@@ -295,6 +295,7 @@ def fig_claim(name: str, data: dict, folder: Path, stamp: str = "") -> list[str]
         ax2.axhline(gate["threshold"], color="tab:red", ls="--", lw=0.8, label=f"gate: {gate['threshold']:g} %")
         ax2.axhline(0, color="grey", lw=0.8)
         ax2.set_xticks(range(len(tasks)), tasks, rotation=30, ha="right", fontsize=7)
+        ax2.set_yscale("symlog", linthresh=10)  # gains run from a few % (the gate) to 1,000 % (classes vs chance)
         ax2.set_ylabel("gain over the best image-independent predictor (%)")
         ax2.set_title("reference model vs image-independent predictor\n(green: counted in Δt; dots: seeds)",
                       fontsize=8)

@@ -8,5 +8,6 @@
 - memory.py: peak memory on any device (CUDA's statistics, or every tensor storage followed on the CPU).
 - extract.py: the extracted-model case (parameters and forward time against the full model).
 - data.py: HDF5 shards against the PNG tree.
+- engine.py: the training engine's step and whole run against bare steps (CPU time, the reproduction's widths).
 The routed-attention kernel's own benchmark lives beside the kernel (squad.kernels.bench).
 """

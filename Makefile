@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test test-fast lint lint-imports bench clean-venv
+.PHONY: demo test test-fast lint lint-imports bench gpu-check clean-venv
 
 # constraints.txt pins the exact torch make and CI test (pyproject.toml declares the supported range).
 $(STAMP): pyproject.toml constraints.txt
@@ -38,6 +38,13 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) tools/bench.py
+
+# One GPU's check (GPU tests, GPU bench rows beside the H100 cost model, train steps, a 60-step DeepSpeed run; at most
+# 9 minutes on an H100): gpu_check.json and gpu_check.md in GPU_CHECK_OUT (default $$OUT/gpu-check, else
+# reports/gpu_check). No .venv is built: a lent GPU machine has its own python3 (README, "Training fast on GPUs").
+GPU_PY = $(if $(wildcard $(PY)),$(PY),python3)
+gpu-check:
+	$(GPU_PY) tools/gpu_check.py $(if $(GPU_CHECK_OUT),--out $(GPU_CHECK_OUT))
 
 clean-venv:
 	rm -rf $(VENV)

@@ -1,12 +1,15 @@
 """Step 5 of the demo (tools/demo.py): extract depth from the trained run, score it beside the full model, and draw
-the expert-usage and task-relation figures. Thin wrappers over `squad.posttrain.extract.extract_to_file` and
-`squad.analysis.figures.draw_figures` that print what they did."""
+the expert-usage and task-relation figures and the token maps (which tokens the MoD block processed, over the
+image). Thin wrappers over `squad.posttrain.extract.extract_to_file` and `squad.analysis.figures.draw_figures` that
+print what they did."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from squad.analysis.figures import draw_figures as _draw
+from squad.config.tools import ExtractConfig, VisualizeConfig
 from squad.eval.evaluate import format_results
 from squad.io import load_model
 from squad.posttrain.extract import extract_to_file, format_report
@@ -18,8 +21,8 @@ def extract_and_compare(run: str | Path, data: str | Path, task: str = "depth_eu
     and the full and extracted models' metrics on ``split`` side by side. Returns the report."""
     run = Path(run)
     out = run / f"{task}_theta{theta:g}.pt"
-    report = extract_to_file(load_model(run), task, out, theta=theta, data=data, calib_batches=calib_batches,
-                             eval_split=split)
+    cfg = ExtractConfig(theta=theta, data=str(data), calib_batches=calib_batches, eval_split=split)
+    report = extract_to_file(load_model(run), task, out, cfg)
     print(format_report({**report, "metrics": None}))  # the metrics follow as a side-by-side table
     m = report["metrics"]
     if m:
@@ -31,10 +34,16 @@ def extract_and_compare(run: str | Path, data: str | Path, task: str = "depth_eu
 
 
 def draw_figures(run: str | Path, data: str | Path, split: str = "val", batches: int = 4) -> Path:
-    """Draws the figures of ``run`` into ``<run>/figures`` (and its TensorBoard) from a pass over ``split``; returns
+    """Draws the figures of ``run`` into ``<run>/figures`` (and its TensorBoard) from a pass over ``split``, and
+    names one token map (the tokens the MoD block processed, over the first images, for the first task); returns
     the folder."""
     folder = Path(run) / "figures"
     tb = Path(run) / "tensorboard"
-    result = _draw(load_model(run), folder, data=data, split=split, batches=batches, tb_dir=tb if tb.is_dir() else None)
+    cfg = VisualizeConfig(data=str(data), split=split, batches=batches)
+    result = _draw(load_model(run), folder, cfg, tb_dir=tb if tb.is_dir() else None)
     print(f"{len(result['files'])} figures in {folder} (numbers in {result['json']})")
+    if result["token_maps"]:
+        shown = json.loads(Path(result["json"]).read_text())["token_maps"]["images"]
+        print(f"which tokens the MoD block processed, over {shown} validation images: {result['token_maps'][0]} "
+              f"(one such map per task: tokens_<task>.png)")
     return folder

@@ -63,10 +63,9 @@ import torch.nn.functional as F
 
 from .base import DecodeError, Task, as_f64, integer_image, masked_mean, ratio
 from .edges import edge_counts, ods_f, thin
+from .normal import _EPS, _MIN_NORM, UnitVectorTask
 
 _LOGIT = 20.0  # the logit a {0, 1} truth maps to (sigmoid(20) = 1 − 2e-9)
-_MIN_NORM = 0.1
-_EPS = 1e-6
 SALIENCY_THRESHOLDS: tuple[float, ...] = tuple(float(t) for t in np.linspace(0.2, 0.9, 15))
 ANGLE_BIN = 0.5  # degrees per bin of the normals' angle histogram (the median)
 _ANGLE_BINS = int(round(180 / ANGLE_BIN))
@@ -179,7 +178,7 @@ def _weighted_bce(pred: torch.Tensor, label: torch.Tensor, mask: torch.Tensor, w
     return masked_mean(per_pixel, mask)
 
 
-class SurfaceNormalsTask(Task):
+class SurfaceNormalsTask(UnitVectorTask):
     """Surface normals of PASCAL-Context (distilled) and NYUD-v2 (module docstring)."""
 
     name = "normals"
@@ -208,20 +207,7 @@ class SurfaceNormalsTask(Task):
         return np.einsum("hwc,hwc->hw", vec, vec) >= _MIN_NORM**2
 
     def decode(self, raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        vec = torch.from_numpy(np.ascontiguousarray(self._vectors(raw))).permute(2, 0, 1)  # [3, H, W]
-        norm = vec.square().sum(0, keepdim=True).sqrt()
-        mask = norm >= _MIN_NORM
-        return torch.where(mask, vec / norm.clamp_min(_EPS), torch.zeros(())), mask
-
-    def hflip(self, value: torch.Tensor) -> torch.Tensor:
-        flipped = torch.flip(value, dims=(-1,))
-        return torch.cat([-flipped[..., :1, :, :], flipped[..., 1:, :, :]], dim=-3)
-
-    def target(self, value: torch.Tensor) -> torch.Tensor:
-        return value.float()
-
-    def to_units(self, pred: torch.Tensor) -> torch.Tensor:
-        return F.normalize(pred.float(), dim=-3, eps=_EPS)
+        return self.unit_vectors(torch.from_numpy(np.ascontiguousarray(self._vectors(raw))).permute(2, 0, 1))
 
     def loss(self, pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         mask = self.check_batch(pred, target, mask)

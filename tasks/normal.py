@@ -22,7 +22,30 @@ _MIN_NORM = 0.1
 _EPS = 1e-6
 
 
-class NormalTask(Task):
+class UnitVectorTask(Task):
+    """A task whose values are unit vectors ``[3, H, W]`` with x first: the decoded vectors are renormalised (pixels
+    shorter than 0.1 masked, holding the zero vector), a horizontal flip negates x, and predictions are compared
+    after L2 normalisation. Taskonomy's normals (`NormalTask`) and the benchmarks' (`squad.tasks.dense`) share it."""
+
+    @staticmethod
+    def unit_vectors(vec: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decoded vectors [3, H, W] → (unit vectors, bool mask [1, H, W] of the pixels at least 0.1 long)."""
+        norm = vec.square().sum(0, keepdim=True).sqrt()  # [1, H, W]
+        mask = norm >= _MIN_NORM
+        return torch.where(mask, vec / norm.clamp_min(_EPS), torch.zeros(())), mask
+
+    def hflip(self, value: torch.Tensor) -> torch.Tensor:
+        flipped = torch.flip(value, dims=(-1,))  # [..., 3, H, W]
+        return torch.cat([-flipped[..., :1, :, :], flipped[..., 1:, :, :]], dim=-3)
+
+    def target(self, value: torch.Tensor) -> torch.Tensor:
+        return value.float()
+
+    def to_units(self, pred: torch.Tensor) -> torch.Tensor:
+        return F.normalize(pred.float(), dim=-3, eps=_EPS)
+
+
+class NormalTask(UnitVectorTask):
     """Surface normals in camera coordinates (see module docstring)."""
 
     name = "normal"
@@ -54,21 +77,7 @@ class NormalTask(Task):
     def decode(self, raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         code = integer_image(self.compact_raw(raw), 8, self.name)
         vec = torch.from_numpy(np.ascontiguousarray(code)).to(torch.float32).permute(2, 0, 1)  # [3, H, W]
-        vec = vec / 127.5 - 1.0
-        norm = vec.square().sum(0, keepdim=True).sqrt()  # [1, H, W]
-        mask = norm >= _MIN_NORM
-        vec = torch.where(mask, vec / norm.clamp_min(_EPS), torch.zeros(()))
-        return vec, mask
-
-    def hflip(self, value: torch.Tensor) -> torch.Tensor:
-        flipped = torch.flip(value, dims=(-1,))  # [..., 3, H, W]
-        return torch.cat([-flipped[..., :1, :, :], flipped[..., 1:, :, :]], dim=-3)
-
-    def target(self, value: torch.Tensor) -> torch.Tensor:
-        return value.float()
-
-    def to_units(self, pred: torch.Tensor) -> torch.Tensor:
-        return F.normalize(pred.float(), dim=-3, eps=_EPS)
+        return self.unit_vectors(vec / 127.5 - 1.0)
 
     def loss(self, pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         mask = self.check_batch(pred, target, mask)

@@ -21,7 +21,7 @@ SCRIPTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scrip
 SCRIPTS_IN_TOOLS = ["tools/train.py", "tools/extract.py", "tools/finetune_router.py", "tools/evaluate.py",
                     "tools/visualize.py", "tools/adapt_pretrained.py", "tools/make_data.py", "tools/bench.py",
                     "tools/demo.py", "tools/upcycle.py", "tools/predict.py", "tools/export.py",
-                    "tools/reproduce.py"]
+                    "tools/reproduce.py", "tools/gpu_check.py"]
 TOOLS = [Path(p).stem for p in SCRIPTS_IN_TOOLS]
 
 
@@ -41,6 +41,7 @@ def _bad_input(tool: str, missing: Path, blocker: Path) -> list[str]:
         "predict": ["--checkpoint", str(missing), "--images", str(missing), "--out", str(blocker.parent / "pred")],
         "export": ["--checkpoint", str(missing), "--out", str(blocker.parent / "x.pt2")],
         "reproduce": ["pruning", "--scale", "tiny", "--data", str(missing), "--out", str(blocker / "repro")],
+        "gpu_check": ["--out", str(blocker / "check")],
     }[tool]
 
 

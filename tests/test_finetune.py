@@ -8,20 +8,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils.data import Subset
 
 import squad
+from squad.config.tools import FinetuneConfig
 from squad.data import build_dataset, eval_loader
+from squad.eval.evaluate import evaluate
 from squad.io import export_model
+from squad.models.surgery import add_task, added_task_parameters, merge_added_tasks, with_new_task
 from squad.models.vit import build_model
-from squad.posttrain.finetune import (
-    FinetuneConfig,
-    finetune_once,
-    finetune_table,
-    make_optimizer,
-    select_trainable,
-    subset_indices,
-    with_new_task,
-)
+from squad.posttrain.finetune import finetune_once, finetune_table, make_optimizer, select_trainable
+from squad.posttrain.subsets import holdout_split, subset_indices
 from tests.helpers import ROOT, tiny_model, tool_env
 
 BASE = ["normal", "class_object"]
@@ -45,7 +42,7 @@ def test_add_task_keeps_old_tasks_and_merges_into_an_ordinary_model(name, tmp_pa
     with torch.no_grad():
         before = model(x).preds
     grown = with_new_task(model, "class_scene")
-    extra = grown.added_task_parameters()
+    extra = added_task_parameters(grown)
     banks = [n for n, m in grown.named_modules() if isinstance(m, squad.layers.routing.TaskLinear)]
     assert set(extra) == {f"{b}.extra" for b in banks} | {f"{b}.extra_bias" for b in banks
                                                            if grown.get_submodule(b).bias is not None} | {
@@ -55,8 +52,8 @@ def test_add_task_keeps_old_tasks_and_merges_into_an_ordinary_model(name, tmp_pa
         for t in BASE:  # the old tasks compute what they did (to float rounding: the batch holds more rows now)
             torch.testing.assert_close(after[t], before[t], rtol=1e-5, atol=1e-6)
         assert after["class_scene"].shape == (2, 365)
-        grown.merge_added_tasks()
-        assert grown.added_task_parameters() == {}
+        merge_added_tasks(grown)
+        assert added_task_parameters(grown) == {}
         merged = grown(x).preds
     for t in [*BASE, "class_scene"]:
         torch.testing.assert_close(merged[t], after[t], rtol=1e-6, atol=1e-6)
@@ -71,14 +68,14 @@ def test_add_task_keeps_old_tasks_and_merges_into_an_ordinary_model(name, tmp_pa
 
 def test_add_task_rejects_a_task_the_model_has():
     with pytest.raises(ValueError, match="already has task 'normal'"):
-        tiny_model(BASE).add_task("normal")
+        add_task(tiny_model(BASE), "normal")
 
 
 def test_router_mode_trains_only_the_new_rows_and_leaves_the_rest_bitwise_unchanged(tiny_data):
     base = tiny_model(BASE)
     model = with_new_task(base, "depth_euclidean")
     trainable = select_trainable(model, "depth_euclidean", "router")
-    assert set(trainable) == set(model.added_task_parameters()) | {
+    assert set(trainable) == set(added_task_parameters(model)) | {
         f"heads.depth_euclidean.{n}" for n, _ in model.heads["depth_euclidean"].named_parameters()}
     opt = make_optimizer(trainable, FinetuneConfig())
     in_opt = {id(p) for g in opt.param_groups for p in g["params"]}
@@ -97,9 +94,28 @@ def test_router_mode_trains_only_the_new_rows_and_leaves_the_rest_bitwise_unchan
     for n, p in snapshot.items():
         assert torch.equal(old[n], p), n  # every original parameter, bit for bit
         assert torch.equal(dict(base.named_parameters())[n], p), n  # and the base model is untouched
-    moved = [n for n, p in tuned.added_task_parameters().items()
-             if not torch.equal(p, with_new_task(base, "depth_euclidean").added_task_parameters()[n])]
+    moved = [n for n, p in added_task_parameters(tuned).items()
+             if not torch.equal(p, added_task_parameters(with_new_task(base, "depth_euclidean"))[n])]
     assert moved  # the new task's router rows / embedding did learn
+
+
+def test_held_out_selection_keeps_the_best_lr_and_step(tiny_data):
+    """The tool's held-out option (what the reproduction's router-finetune claim runs): each lr is tried, the held-out
+    metric measured `evals` times, and the chosen lr's best evaluation is the model that comes back."""
+    base = tiny_model(BASE)
+    cfg = FinetuneConfig(steps=4, batch_size=4, lr=1e-6, lrs=(1e-6, 3e-2), holdout=0.25, evals=2)
+    train = build_dataset(tiny_data, ["depth_euclidean"], "train", image_size=32)
+    val = eval_loader(build_dataset(tiny_data, ["depth_euclidean"], "val", image_size=32), 4)
+    row, tuned = finetune_once(base, "depth_euclidean", "router", train, range(8), val, cfg)
+    assert (row["fit_images"], row["held_images"], row["train_images"]) == (6, 2, 8)
+    assert set(row["held"]) == {"1e-06", "0.03"} and [s for s, _ in row["curve"]] == [2, 4]
+    assert row["held"][f"{row['lr']:g}"] == min(row["held"].values())  # rmse: lower is better
+    assert row["best_step"] in (2, 4) and row["frozen_unchanged"] is True
+    _, held = holdout_split(list(range(8)), 0.25, 0)
+    again = evaluate(tuned, eval_loader(Subset(train, held), 4), ["depth_euclidean"])["depth_euclidean"]["rmse"]
+    assert again == pytest.approx(row["held"][f"{row['lr']:g}"], rel=1e-6)  # the kept weights are the chosen ones
+    with pytest.raises(ValueError, match="give --holdout"):
+        FinetuneConfig(lrs=(1e-3, 1e-2)).check()
 
 
 def test_subsets_are_deterministic_and_nested():
@@ -112,6 +128,16 @@ def test_subsets_are_deterministic_and_nested():
     assert sorted(int(labels[i]) for i in shots) == [0, 0, 1, 1, 2, 2]
     with pytest.raises(ValueError, match="fraction must be in"):
         subset_indices(10, fraction=1.5)
+
+
+def test_holdout_split_is_seeded_and_disjoint():
+    idx = list(range(100, 150))
+    fit, held = holdout_split(idx, 0.2, seed=3)
+    assert len(held) == 10 and len(fit) == 40 and sorted(fit + held) == idx
+    assert holdout_split(idx, 0.2, seed=3) == (fit, held) and holdout_split(idx, 0.2, seed=4) != (fit, held)
+    assert holdout_split([7, 8], 0.01, 0) in (([8], [7]), ([7], [8]))  # at least one image on each side
+    with pytest.raises(ValueError, match="cannot be split"):
+        holdout_split([7], 0.2, 0)
 
 
 @pytest.mark.slow

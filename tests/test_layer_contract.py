@@ -117,9 +117,12 @@ def test_each_pass_reports_one_stats_through_report(kind, case, build, record):
         assert s.mass is None and (s.aux_loss is not None) == (case == "mod_learned")  # attention routing: none
     else:
         assert torch.allclose(s.mass.sum(1), s.tokens, atol=1e-4)  # probabilities sum to one per token
-    assert (s.experts is not None) == (record and kind in EXPERT_KINDS)
-    if s.experts is not None:
+    assert (s.experts is not None) == record  # every routed layer records each token's choice when asked
+    if s.experts is not None:  # [R·N, k]: each token's columns of the counts (MoD: 0 processed, 1 skipped)
         assert s.experts.shape == (len(TASKS) * N, s.top_k)
+        rows = s.experts.view(len(TASKS), -1)
+        chosen = torch.zeros(len(TASKS), s.counts.shape[1]).scatter_add_(1, rows, torch.ones(rows.shape))
+        assert torch.equal(ctx.per_task_sum(chosen), s.counts)  # the record is what the counts counted
 
 
 @pytest.mark.parametrize("cls", sorted(_all_routed_classes() | {Block, Mlp, Attention, MoNEBlock},

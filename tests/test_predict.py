@@ -11,6 +11,7 @@ import torch
 from PIL import Image
 
 import squad
+from squad.config.tools import InferenceOptions, PredictConfig
 from squad.data.taskonomy import read_raw
 from squad.data.transforms import SamplePipeline
 from squad.deploy.encode import TASKONOMY_ENCODERS, encode_taskonomy
@@ -243,8 +244,9 @@ def test_predict_on_mone_and_mod_models(kind, image_dir, tmp_path, capsys):
     randomize_routers(model, 0)
     export_model(tmp_path / "m.pt", model.eval(), None)
     settings = {"mone_capacity": 0.5} if kind.startswith("mone") else {"mod_inference": "topk"}
+    cfg = PredictConfig(tasks=["normal"], batch_size=2, device="cpu", inference=InferenceOptions(**settings))
     summary = predict(squad.load(tmp_path / "m.pt"), [image_dir / "rgba.png", image_dir / "grey.png"], tmp_path / "out",
-                      ["normal"], batch_size=2, device="cpu", progress=True, **settings)
+                      cfg, progress=True)
     assert summary["inference"].items() >= settings.items()
     assert "2/2" in capsys.readouterr().err  # the progress bar, on stderr
     set_inference(model, **settings)
@@ -254,7 +256,8 @@ def test_predict_on_mone_and_mod_models(kind, image_dir, tmp_path, capsys):
                                    _forward(model, image, "normal"), atol=1e-5, rtol=1e-6)
     wrong = {"mod_inference": "topk"} if kind.startswith("mone") else {"mone_capacity": 0.5}
     with pytest.raises(ValueError, match="no MoD blocks" if kind.startswith("mone") else "no MoNE blocks"):
-        predict(squad.load(tmp_path / "m.pt"), [image_dir], tmp_path / "out2", **wrong)
+        predict(squad.load(tmp_path / "m.pt"), [image_dir], tmp_path / "out2",
+                PredictConfig(inference=InferenceOptions(**wrong)))
 
 
 def test_predict_on_an_adapted_timm_model(image_dir, tmp_path, load_tool, capsys):
@@ -322,8 +325,9 @@ def test_bad_input_is_exit_2_and_writes_nothing(run_dir, image_dir, tmp_path, lo
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_predict_uses_the_gpu_by_default_and_agrees_with_the_cpu(run_dir, image_dir, tmp_path):
-    gpu = predict(squad.load(run_dir), [image_dir / "a_odd.png"], tmp_path / "gpu", ["depth", "normal"])
-    cpu = predict(squad.load(run_dir), [image_dir / "a_odd.png"], tmp_path / "cpu", ["depth", "normal"], device="cpu")
+    gpu = predict(squad.load(run_dir), [image_dir / "a_odd.png"], tmp_path / "gpu", PredictConfig(["depth", "normal"]))
+    cpu = predict(squad.load(run_dir), [image_dir / "a_odd.png"], tmp_path / "cpu",
+                  PredictConfig(["depth", "normal"], device="cpu"))
     assert gpu["device"].startswith("cuda") and cpu["device"] == "cpu"
     for task in ["depth_euclidean", "normal"]:
         np.testing.assert_allclose(np.load(tmp_path / "gpu" / "a_odd" / f"{task}.npy"),

@@ -80,6 +80,8 @@ SKIPPED = {
     "python tools/reproduce.py modsquad-table2 pruning mi-vs-balance amod-table3 mone-budget --scale cpu": "the "
     "converged CPU runs train 54 models for hours (reports/cpu holds their report); test_reproduce.py runs every "
     "claim at --scale tiny",
+    "make gpu-check": "needs a CUDA GPU; test_gpu_check.py runs its refusal, stage runner and report on the CPU",
+    "python3 tools/gpu_check.py": "needs a CUDA GPU (the same as make gpu-check)",
 }
 
 SIZES = {"--n": "32", "--image-size": "32", "--nproc_per_node": "2", "--num-heads": "4"}  # vit_small.pth: 4 heads

@@ -21,7 +21,7 @@ from squad.data.synthetic.taskonomy import split_buildings
 from squad.eval.prior import image_independent
 from squad.reproduce.claims import CLAIMS
 from squad.reproduce.claims_transfer import finetune_jobs, finetune_judgement, measure_router_finetune
-from squad.reproduce.finetune import FairFinetune, holdout_split, load_cached
+from squad.reproduce.finetune import FairFinetune, load_cached
 from squad.reproduce.gate import GATE_GAIN, learnability
 from squad.reproduce.invocation import plan_invocation, plan_table
 from squad.reproduce.measure import curve_band, delta_curve, plateau
@@ -507,16 +507,6 @@ def test_router_finetune_judgement_leaves_out_tasks_the_gate_rejects():
     comp, apart = finetune_judgement(t, [])  # not learnable: nothing counts
     assert comp == [] and len(apart) == 3 and t["class_scene"]["learnable"] is False
     assert verdict(comp) == "inconclusive"
-
-
-def test_holdout_split_is_seeded_and_disjoint():
-    idx = list(range(100, 150))
-    fit, held = holdout_split(idx, 0.2, seed=3)
-    assert len(held) == 10 and len(fit) == 40 and sorted(fit + held) == idx
-    assert holdout_split(idx, 0.2, seed=3) == (fit, held) and holdout_split(idx, 0.2, seed=4) != (fit, held)
-    assert holdout_split([7, 8], 0.01, 0) in (([8], [7]), ([7], [8]))  # at least one image on each side
-    with pytest.raises(ValueError, match="cannot be split"):
-        holdout_split([7], 0.2, 0)
 
 
 def test_cached_results_are_recomputed_when_a_setting_changes(tmp_path):

@@ -215,4 +215,12 @@ def test_build_loader_and_set_epoch(tree):
     set_epoch(loader, 0)
     assert [b["id"] for b in loader] == first and len(first) == 3
     set_epoch(loader, 1)
-    assert [b["id"] for b in loader] != first and ds.epoch == 1
+    second = [b["id"] for b in loader]
+    assert second != first and ds.epoch == 1
+    set_epoch(loader, 1, skip_batches=1)  # a resume one batch into epoch 1 continues its order
+    assert [b["id"] for b in loader] == second[1:]
+    ranks = [build_loader(ds, batch_size=2, seed=1, rank=r, world=2) for r in (0, 1)]
+    for r in ranks:
+        set_epoch(r, 0)
+    shares = [[i for b in r for i in b["id"]] for r in ranks]
+    assert not set(shares[0]) & set(shares[1])  # each rank its own share of the epoch

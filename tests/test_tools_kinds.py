@@ -110,14 +110,16 @@ def test_extracted_model_keeps_the_inference_settings(tmp_path, load_tool, capsy
 
 
 # ----------------------------------------------------------------------------------------------------- visualize
-def test_visualize_mod_draws_the_share_of_tokens_each_block_processed(tmp_path, tiny_data, load_tool, capsys):
+def test_visualize_mod_draws_the_tokens_each_block_processed(tmp_path, tiny_data, load_tool, capsys):
     run, _ = _export(tmp_path, "mod", ["model.mod.aux_loss=true"])
     tool = load_tool("tools/visualize.py")
     out = tmp_path / "figs"
     base = ["--checkpoint", str(run), "--data", str(tiny_data), "--batches", "1", "--tb", "none"]
     assert tool.main([*base, "--out", str(out)]) == 0, capsys.readouterr().err
-    assert sorted(p.name for p in out.glob("*.png")) == ["mod_tokens.png"]
+    assert sorted(p.name for p in out.glob("*.png")) == [f"tokens_{t}.png" for t in sorted(HEADS)]
     numbers = _strict_json(out / "figures.json")
+    assert numbers["token_maps"] == {"images": 4, "layers": ["blocks.1", "blocks.3"],
+                                     "kinds": {"blocks.1": "mod", "blocks.3": "mod"}}
     assert numbers["mod"]["blocks"] == ["blocks.1", "blocks.3"] and numbers["mod"]["mode"] == "topk"
     k = math.ceil(0.5 * 17) / 17  # top-k: every task processes k = ceil(C · N) of N = 17 tokens
     assert sum(numbers["mod"]["share"], []) == pytest.approx([k] * 6)
@@ -138,7 +140,8 @@ def test_visualize_mone_draws_tokens_per_nested_expert(tmp_path, tiny_data, load
         out = tmp_path / cap
         assert tool.main([*base, "--out", str(out), "--mone-capacity", cap]) == 0, capsys.readouterr().err
         assert sorted(p.name for p in out.glob("*.png")) == ["mone_router_blocks.0.router.png",
-                                                             "mone_tokens_blocks.0.router.png"]
+                                                             "mone_tokens_blocks.0.router.png",
+                                                             *(f"tokens_{t}.png" for t in sorted(HEADS))]
         numbers = _strict_json(out / "figures.json")
         assert numbers["mone"]["widths"] == ["D/8", "D/4", "D/2", "D"]
         tokens = torch.tensor(numbers["mone"]["routers"]["blocks.0.router"]["tokens"])

@@ -8,6 +8,7 @@ import torch
 import squad
 from squad.analysis.figures import draw_figures
 from squad.analysis.relations import task_relations
+from squad.config.tools import VisualizeConfig
 from squad.io import export_model
 from squad.layers.routing import TaskLinear
 from squad.posttrain.extract import collect_usage
@@ -91,18 +92,20 @@ def _is_png(path) -> bool:
 
 def test_figures_are_written_with_data(run_dir, tiny_data, tmp_path):
     out = tmp_path / "figs"
-    result = draw_figures(squad.load_model(run_dir), out, data=tiny_data, split="val", batches=1, batch_size=4,
-                          tb_dir=run_dir / "tensorboard")
+    cfg = VisualizeConfig(data=str(tiny_data), split="val", batches=1, batch_size=4, images=2)
+    result = draw_figures(squad.load_model(run_dir), out, cfg, tb_dir=run_dir / "tensorboard")
     names = sorted(p.name for p in out.glob("*.png"))
-    assert names == ["mod_tokens.png", "relations_all.png", "relations_first.png", "relations_last.png",
-                     "relations_middle.png", "usage_blocks.0.attn.png", "usage_blocks.0.mlp.png",
-                     "usage_blocks.1.block.mlp.png"]
+    assert names == ["relations_all.png", "relations_first.png", "relations_last.png", "relations_middle.png",
+                     "tokens_depth_euclidean.png", "tokens_edge_texture.png", "tokens_normal.png",
+                     "usage_blocks.0.attn.png", "usage_blocks.0.mlp.png", "usage_blocks.1.block.mlp.png"]
+    assert sorted(result["token_maps"]) == [str(out / f"tokens_{t}.png") for t in sorted(HEADS)]
     for p in out.glob("*.png"):
         assert _is_png(p) and p.stat().st_size > 5000, p
     numbers = json.loads((out / "figures.json").read_text())
     assert numbers["relations"]["tasks"] == HEADS
     assert len(numbers["usage"]["blocks.0.mlp"]["share"]) == 3
     assert numbers["mod"] == {"mode": "topk", "blocks": ["blocks.1"], "share": [[9 / 17], [9 / 17], [9 / 17]]}
+    assert numbers["token_maps"] == {"images": 2, "layers": ["blocks.1"], "kinds": {"blocks.1": "mod"}}
     assert result["tensorboard"] == str(run_dir / "tensorboard")
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
 
@@ -111,8 +114,8 @@ def test_visualize_tool_without_data_uses_saved_usage(run_dir, tmp_path, load_to
     tool = load_tool("tools/visualize.py")
     out = tmp_path / "figs"
     assert tool.main(["--checkpoint", str(run_dir / "model.pt"), "--out", str(out), "--tb", "none"]) == 0
-    assert sorted(p.name for p in out.glob("*.png")) == ["mod_tokens.png", "usage_blocks.0.attn.png",
-                                                         "usage_blocks.0.mlp.png", "usage_blocks.1.block.mlp.png"]
+    assert sorted(p.name for p in out.glob("*.png")) == ["usage_blocks.0.attn.png", "usage_blocks.0.mlp.png",
+                                                         "usage_blocks.1.block.mlp.png"]  # token maps need images
     assert "saved in model.pt" in capsys.readouterr().out
     bare = tmp_path / "bare.pt"
     export_model(bare, tiny_model(HEADS), None)

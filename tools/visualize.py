@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Draw a trained model's routing: expert-usage heatmaps, task-relation matrices, MoD and MoNE token shares (PNG,.
+"""Draw a trained model's routing: expert-usage heatmaps, task-relation matrices, token maps over the image.
 
 The tool lives in `squad.cli.visualize` (also installed as `squad-visualize`); usage and examples:
 ``python tools/visualize.py --help``.

@@ -2,8 +2,9 @@
 
 - MoE attention / MoE MLP: tasks × experts selection heatmaps per layer (paper Fig. 4 style) and task × task
   relation matrices (paper Fig. 5 style, from a calibration pass);
-- Mixture-of-Depths: tasks × MoD blocks, the share of each task's tokens each block processed (top-k: the capacity;
-  threshold inference: what the routers let through);
+- Mixture-of-Depths (learned or attention routing) and Mixture of Nested Experts: for a few images of the calibration
+  split, per task, the tokens each MoD block processed and each token's nested width, as maps over the image
+  (`squad.analysis.token_maps`; the share of tokens each block processed is in ``figures.json``);
 - Mixture of Nested Experts: tasks × nested experts, the share of each task's tokens assigned to each width (fixed
   by e_c), and the task's mean router probability per width (where the tasks differ).
 
@@ -12,6 +13,7 @@ A model with no routed layer (a dense ViT) is refused: there is no routing to dr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -22,6 +24,8 @@ import matplotlib
 import torch
 
 from squad.analysis.relations import TaskRelations, task_relations
+from squad.analysis.token_maps import has_token_maps, token_figure, token_maps
+from squad.config.tools import VisualizeConfig
 from squad.data import build_dataset, eval_loader
 from squad.io.files import atomic_save, atomic_write_text
 from squad.layers.base import EXPERT_KINDS, RoutedLayer
@@ -71,14 +75,6 @@ def usage_figure(share: np.ndarray, tasks: Sequence[str], layer: str):
     return fig
 
 
-def mod_figure(share: np.ndarray, tasks: Sequence[str], blocks: Sequence[str], mode: str):
-    """Share of each task's tokens each MoD block processed: rows = tasks, columns = MoD blocks, in [0, 1]."""
-    fig = heatmap(share, tasks, blocks, f"Mixture-of-Depths: tokens processed ({mode})", "share of tokens",
-                  vmin=0.0, vmax=1.0)
-    fig.axes[0].set_xlabel("MoD block", fontsize=8)
-    return fig
-
-
 def mone_figure(share: np.ndarray, tasks: Sequence[str], widths: Sequence[str], title: str, cbar: str):
     """Per task, a share per nested expert: rows = tasks, columns = expert widths (smallest first)."""
     fig = heatmap(share, tasks, widths, title, cbar, vmin=0.0, vmax=1.0)
@@ -114,18 +110,22 @@ def _has_moe(model: SquadViT) -> bool:
     return any(isinstance(m, RoutedLayer) and m.kind in EXPERT_KINDS for m in model.modules())
 
 
+def calibration_data(model: SquadViT, data: str | Path, split: str = "val"):
+    """The images of ``split`` at the model's size, in order (their targets unused: the dataset reads one task the
+    data provides — the model's own Taskonomy / PASCAL / NYUD task)."""
+    probe = next((t for t in model.task_names if t in (*TASK_NAMES, *DENSE_LABEL_TASKS)), TASK_NAMES[0])
+    return build_dataset(data, [probe], split, image_size=model.cfg.img_size, augment=False, missing="mask",
+                         task_options=model.cfg.task_options)
+
+
 def calibration_pass(model: SquadViT, data: str | Path, split: str = "val", batches: int = 4, batch_size: int = 8,
                      device: str | torch.device = "cpu",
                      workers: int = 0) -> tuple[ExpertUsage, TaskRelations | None]:
     """Usage statistics of ``model`` over ``batches`` batches of ``split`` (every task fused), and the task
     relations when it has MoE attention / MoE MLP layers (None otherwise: MoD and MoNE routing has no experts two
     tasks could share)."""
-    # a task the data provides (images only: targets unused): the model's own Taskonomy / PASCAL / NYUD task
-    probe = next((t for t in model.task_names if t in (*TASK_NAMES, *DENSE_LABEL_TASKS)), TASK_NAMES[0])
-    ds = build_dataset(data, [probe], split, image_size=model.cfg.img_size, augment=False, missing="mask",
-                       task_options=model.cfg.task_options)
     usage = ExpertUsage(model.task_names)
-    loader = eval_loader(ds, batch_size, workers)
+    loader = eval_loader(calibration_data(model, data, split), batch_size, workers)
     if _has_moe(model):
         rel = task_relations(model, loader, max_batches=batches, device=device, usage=usage)
         return usage, rel
@@ -142,56 +142,60 @@ def calibration_pass(model: SquadViT, data: str | Path, split: str = "val", batc
     return usage, None
 
 
+def first_images(model: SquadViT, data: str | Path, split: str, count: int) -> torch.Tensor:
+    """The first ``count`` images of ``split`` [count, C, H, W] (fewer when the split is smaller)."""
+    ds = calibration_data(model, data, split)
+    return torch.stack([ds[i]["rgb"] for i in range(min(count, len(ds)))])
+
+
 def _mone_widths(model: SquadViT) -> list[str]:
     e = model.cfg.mone.num_experts
     return [f"D/{2 ** (e - 1 - j)}" if j < e - 1 else "D" for j in range(e)]
 
 
-def draw_figures(model: SquadViT, out_dir: str | Path, *, data: str | Path | None = None,
-                 split: str = "val", batches: int = 4, batch_size: int = 8, tb_dir: str | Path | None = None,
-                 device: str | torch.device = "cpu", workers: int = 0, mone_capacity: float | None = None,
-                 mod_inference: str | None = None) -> dict:
+def draw_figures(model: SquadViT, out_dir: str | Path, cfg: VisualizeConfig | None = None,
+                 tb_dir: str | Path | None = None) -> dict:
     """Draws every figure into ``out_dir`` (and TensorBoard) and returns what was written.
 
     The model and its statistics are checked before anything is created: a model without routed layers or no
     statistics to draw from leave no folder behind.
 
     Args:
-        model: the model (`squad.load_model`); without ``data`` the usage statistics saved with it (its ``usage``,
-            from training) are drawn, and its ``meta["extra"]["step"]`` is the TensorBoard step.
+        model: the model (`squad.load_model`); without ``cfg.data`` the usage statistics saved with it (its
+            ``usage``, from training) are drawn, and its ``meta["extra"]["step"]`` is the TensorBoard step.
         out_dir: folder for the PNGs and ``figures.json``.
-        data: dataset root for a calibration pass (recommended; needed for relation matrices).
-        split: split of the calibration pass.
-        batches: calibration batches (0 = the whole split).
-        batch_size: images per batch.
+        cfg: the calibration data (recommended: relation matrices and token maps need it), its split, batches and
+            batch size, the images the token maps show, device, loader workers and inference settings
+            (`squad.config.tools.VisualizeConfig`; default: the saved statistics only).
         tb_dir: TensorBoard log folder (None or ``""``: no TensorBoard).
-        device: where to run.
-        workers: data loader workers.
-        mone_capacity: MoNE effective capacity e_c for the calibration pass (MoNE models).
-        mod_inference: MoD inference mode for the calibration pass, topk or threshold (MoD models).
 
     Returns:
-        ``{"files": [png paths], "json": path, "usage_source": ..., "tensorboard": dir or None}``.
+        ``{"files": [png paths], "json": path, "usage_source": ..., "tensorboard": dir or None, "token_maps":
+        [png paths of the token maps]}``.
 
     Raises:
         ValueError: a model without routed layers; no data and no saved usage statistics; an inference setting
             the model cannot take, or one given without data (saved statistics come from training).
         FileNotFoundError: missing data.
     """
+    cfg = cfg or VisualizeConfig()
+    cfg.check()
+    data, split, device = cfg.data, cfg.split, cfg.device
+    mone_capacity, mod_inference = cfg.inference.mone_capacity, cfg.inference.mod_inference
     out_dir = Path(out_dir)
     saved = getattr(model, "usage", None)
     step = int(((getattr(model, "meta", None) or {}).get("extra") or {}).get("step", 0) or 0)
     if not any(isinstance(m, RoutedLayer) for m in model.modules()):
         raise ValueError(f"{model.cfg.name} has no routed layers (MoE attention, MoE MLP, Mixture-of-Depths or "
                          f"nested experts): there is no routing to draw")
-    settings = set_inference(model, mone_capacity, mod_inference)
+    settings = set_inference(model, **dataclasses.asdict(cfg.inference))
     if data is None and (mone_capacity is not None or mod_inference is not None):
         raise ValueError("--mone-capacity / --mod-inference change how the model routes, which only a calibration "
                          "pass shows: pass data= (--data DIR); the saved statistics come from training")
     model.to(device)
     rel = None
     if data is not None:
-        usage, rel = calibration_pass(model, data, split, batches, batch_size, device, workers)
+        usage, rel = calibration_pass(model, data, split, cfg.batches, cfg.batch_size, device, cfg.workers)
         usage_source = f"calibration pass over {data} ({split})"
     elif saved is not None:
         usage, usage_source = saved, "usage statistics saved in model.pt (training)"
@@ -208,7 +212,8 @@ def draw_figures(model: SquadViT, out_dir: str | Path, *, data: str | Path | Non
         writer = SummaryWriter(str(tb_dir))
     files = []
     numbers = {"usage_source": usage_source, "inference": settings, "usage": {}, "relations": None, "mod": None,
-               "mone": None}
+               "mone": None, "token_maps": None}
+    token_files: list[str] = []
 
     def emit(fig, tag: str, name: str) -> None:
         if writer is not None:
@@ -224,11 +229,17 @@ def draw_figures(model: SquadViT, out_dir: str | Path, *, data: str | Path | Non
                  f"usage_{_slug(layer)}.png")
             numbers["usage"][layer] = {"kind": usage.kinds[layer], "share": share.tolist()}
         mod = [name for name in usage.counts if usage.kinds[name] == "mod"]
-        if mod:  # [T, blocks] share of each task's tokens processed
+        if mod:  # [T, blocks] share of each task's tokens processed (which ones: the token maps)
             share = torch.stack([usage.counts[b][:, 0] / usage.tokens[b].clamp_min(1.0) for b in mod], dim=1)
             mode = ("training, top-k" if data is None else settings.get("mod_inference", "topk"))
-            emit(mod_figure(share.numpy(), usage.tasks, mod, mode), "figures/mod/tokens", "mod_tokens.png")
             numbers["mod"] = {"mode": mode, "blocks": mod, "share": share.tolist()}
+        if data is not None and cfg.images and has_token_maps(model):
+            images = first_images(model, data, split, cfg.images)
+            maps = token_maps(model, images.to(device))
+            for task in maps.tasks:
+                emit(token_figure(images, maps, task), f"figures/tokens/{task}", f"tokens_{_slug(task)}.png")
+                token_files.append(files[-1])
+            numbers["token_maps"] = {"images": images.shape[0], "layers": maps.layers, "kinds": maps.kinds}
         mone = [name for name in usage.counts if usage.kinds[name] == "mone"]
         if mone:
             numbers["mone"] = {"widths": _mone_widths(model), "routers": {}}
@@ -254,4 +265,4 @@ def draw_figures(model: SquadViT, out_dir: str | Path, *, data: str | Path | Non
     atomic_write_text(json_path, json.dumps(numbers, indent=1) + "\n", "the figures' numbers")
     log.info("wrote %d figures to %s", len(files), out_dir)
     return {"files": files, "json": str(json_path), "usage_source": usage_source,
-            "tensorboard": str(tb_dir) if tb_dir else None}
+            "tensorboard": str(tb_dir) if tb_dir else None, "token_maps": token_files}

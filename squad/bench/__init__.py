@@ -9,5 +9,12 @@
 - extract.py: the extracted-model case (parameters and forward time against the full model).
 - data.py: HDF5 shards against the PNG tree.
 - engine.py: the training engine's step and whole run against bare steps (CPU time, the reproduction's widths).
+- traffic.py: `TrafficRecorder`: every launched op's kernels, FLOPs, bytes, host syncs, atomics, counted on any device.
+- cuda_path.py: what makes a CPU or meta recording follow CUDA's path (forced algorithm, fused SDPA, Triton launches).
+- traffic_profile.py: the ``traffic`` case: the routed layers against their dense twins, counted and priced.
+- costmodel.py: the H100 cost model that prices a recording (a model, fitted to measured runs).
+- calibrate.py: the model's calibration on 84de653's code (``tools/bench.py --fit-traffic``); legacy.py: the script
+  that records that commit's cases in its own process.
+- gpucheck.py: ``make gpu-check``: the GPU tests, GPU rows beside the model, train steps, a DeepSpeed run.
 The routed-attention kernel's own benchmark lives beside the kernel (squad.kernels.bench).
 """

@@ -90,6 +90,8 @@ CASES: list[Case] = [
     Case("mod", "squad.bench.cases:bench_mod", "MoD ViT-S (12.5 %, every other block) forward vs dense ViT-S"),
     Case("mone", "squad.bench.cases:bench_mone", "MoNE ViT-S at e_c = 0.3 forward vs dense ViT-S"),
     Case("routed_attention", "squad.kernels.bench:bench_routed_attention", "routed attention with scores vs SDPA"),
+    Case("traffic", "squad.bench.traffic_profile:bench_traffic",
+         "routed layers' kernels, syncs, atomics, FLOPs, bytes vs dense twins (CPU, exact) + modelled H100 time"),
     Case("data", "squad.bench.data:bench_shards_vs_png", "HDF5 shards vs PNG tree, 13 domains, images/s"),
     Case("engine", "squad.bench.engine:bench_engine",
          "training engine step and whole run / bare fwd+bwd+AdamW step (small STL run, 1 thread, CPU time)"),

@@ -10,11 +10,9 @@ from torch.utils.data import DataLoader
 
 from squad.data.offline.pack import pack_shards
 from squad.data.offline.random_tree import write_random_tree
+from squad.data.samples import collate
 from squad.data.shards import ShardDataset
-from squad.data.taskonomy import (
-    TaskonomyDataset,
-    collate,
-)
+from squad.data.taskonomy import TaskonomyDataset
 from squad.timing import BenchResult, ratio_row, time_interleaved
 
 

@@ -22,6 +22,7 @@ import torch
 import yaml
 
 from squad.config.base import config_root
+from squad.config.tools import ExtractConfig
 from squad.data.synthetic.taskonomy import render_dataset
 from squad.io import load_extracted, load_model
 from squad.posttrain.extract import extract_to_file
@@ -68,8 +69,9 @@ def _run_data(run: Path) -> Path | None:
 def _measure(run: Path, data: Path | None, source: str, folder: Path, quick: bool) -> list[BenchResult]:
     out = folder / f"{TASK}_theta{THETA:g}.pt"
     full = load_model(run)
-    report = extract_to_file(full, TASK, out, theta=THETA, data=data, calib_batches=4 if quick else 16,
-                             eval_split=None, saved_usage=data is None)
+    cfg = ExtractConfig(theta=THETA, data=None if data is None else str(data), calib_batches=4 if quick else 16,
+                        eval_split=None, saved_usage=data is None)
+    report = extract_to_file(full, TASK, out, cfg)
     full = load_model(run)  # extraction set its inference settings: a fresh copy for timing
     ext = load_extracted(out)
     size = full.cfg.img_size

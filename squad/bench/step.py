@@ -223,13 +223,14 @@ def load_step_config(name: str, overrides: Sequence[str] = ()):
 
 
 # ---------------------------------------------------------------------------------------------------- the case
-def bench_train_step(quick: bool = False) -> list[BenchResult]:
+def bench_train_step(quick: bool = False, checkpointing: bool = True) -> list[BenchResult]:
     """The 13-task training step of modsquad_vit_b and mtl_vit_b with AdamW: images/s, MFU, peak memory; eager and
     compiled, with and without activation checkpointing (compiled rows are left out at --quick sizes: compiling
     takes minutes on a CPU). GPU: paper widths, bf16, 12 images. CPU: `CPU_WIDTH`, fp32, 12 images (--quick: tiny,
     4 images). A row's value is images/s; its details hold MFU and peak memory. Three more rows: the MFU contract
     (modsquad_vit_b, best setup), the mtl_vit_b 13-task step against its 1-task step (one backbone pass) and against
-    the same step with every image copied per task (the layout before shared rows)."""
+    the same step with every image copied per task (the layout before shared rows). ``checkpointing=False`` leaves
+    out the activation-checkpointing setups (`squad.bench.gpucheck`: eager and compiled only)."""
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -237,6 +238,8 @@ def bench_train_step(quick: bool = False) -> list[BenchResult]:
     images = GPU_IMAGES if cuda or not quick else 4
     rows: list[BenchResult] = []
     variants = [(False, "none"), (False, "blocks")] + ([] if quick else [(True, "none"), (True, "blocks")])
+    if not checkpointing:
+        variants = [v for v in variants if v[1] == "none"]
     repeats = 3 if quick else (10 if cuda else 5)
     best: dict[str, StepResult] = {}
     for name in STEP_CONFIGS:

@@ -5,6 +5,8 @@
     python tools/bench.py --profile             # params / MACs of every paper config (no timing)
     python tools/bench.py --list
     python tools/bench.py --device cuda --only moe_mlp moa mod mone   # the GPU rows (bf16, CUDA events)
+    python tools/bench.py --only traffic       # bytes, kernels, syncs of the routed layers' CUDA path + H100 model
+    python tools/bench.py --fit-traffic --json reports/bench/traffic_fit.json   # refit the H100 model to 84de653
     python tools/bench.py --plan configs/taskonomy/modsquad_vit_b.yaml --gpus 240   # capacity plan (an estimate)
 
 A case whose module is missing or which fails is printed as an ERROR row (and the exit status is 1); a missed
@@ -47,6 +49,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-tuning", action="store_true",
                    help="keep libgomp's spinning wait policy and glibc's default malloc thresholds")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
+    p.add_argument("--fit-traffic", action="store_true",
+                   help="refit the traffic profile's H100 cost model to what an H100 measured at 84de653 (records "
+                        "that commit's code from git history) and print each case's residual; timing cases run only "
+                        "with --only")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None,
                    help="where the cases that have GPU rows run (moe_mlp, moa, mod, mone: bf16, paper widths, CUDA "
                         "events); default cuda when a GPU is present, else cpu")
@@ -119,7 +125,12 @@ def _bench(argv: list[str] | None) -> int:
         print(format_plan(plan))
         report["plan"] = plan
     rows = []
-    if args.only or not (args.profile or args.plan is not None):
+    if args.fit_traffic:
+        from squad.bench.calibrate import fit_report, format_fit
+
+        report["traffic_fit"] = fit_report()
+        print(format_fit(report["traffic_fit"]))
+    if args.only or not (args.profile or args.plan is not None or args.fit_traffic):
         def progress(case, case_rows):
             print(f"[{case.name}] done ({len(case_rows)} rows)", file=sys.stderr, flush=True)
 
@@ -129,6 +140,11 @@ def _bench(argv: list[str] | None) -> int:
               f"{env['omp_wait_policy']}, malloc tuned {env['malloc_tuned']}, load average "
               f"{', '.join(f'{v:.2f}' for v in env['load_average'] or [])}" + (", --quick sizes" if args.quick else ""))
         print(bench_cases.format_table(rows, bench_cases.device_name(args.device)))
+        if any(r.case.startswith("traffic_") for r in rows):
+            from squad.bench.traffic_profile import format_traffic
+
+            print("\ntraffic profile (CUDA path recorded on the CPU, bf16; kernels..GB exact, model ms a MODEL):")
+            print(format_traffic(rows))
         report["environment_after"] = env
         report["results"] = [bench_cases.result_dict(r) for r in rows]
     atomic_write_text(args.json, json.dumps(report, indent=2) + "\n", "the benchmark results")

@@ -6,7 +6,7 @@
    deepspeed launcher on 2 ranks (CPU: DeepSpeed's CPU accelerator and gloo);
 4. compares validation metrics at step 0 and at the end for every task;
 5. extracts the depth subnetwork at θ = 0.01, evaluates it beside the full model, and draws the expert-usage and
-   task-relation figures;
+   task-relation figures and the token maps (which tokens the MoD block processed, over validation images);
 6. prints where the run, its TensorBoard logs and the figures are.
 
     python tools/demo.py [--out runs/demo] [--data data/synthetic] [--steps N] [--fresh]

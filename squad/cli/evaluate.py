@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 
 from squad.cli import device_arg, run
+from squad.config.tools import EvaluateConfig, defaults, from_namespace
 
 
 def _label(path: str, taken: set[str]) -> str:
@@ -37,13 +38,26 @@ def _label(path: str, taken: set[str]) -> str:
     return label
 
 
+def task_list(text: str) -> list[str] | None:
+    """The ``type=`` of a ``--tasks`` option: comma-separated task names (None when empty)."""
+    return [t.strip() for t in text.split(",") if t.strip()] or None
+
+
 def add_inference_arguments(p: argparse.ArgumentParser) -> None:
-    """``--mone-capacity`` and ``--mod-inference``, shared by evaluate, extract and visualize."""
+    """The options of `squad.config.tools.InferenceOptions` (``--mone-capacity``, ``--mod-inference``), shared by
+    every tool that runs a loaded model (evaluate, predict, extract, export, visualize)."""
     p.add_argument("--mone-capacity", type=float, default=None, help="MoNE effective capacity e_c in "
                    "[1/2^(E-1), 1] (MoNE models; default: the one the model was saved with)")
     p.add_argument("--mod-inference", choices=["topk", "threshold"], default=None, help="MoD inference: the top-k "
                    "tokens per block, or every token whose learned router says yes (needs a model trained with "
                    "model.mod.aux_loss=true; the share of tokens processed is reported). Default: the saved mode")
+
+
+def add_precision_argument(p: argparse.ArgumentParser, default: str = "bf16 on CUDA, fp32 on the CPU") -> None:
+    """``--precision``, shared by evaluate, predict, extract and export (`squad.models.precision`)."""
+    p.add_argument("--precision", choices=["bf16", "fp32"], default=None,
+                   help=f"dtype the model runs in (default: {default}; bf16 keeps the routed layers on their "
+                        "sync-free grouped matmuls on CUDA)")
 
 
 def add_compile_argument(p: argparse.ArgumentParser) -> None:
@@ -85,16 +99,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", action="append", required=True,
                    help="run folder, model.pt or extracted model (repeat to compare several side by side)")
     p.add_argument("--data", required=True, help="dataset root")
-    p.add_argument("--split", default="val", help="train, val, test or all (default val)")
-    p.add_argument("--tasks", default=None, help="comma-separated tasks (default: every task of each model)")
+    p.add_argument("--split", help="train, val, test or all (default val)")
+    p.add_argument("--tasks", type=task_list, help="comma-separated tasks (default: every task of each model)")
     p.add_argument("--baseline", nargs="+", default=None, help="baseline results JSON file(s) for Δt")
-    p.add_argument("--batches", type=int, default=0, help="batches to evaluate (0 = the whole split)")
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batches", type=int, help="batches to evaluate (0 = the whole split)")
+    p.add_argument("--batch-size", type=int)
     add_inference_arguments(p)
     add_compile_argument(p)
-    p.add_argument("--device", default="cpu", type=device_arg, help="cpu, cuda or cuda:N (default cpu)")
-    p.add_argument("--workers", type=int, default=0)
+    add_precision_argument(p)
+    p.add_argument("--device", type=device_arg, help="cpu, cuda or cuda:N (default cpu)")
+    p.add_argument("--workers", type=int)
     p.add_argument("--out", default=None, help="results JSON (default: eval_<split>.json beside the first checkpoint)")
+    p.set_defaults(**defaults(EvaluateConfig))
     return p
 
 
@@ -106,21 +122,20 @@ def _evaluate(argv: list[str] | None) -> int:
     from squad.io import load
     from squad.io.files import atomic_write_text
 
-    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else None
+    cfg = from_namespace(EvaluateConfig, args)  # the options of every model's evaluation, checked, in one place
     taken: set[str] = set()
     baseline = load_baseline(args.baseline) if args.baseline else None
     models = {}
     for path in args.checkpoint:
         try:
-            run_ = evaluate_run(load(path), args.data, args.split, tasks, args.batches, args.batch_size, args.device,
-                                args.workers, mone_capacity=args.mone_capacity, mod_inference=args.mod_inference,
-                                compile=args.compile)
+            run_ = evaluate_run(load(path), args.data, cfg)
         except ValueError as e:
             if len(args.checkpoint) == 1:
                 raise
             raise ValueError(f"{path}: {e}") from e  # name the model among several
         metrics = run_["metrics"]
-        entry = {"checkpoint": path, "metrics": metrics, "compute": run_["compute"], "data": run_["data"]}
+        entry = {"checkpoint": path, "metrics": metrics, "compute": run_["compute"], "data": run_["data"],
+                 "precision": run_["precision"]}
         if baseline is not None:
             entry["delta_t"] = delta_against(metrics, baseline)
         models[_label(path, taken)] = entry

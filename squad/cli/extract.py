@@ -24,7 +24,8 @@ import sys
 from pathlib import Path
 
 from squad.cli import device_arg, run
-from squad.cli.evaluate import add_inference_arguments
+from squad.cli.evaluate import add_inference_arguments, add_precision_argument
+from squad.config.tools import ExtractConfig, defaults, from_namespace
 
 
 def _default_out(checkpoint: str, task: str, theta: float | None, keep_top: float | None) -> Path:
@@ -33,31 +34,36 @@ def _default_out(checkpoint: str, task: str, theta: float | None, keep_top: floa
     return folder / f"{task}_{crit}.pt"
 
 
+def _split_or_none(text: str) -> str | None:
+    return None if text.lower() == "none" else text
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The arguments of ``tools/extract.py`` / ``squad-extract``."""
+    """The arguments of ``tools/extract.py`` / ``squad-extract`` (defaults: `squad.config.tools.ExtractConfig`)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True, help="run folder or model.pt of the trained multi-task model")
     p.add_argument("--task", required=True, help="task to extract (name or alias, e.g. depth)")
-    p.add_argument("--theta", type=float, default=0.01, help="remove experts used by at most this share of the "
-                   "task's tokens, in [0, 1) (default 0.01)")
-    p.add_argument("--keep-top", type=float, default=None, help="instead keep the top H share of experts per layer, "
-                   "H in (0, 1]")
+    p.add_argument("--theta", type=float, help="remove experts used by at most this share of the task's tokens, in "
+                   "[0, 1) (default 0.01)")
+    p.add_argument("--keep-top", type=float, help="instead keep the top H share of experts per layer, H in (0, 1]")
     p.add_argument("--renormalize", action="store_true", help="softmax over the kept experts only (the paper's "
                    "pruned router) instead of exact routing")
-    p.add_argument("--data", default=None, help="dataset root for the calibration pass and held-out metrics")
-    p.add_argument("--calib-split", default="train")
-    p.add_argument("--calib-batches", type=int, default=8, help="calibration batches (0 = the whole split)")
-    p.add_argument("--eval-split", default="val", help="held-out split for metrics before/after ('none' to skip)")
-    p.add_argument("--eval-batches", type=int, default=0, help="evaluation batches (0 = the whole split)")
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--data", help="dataset root for the calibration pass and held-out metrics")
+    p.add_argument("--calib-split")
+    p.add_argument("--calib-batches", type=int, help="calibration batches (0 = the whole split)")
+    p.add_argument("--eval-split", type=_split_or_none, help="held-out split for metrics before/after ('none' to "
+                   "skip)")
+    p.add_argument("--eval-batches", type=int, help="evaluation batches (0 = the whole split)")
+    p.add_argument("--batch-size", type=int)
     p.add_argument("--saved-usage", action="store_true", help="use the usage statistics saved in model.pt")
     add_inference_arguments(p)
-    p.add_argument("--device", default="cpu", type=device_arg, help="cpu, cuda or cuda:N (default cpu)")
-    p.add_argument("--workers", type=int, default=0)
+    add_precision_argument(p)
+    p.add_argument("--device", type=device_arg, help="cpu, cuda or cuda:N (default cpu)")
+    p.add_argument("--workers", type=int)
     p.add_argument("--out", default=None, help="output file (default: <run>/<task>_theta<θ>.pt); the report is "
                    "written beside it as .json")
+    p.set_defaults(**defaults(ExtractConfig))
     return p
-
 
 
 def _extract(argv: list[str] | None) -> int:
@@ -67,13 +73,9 @@ def _extract(argv: list[str] | None) -> int:
     from squad.io import load_model
     from squad.posttrain.extract import extract_to_file, format_report
 
-    out = args.out or _default_out(args.checkpoint, args.task, args.theta, args.keep_top)
-    report = extract_to_file(
-        load_model(args.checkpoint), args.task, out, theta=args.theta, keep_top=args.keep_top,
-        renormalize=args.renormalize, data=args.data, calib_split=args.calib_split, calib_batches=args.calib_batches,
-        eval_split=None if args.eval_split.lower() == "none" else args.eval_split, eval_batches=args.eval_batches,
-        batch_size=args.batch_size, saved_usage=args.saved_usage, device=args.device, workers=args.workers,
-        mone_capacity=args.mone_capacity, mod_inference=args.mod_inference)
+    cfg = from_namespace(ExtractConfig, args)  # the tool's options, checked, in one place
+    out = args.out or _default_out(args.checkpoint, args.task, cfg.theta, cfg.keep_top)
+    report = extract_to_file(load_model(args.checkpoint), args.task, out, cfg)
     print(format_report(report))
     print(f"model: {out}\nreport: {Path(out).with_suffix('.json')}")
     return 0

@@ -11,10 +11,16 @@
 The model may have a head for the task that its run never trained (data.tasks left it out, as above): that head
 and its router rows are learned anew. A task the run did train needs --replace.
 
-Modes: router (router rows + task embedding + head), head (head only), full (everything), linear-probe (logistic
-regression on frozen pooled features, class tasks). Every parameter a mode does not train is frozen for real and
-checked bitwise unchanged. Subsets are deterministic (seeded, nested). Prints a table mode × size → metric and writes
-JSON (--out). Under the deepspeed launcher or torchrun, rank 0 does all the work and the other ranks exit at once.
+Modes: router (router rows + task embedding + head), head (head only), full (everything), linear-probe (a linear
+classifier on frozen pooled features, class tasks); every mode trains with AdamW for --steps steps. Every parameter a
+mode does not train is frozen for real and checked bitwise unchanged. With --holdout, a share of each subset's images
+is held out and picks each run's lr (of --lrs) and stopping step (the best of --evals evaluations):
+
+    python tools/finetune_router.py --checkpoint runs/no_scene --task scene --data data/synthetic --mode all \
+        --fractions 0.05,0.1 --holdout 0.2 --lrs 1e-4,1e-3,1e-2 --evals 5
+
+Subsets are deterministic (seeded, nested). Prints a table mode × size → metric and writes JSON (--out). Under the
+deepspeed launcher or torchrun, rank 0 does all the work and the other ranks exit at once.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import sys
 from pathlib import Path
 
 from squad.cli import device_arg, run
+from squad.config.tools import FinetuneConfig, defaults, from_namespace
 
 
 def _floats(text: str) -> list[float]:
@@ -47,24 +54,31 @@ def build_parser() -> argparse.ArgumentParser:
     size.add_argument("--shots", type=lambda s: [int(v) for v in _floats(s)], default=None,
                       help="images per class instead (class tasks), e.g. 1,5")
     p.add_argument("--mode", default="router", help="comma-separated: router, head, full, linear-probe (or 'all')")
-    p.add_argument("--steps", type=int, default=200, help="optimiser steps per run (linear-probe: L-BFGS iterations)")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--init", default="mean", choices=["mean", "zero", "random"],
+    p.add_argument("--steps", type=int, help="AdamW steps per run, every mode (default 200)")
+    p.add_argument("--batch-size", type=int)
+    p.add_argument("--lr", type=float, help="learning rate (default 1e-3)")
+    p.add_argument("--weight-decay", type=float)
+    p.add_argument("--holdout", type=float, help="held-out selection: this share of each subset's images picks the "
+                   "lr (of --lrs) and the stopping step (of --evals evaluations along the run); default 0: none")
+    p.add_argument("--lrs", type=_floats, help="with --holdout: the lrs to pick from, e.g. 1e-4,1e-3,1e-2 "
+                   "(default: --lr alone)")
+    p.add_argument("--evals", type=int, help="with --holdout: held-out evaluations along each run (default 1: the "
+                   "last step)")
+    p.add_argument("--init", choices=["mean", "zero", "random"],
                    help="new router rows / task embedding start at the mean of the other tasks' (default), zero, or "
                    "random")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int)
     p.add_argument("--train-split", default="train")
     p.add_argument("--eval-split", default="val")
-    p.add_argument("--eval-batches", type=int, default=0, help="evaluation batches (0 = the whole split)")
+    p.add_argument("--eval-batches", type=int, help="evaluation batches (0 = the whole split)")
     p.add_argument("--replace", action="store_true", help="allow a task the model was trained with (its head and "
                    "router rows are dropped and learned again)")
     p.add_argument("--save-dir", default=None, help="also save every fine-tuned model (merged, model.pt format)")
     p.add_argument("--out", default=None, help="result JSON (default: <run>/finetune_<task>.json)")
-    p.add_argument("--device", default="cpu", type=device_arg, help="cpu, cuda or cuda:N (default cpu)")
-    p.add_argument("--workers", type=int, default=0)
+    p.add_argument("--device", type=device_arg, help="cpu, cuda or cuda:N (default cpu)")
+    p.add_argument("--workers", type=int)
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the deepspeed launcher
+    p.set_defaults(**defaults(FinetuneConfig))
     return p
 
 
@@ -76,23 +90,14 @@ def _finetune(argv: list[str] | None) -> int:
     logging.basicConfig(level=logging.INFO, format="[squad] %(message)s")
 
     from squad.io import load_model
-    from squad.posttrain.finetune import (
-        MODES,
-        FinetuneConfig,
-        check_request,
-        finetune_table,
-        format_table,
-        train_without_hint,
-    )
+    from squad.posttrain.finetune import MODES, check_request, finetune_table, format_table, train_without_hint
     from squad.tasks import get_task
 
     modes = list(MODES) if args.mode == "all" else [m.strip() for m in args.mode.split(",") if m.strip()]
     fractions = args.fractions if args.fractions is not None or args.shots is not None else [0.01]
     folder = Path(args.checkpoint) if Path(args.checkpoint).is_dir() else Path(args.checkpoint).parent
     out = Path(args.out) if args.out else folder / f"finetune_{args.task}.json"
-    cfg = FinetuneConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, weight_decay=args.weight_decay,
-                         init=args.init, seed=args.seed, eval_batches=args.eval_batches, device=args.device,
-                         workers=args.workers)
+    cfg = from_namespace(FinetuneConfig, args)  # the tool's options, checked, in one place
     check_request(args.task, modes, fractions, args.shots, cfg)  # before any work
     try:
         model = load_model(args.checkpoint)

@@ -34,7 +34,8 @@ import logging
 import sys
 
 from squad.cli import device_arg, run
-from squad.cli.evaluate import add_compile_argument, add_inference_arguments
+from squad.cli.evaluate import add_compile_argument, add_inference_arguments, add_precision_argument
+from squad.config.tools import PredictConfig, defaults, from_namespace
 
 _SHOWN = 20  # images whose top-1 classes are printed
 
@@ -45,18 +46,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", required=True, help="run folder, model.pt, checkpoint tag or extracted model")
     p.add_argument("--images", nargs="+", required=True, help="image files and/or folders of images")
     p.add_argument("--out", required=True, help="output folder (created)")
-    p.add_argument("--tasks", nargs="+", default=None, help="tasks to predict, names or aliases, space- or "
-                   "comma-separated (default: every task of the model)")
-    p.add_argument("--encode", choices=["npy", "taskonomy"], default="npy", help="raw values as .npy in task units "
-                   "(default) or as Taskonomy's own PNG encodings")
-    p.add_argument("--batch-size", type=int, default=8, help="images per forward pass (default 8)")
+    p.add_argument("--tasks", nargs="+", help="tasks to predict, names or aliases, space- or comma-separated "
+                   "(default: every task of the model)")
+    p.add_argument("--encode", choices=["npy", "taskonomy"], help="raw values as .npy in task units (default) or as "
+                   "Taskonomy's own PNG encodings")
+    p.add_argument("--batch-size", type=int, help="images per forward pass (default 8)")
     p.add_argument("--class-names", action="append", default=[], metavar="TASK=FILE", help="names of a class task's "
                    "classes, one per line (or a JSON list), shown in its top-5; repeatable")
     add_inference_arguments(p)
     add_compile_argument(p)
-    p.add_argument("--device", default=None, type=device_arg, help="cpu, cuda or cuda:N (default: cuda when "
-                   "available, else cpu)")
+    add_precision_argument(p)
+    p.add_argument("--device", type=device_arg, help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(**defaults(PredictConfig))
     return p
 
 
@@ -75,8 +77,7 @@ def _class_names(items: list[str]) -> dict[str, list[str]]:
 def _predict(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[squad] %(message)s")
-    if args.batch_size < 1:
-        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+    cfg = from_namespace(PredictConfig, args)  # the tool's options, checked, in one place
 
     from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -88,14 +89,12 @@ def _predict(argv: list[str] | None) -> int:
     names = _class_names(args.class_names)
     model = load(args.checkpoint)
     with logging_redirect_tqdm():
-        summary = predict(model, args.images, args.out, args.tasks, batch_size=args.batch_size,
-                          device=args.device, encode=args.encode, mone_capacity=args.mone_capacity,
-                          mod_inference=args.mod_inference, class_names=names, compile=args.compile,
+        summary = predict(model, args.images, args.out, cfg, class_names=names,
                           progress=not args.quiet and sys.stderr.isatty())
     done, skipped = summary["images"], summary["skipped"]
     settings = ", ".join(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}" for k, v in summary["inference"].items())
     print(f"predicted {', '.join(summary['tasks'])} on {len(done)} image(s) at {summary['image_size']} px on "
-          f"{summary['device']}" + (f" ({settings})" if settings else ""))
+          f"{summary['device']} in {summary['precision']}" + (f" ({settings})" if settings else ""))
     for entry in done[:_SHOWN]:
         for task, top in entry.get("top5", {}).items():
             best = top[0]

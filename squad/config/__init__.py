@@ -7,6 +7,8 @@
 - run.py: a training run on top of them — `RunConfig`, `DataConfig`, `OptimConfig`, `TrainConfig`, and the
   DeepSpeed JSON derived from a run (`deepspeed_config`).
 - loading.py: `load_config` (a model config → `SquadConfig`, a run config → `RunConfig`) and `model_config`.
+- tools.py: the tools' options (`ExtractConfig`, `FinetuneConfig`, `EvaluateConfig`, `PredictConfig`,
+  `VisualizeConfig`, `InferenceOptions`), built from a tool's arguments (`from_namespace`); no torch needed.
 """
 
 from squad.config.base import ConfigError

@@ -2,11 +2,13 @@
 
 Readers and the sample pipeline:
 
-- taskonomy.py: the Taskonomy tree reader (`TaskonomyDataset`; `TaskonomyBase`, the sample contract every reader
-  keeps), file decoding and `collate`.
-- benchmark.py, pascal.py, nyud.py: PASCAL-Context (PASCAL_MT) and NYUD-v2 (MTI-Net / ATRC) readers.
+- samples.py: the sample contract every reader keeps (`SampleDataset`), the interface of the sample pipelines
+  (`Pipeline`), `collate`, and the errors a reader raises (`CorruptFileError`, `EmptyDatasetError`).
+- taskonomy.py: the Taskonomy tree reader (`TaskonomyDataset`), its layouts, split CSVs and file decoding.
+- benchmark.py, pascal.py, nyud.py: PASCAL-Context (PASCAL_MT) and NYUD-v2 (MTI-Net / ATRC) readers, and their
+  sample pipeline (`BenchmarkPipeline`: any aspect ratio, fit and pad).
 - shards.py: HDF5 shards (`ShardDataset`, `BenchmarkShardDataset`), read with the same sample format.
-- transforms.py: the sample pipeline (mask-aware resize, crop, flip; `SamplePipeline`).
+- transforms.py: Taskonomy's sample pipeline (mask-aware resize, crop, flip; `SamplePipeline`).
 - accounting.py: files a dataset could not use, counted once over workers and ranks (`report`, `DataReport`).
 - samplers.py: the resumable training sampler and the in-order evaluation batches.
 - loaders.py: `build_dataset` (a `ShardDataset` / `BenchmarkShardDataset` when the folder holds a shard index,
@@ -14,7 +16,7 @@ Readers and the sample pipeline:
   `set_epoch`, `eval_loader`.
 
 Making data (offline tools, tools/make_data.py): `squad.data.synthetic` (the synthetic renderers) and
-`squad.data.tools` (``pack`` into shards, ``stats`` against real Taskonomy, random test trees).
+`squad.data.offline` (``pack`` into shards, ``stats`` against real Taskonomy, random test trees).
 """
 
 from squad.data.accounting import DataReport, report
@@ -22,13 +24,10 @@ from squad.data.benchmark import DATASETS, BenchmarkBase, DatasetTaskError, chec
 from squad.data.loaders import build_dataset, build_loader, eval_loader, set_epoch
 from squad.data.nyud import NYUDDataset
 from squad.data.pascal import PascalContextDataset
+from squad.data.samples import CorruptFileError, EmptyDatasetError, Pipeline, SampleDataset, collate
 from squad.data.shards import INDEX_NAME, BenchmarkShardDataset, ShardDataset, detect_dataset, is_shard_root
 from squad.data.taskonomy import (
-    CorruptFileError,
-    EmptyDatasetError,
-    TaskonomyBase,
     TaskonomyDataset,
-    collate,
     find_split_csv,
     make_data_hint,
     read_raw,
@@ -38,8 +37,8 @@ from squad.data.transforms import SamplePipeline
 
 __all__ = [
     "DATASETS", "INDEX_NAME", "BenchmarkBase", "BenchmarkShardDataset", "CorruptFileError", "DataReport",
-    "DatasetTaskError", "EmptyDatasetError", "NYUDDataset", "PascalContextDataset", "SamplePipeline", "ShardDataset",
-    "TaskonomyBase", "TaskonomyDataset", "build_dataset", "build_loader", "check_dataset_tasks", "collate",
-    "detect_dataset", "eval_loader", "find_split_csv", "is_shard_root", "make_data_hint", "read_raw",
+    "DatasetTaskError", "EmptyDatasetError", "NYUDDataset", "PascalContextDataset", "Pipeline", "SampleDataset",
+    "SamplePipeline", "ShardDataset", "TaskonomyDataset", "build_dataset", "build_loader", "check_dataset_tasks",
+    "collate", "detect_dataset", "eval_loader", "find_split_csv", "is_shard_root", "make_data_hint", "read_raw",
     "read_split_csv", "report", "set_epoch",
 ]

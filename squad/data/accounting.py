@@ -168,7 +168,7 @@ class DataReport:
 
 
 def report(dataset, name: str, images: int | None = None) -> DataReport:
-    """The accounting of `dataset` (a `squad.data.TaskonomyBase`) over every rank; marks it reported.
+    """The accounting of `dataset` (a `squad.data.SampleDataset`) over every rank; marks it reported.
 
     A collective when a process group with several ranks is running: call it on every rank.
     """

@@ -19,7 +19,7 @@ pixels (`Task.raw_valid`, e.g. normals' fill) never blend into valid ones, and a
 covered by valid pixels holds `Task.raw_fill`; float arrays (NYUD depth in metres) are resized the same way in
 float, with 0 as their invalid code.
 
-`BenchmarkBase` is the Dataset: it shares `squad.data.taskonomy.TaskonomyBase`'s sample dict, collate, accounting
+`BenchmarkBase` is the Dataset: it shares `squad.data.samples.SampleDataset`'s sample dict, collate, accounting
 of corrupt / wrong-size / missing files (`squad.data.accounting`), substitution in training and omission in
 evaluation. The packer (`squad.data.offline.pack`) stores the output of `BenchmarkPipeline.prepare_raw` (the fit to the
 packed size), so shards read back at that size give exactly the tree reader's samples.
@@ -27,6 +27,7 @@ packed size), so shards read back at that size give exactly the tree reader's sa
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import struct
@@ -41,7 +42,7 @@ import torch.nn.functional as F
 from PIL import Image
 from scipy import ndimage
 
-from squad.data.taskonomy import CorruptFileError, EmptyDatasetError, TaskonomyBase
+from squad.data.samples import CorruptFileError, EmptyDatasetError, SampleDataset
 from squad.data.transforms import MIN_COVERAGE, WrongSizeError, _resize_nearest, compact_rgb, decode_rgb, resize_raw
 from squad.tasks import (
     NYUD_TASKS,
@@ -409,8 +410,8 @@ def read_split_list(path: Path) -> list[str]:
     return [line.strip() for line in path.read_text().splitlines() if line.strip()]
 
 
-class BenchmarkBase(TaskonomyBase):
-    """A PASCAL-Context or NYUD-v2 folder tree as a Dataset (the sample contract of `TaskonomyBase`).
+class BenchmarkBase(SampleDataset):
+    """A PASCAL-Context or NYUD-v2 folder tree as a Dataset (the sample contract of `SampleDataset`).
 
     Subclasses set `dataset`, `tasks_provided`, `split_dir` and implement `_sources` (the files a task reads, for
     indexing) and `_read_task`.
@@ -447,9 +448,9 @@ class BenchmarkBase(TaskonomyBase):
         unknown = set(ignored) - {"resize", "geometry_mask", "split_csv", "buildings"}
         if unknown:
             raise TypeError(f"{type(self).__name__}: unexpected options {sorted(unknown)}")
-        super().__init__(names, image_size, None, augment, missing, False, seed, task_options)
-        self.pipeline = BenchmarkPipeline(self.task_objects(), image_size, augment, scale_range)
-        self.domains = self.pipeline.domains
+        pipeline = functools.partial(BenchmarkPipeline, image_size=image_size, augment=augment,
+                                     scale_range=scale_range)
+        super().__init__(names, pipeline, missing, seed, task_options)
         self.root = Path(root)
         if not self.root.is_dir():
             raise FileNotFoundError(f"{self.dataset} root {self.root} does not exist. {self.hint()}")

@@ -1,6 +1,6 @@
 """Building datasets and loaders: `build_dataset` (whichever dataset and format a folder holds), `build_loader` and
-`set_epoch` (training order, sharded over ranks), and `eval_loader` (each rank's in-order share, every sample at most
-once).
+`set_epoch` (the training loader: order sharded over ranks, resumable mid-epoch; the one `squad.train` runs), and
+`eval_loader` (each rank's in-order share, every sample at most once).
 """
 
 from __future__ import annotations
@@ -11,15 +11,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader
 
 from squad.data.benchmark import DATASETS, check_dataset_tasks
 from squad.data.nyud import NYUDDataset
 from squad.data.pascal import PascalContextDataset
-from squad.data.samplers import InOrderBatches
+from squad.data.samplers import InOrderBatches, ResumableSampler
+from squad.data.samples import SampleDataset, collate
 from squad.data.shards import BenchmarkShardDataset, ShardDataset, detect_dataset, is_shard_root
-from squad.data.taskonomy import TaskonomyBase, TaskonomyDataset, collate, make_data_hint
-from squad.distributed import has_process_group
+from squad.data.taskonomy import TaskonomyDataset, make_data_hint
 from squad.tasks import NYUD_TASKS, PASCAL_TASKS
 
 # names only PASCAL-Context / NYUD provide: asking a Taskonomy tree for them is an error naming its tasks
@@ -27,7 +27,7 @@ BENCHMARK_ONLY_TASKS = frozenset(PASCAL_TASKS) | frozenset(NYUD_TASKS)
 
 
 def build_dataset(root: str | Path, tasks: str | Sequence[str], split: str | Sequence[str] = "train",
-                  dataset: str | None = None, **kwargs: Any) -> TaskonomyBase:
+                  dataset: str | None = None, **kwargs: Any) -> SampleDataset:
     """The dataset for `root`, whichever dataset and format it is in.
 
     Args:
@@ -75,43 +75,36 @@ def build_dataset(root: str | Path, tasks: str | Sequence[str], split: str | Seq
     return TaskonomyDataset(root, tasks, split=split, **kwargs)
 
 
-def build_loader(dataset: TaskonomyBase, batch_size: int, shuffle: bool = True, num_workers: int = 2,
-                 seed: int = 0, drop_last: bool = True, persistent_workers: bool = False,
-                 pin_memory: bool = False) -> DataLoader:
-    """A DataLoader over a Taskonomy dataset; sharded over ranks with `DistributedSampler` when distributed.
+def build_loader(dataset: SampleDataset, batch_size: int, *, seed: int = 0, num_workers: int = 0, rank: int = 0,
+                 world: int = 1, pin_memory: bool = False) -> DataLoader:
+    """The training loader: this rank's share of a seeded permutation per epoch, full batches only, resumable
+    mid-epoch (`squad.data.samplers.ResumableSampler`).
 
-    Call `set_epoch(loader, epoch)` at the start of each epoch (it reshuffles and changes the augmentation).
+    Call `set_epoch(loader, epoch)` before each epoch: it sets the order, the augmentation draws and, after a resume,
+    the batches of the epoch already consumed.
 
     Args:
-        dataset: a `TaskonomyDataset` or `ShardDataset`.
+        dataset: a `SampleDataset` (any reader, tree or shards).
         batch_size: images per rank and step.
-        shuffle: shuffle the order (seeded by `seed` and the epoch).
+        seed: the permutation seed, the same on every rank (each epoch's order comes from (seed, epoch)); it also
+            seeds the loader's own generator, from which the workers' base seed is drawn — never from the global RNG
+            that a training step reseeds, so where an epoch starts does not shift anything else.
         num_workers: worker processes (each opens its own files).
-        seed: sampler seed, the same on every rank.
-        drop_last: drop the last incomplete batch (and pad nothing across ranks).
-        persistent_workers: keep workers between epochs; `set_epoch` then only takes effect in workers started
-            after it, so leave it off when augmenting.
+        rank: this rank's index among ``world`` data-parallel ranks.
+        world: data-parallel ranks (each gets every ``world``-th sample of the permutation).
         pin_memory: pin batches (useful with GPUs).
     """
-    if has_process_group():  # any process group, even one of a single rank
-        sampler = DistributedSampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last)
-        return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
-                          collate_fn=collate, drop_last=drop_last, pin_memory=pin_memory,
-                          persistent_workers=persistent_workers and num_workers > 0)
-    generator = torch.Generator().manual_seed(seed)
-    return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, generator=generator,
-                      num_workers=num_workers, collate_fn=collate, drop_last=drop_last, pin_memory=pin_memory,
-                      persistent_workers=persistent_workers and num_workers > 0)
+    sampler = ResumableSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed, drop_last=True)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers, collate_fn=collate,
+                      drop_last=True, pin_memory=pin_memory, generator=torch.Generator().manual_seed(seed))
 
 
-def set_epoch(loader: DataLoader, epoch: int) -> None:
-    """Sets the epoch on the loader's sampler (order) and dataset (augmentation draws)."""
-    if isinstance(loader.sampler, DistributedSampler):
-        loader.sampler.set_epoch(epoch)
-    elif loader.generator is not None and isinstance(loader.dataset, TaskonomyBase):
-        loader.generator.manual_seed(loader.dataset.seed * 1_000_003 + epoch)
-    if isinstance(loader.dataset, TaskonomyBase):
-        loader.dataset.set_epoch(epoch)
+def set_epoch(loader: DataLoader, epoch: int, skip_batches: int = 0) -> None:
+    """Sets a `build_loader` loader's epoch: its order and its dataset's augmentation draws; the first
+    ``skip_batches`` batches of the epoch are left out (a resume mid-epoch continues where the run stopped)."""
+    loader.sampler.set_epoch(epoch)
+    loader.sampler.skip = skip_batches * loader.batch_size
+    loader.dataset.set_epoch(epoch)
 
 
 def eval_loader(dataset, batch_size: int, workers: int = 0) -> DataLoader:
@@ -121,7 +114,7 @@ def eval_loader(dataset, batch_size: int, workers: int = 0) -> DataLoader:
     batch is smaller — never replaced by its neighbour, so nothing is scored twice.
     """
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    if isinstance(dataset, TaskonomyBase):
+    if isinstance(dataset, SampleDataset):
         dataset = dataset.without_substitutes()
     return DataLoader(InOrderBatches(dataset, batch_size, rank, world, collate), batch_size=None,
                       num_workers=workers)

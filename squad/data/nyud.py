@@ -50,7 +50,7 @@ from pathlib import Path
 import numpy as np
 
 from squad.data.benchmark import BenchmarkBase, first_existing, read_image, read_npy, read_png
-from squad.data.taskonomy import CorruptFileError
+from squad.data.samples import CorruptFileError
 
 NORMALS_FILL = 128  # the code of an invalid normal (decodes to a vector shorter than 0.1)
 
@@ -82,7 +82,7 @@ def encode_normals(normals: np.ndarray) -> np.ndarray:
 
 
 class NYUDDataset(BenchmarkBase):
-    """NYUD-v2 (MTI-Net layout, either file variant; module docstring) with the Dataset contract of `TaskonomyBase`.
+    """NYUD-v2 (MTI-Net layout, either file variant; module docstring) with the Dataset contract of `SampleDataset`.
 
     Args: as `squad.data.benchmark.BenchmarkBase`; tasks among `NYUD_TASKS` (``"all"`` = the four), splits
     ``train`` / ``val`` from ``gt_sets``.

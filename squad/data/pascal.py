@@ -84,7 +84,7 @@ from typing import Any
 import numpy as np
 
 from squad.data.benchmark import BenchmarkBase, label_edges, read_image, read_mat, read_png
-from squad.data.taskonomy import CorruptFileError
+from squad.data.samples import CorruptFileError
 
 VOC_CLASSES = ("background", "aeroplane", "bicycle", "bird", "boat", "bottle", "bus", "car", "cat", "chair", "cow",
                "diningtable", "dog", "horse", "motorbike", "person", "pottedplant", "sheep", "sofa", "train",
@@ -185,7 +185,7 @@ def mask_normals(normals: np.ndarray, labels: np.ndarray) -> np.ndarray:
 
 
 class PascalContextDataset(BenchmarkBase):
-    """PASCAL-Context (PASCAL_MT layout; module docstring) with the Dataset contract of `TaskonomyBase`.
+    """PASCAL-Context (PASCAL_MT layout; module docstring) with the Dataset contract of `SampleDataset`.
 
     Args: as `squad.data.benchmark.BenchmarkBase`; tasks among `PASCAL_TASKS` (``"all"`` = the five), splits
     ``train`` / ``val`` from ``ImageSets/Context``.

@@ -18,10 +18,11 @@ own handles; a handle never crosses a fork).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -29,13 +30,10 @@ import h5py
 import numpy as np
 
 from squad.data.benchmark import DEFAULT_SCALE_RANGE, BenchmarkPipeline, check_dataset_tasks, detect_layout
-from squad.data.taskonomy import (
-    CorruptFileError,
-    EmptyDatasetError,
-    TaskonomyBase,
-    make_data_hint,
-)
-from squad.tasks import TaskOptions
+from squad.data.samples import CorruptFileError, EmptyDatasetError, Pipeline, SampleDataset
+from squad.data.taskonomy import make_data_hint
+from squad.data.transforms import SamplePipeline
+from squad.tasks import Task, TaskOptions
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +60,7 @@ def detect_dataset(root: str | Path) -> str:
     return detect_layout(root)
 
 
-class ShardDataset(TaskonomyBase):
+class ShardDataset(SampleDataset):
     """Taskonomy samples from HDF5 shards written by `pack_shards`; same sample format as `TaskonomyDataset`.
 
     Args:
@@ -72,6 +70,8 @@ class ShardDataset(TaskonomyBase):
         buildings: keep only samples of these buildings.
         image_size: output size; None keeps the packed size (then no resizing happens).
         resize: size before cropping `image_size`; None means `image_size`.
+        pipeline: builds the sample pipeline from the tasks instead (the benchmark shards'); None: Taskonomy's
+            `squad.data.transforms.SamplePipeline` with the options above.
 
     Raises:
         FileNotFoundError: no index in `root` (with a hint), or a requested domain was not packed.
@@ -83,8 +83,12 @@ class ShardDataset(TaskonomyBase):
     def __init__(self, root: str | Path, tasks: str | Sequence[str], split: str | Sequence[str] = "train",
                  buildings: Sequence[str] | None = None, image_size: int | None = None, resize: int | None = None,
                  augment: bool = False, missing: Literal["skip", "mask"] = "skip", geometry_mask: bool = True,
-                 seed: int = 0, task_options: TaskOptions | None = None) -> None:
-        super().__init__(tasks, image_size, resize, augment, missing, geometry_mask, seed, task_options)
+                 seed: int = 0, task_options: TaskOptions | None = None,
+                 pipeline: Callable[[list[Task]], Pipeline] | None = None) -> None:
+        if pipeline is None:
+            pipeline = functools.partial(SamplePipeline, image_size=image_size, resize=resize, augment=augment,
+                                         geometry_mask=geometry_mask)
+        super().__init__(tasks, pipeline, missing, seed, task_options)
         self.root = Path(root)
         path = self.root / INDEX_NAME
         if not path.is_file():
@@ -223,11 +227,10 @@ class BenchmarkShardDataset(ShardDataset):
         if self.dataset == "taskonomy":
             raise ValueError(f"{path}: these shards hold taskonomy; read them with ShardDataset")
         names = check_dataset_tasks(self.dataset, tasks)
-        super().__init__(root, names, split=split, image_size=image_size, augment=augment, missing=missing,
-                         geometry_mask=False, seed=seed, task_options=task_options)
-        self.pipeline = BenchmarkPipeline(self.task_objects(), image_size, augment,
-                                          scale_range or DEFAULT_SCALE_RANGE)
-        self.domains = self.pipeline.domains
+        pipeline = functools.partial(BenchmarkPipeline, image_size=image_size, augment=augment,
+                                     scale_range=scale_range or DEFAULT_SCALE_RANGE)
+        super().__init__(root, names, split=split, missing=missing, seed=seed, task_options=task_options,
+                         pipeline=pipeline)
 
     def _read(self, index: int, domain: str) -> np.ndarray:
         arr = super()._read(index, domain)

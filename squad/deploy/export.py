@@ -110,16 +110,18 @@ def _refusal(model: SquadViT) -> str | None:
 
 
 def export_program(model: nn.Module, tasks: Sequence[str] | None = None, *, dynamic_batch: bool = True,
-                   example_batch: int = 2) -> torch.export.ExportedProgram:
-    """Traces a squad model into a `torch.export.ExportedProgram` (on the CPU, float32, eval mode).
+                   example_batch: int = 2, dtype: torch.dtype = torch.float32) -> torch.export.ExportedProgram:
+    """Traces a squad model into a `torch.export.ExportedProgram` (on the CPU, eval mode, in ``dtype``).
 
     Args:
         model: a `SquadViT` (full model: ``squad.load`` of a run folder, model.pt or checkpoint tag) or an extracted
-            `SingleTaskModel` (``squad.load_extracted``). It is moved to the CPU in float32 and set to eval mode
+            `SingleTaskModel` (``squad.load_extracted``). It is moved to the CPU in ``dtype`` and set to eval mode
             (in place); set MoNE's capacity / MoD's inference mode before (`squad.models.inference.set_inference`).
         tasks: tasks the program predicts (names or aliases; default: all of the model's, or the extracted task).
         dynamic_batch: a symbolic batch size (any B ≥ 1); False fixes B = ``example_batch``.
         example_batch: the batch size traced with (≥ 2: torch.export fixes sizes traced at 0 or 1).
+        dtype: float32 (default) or bfloat16 (``--precision bf16``): the weights' dtype and the images' the program
+            takes.
 
     Returns:
         The program: ``program.module()(images)`` → {task: prediction}.
@@ -143,11 +145,11 @@ def export_program(model: nn.Module, tasks: Sequence[str] | None = None, *, dyna
     if example_batch < 2:
         raise ExportError(f"example_batch must be >= 2 (torch.export fixes a traced size of 0 or 1), got "
                           f"{example_batch}")
-    inner.to(device="cpu", dtype=torch.float32).eval()
+    inner.to(device="cpu", dtype=dtype).eval()
     wrapper = ExportedSquad(inner, names).eval()
     cfg = inner.cfg
     example = torch.randn(example_batch, cfg.in_chans, cfg.img_size, cfg.img_size, generator=torch.Generator()
-                          .manual_seed(0))
+                          .manual_seed(0)).to(dtype)
     shapes = ({0: torch.export.Dim("batch", min=1)},) if dynamic_batch else None
     try:
         with torch.no_grad():

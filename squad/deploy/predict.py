@@ -1,7 +1,7 @@
 """Running any squad model on image files: readable pictures and raw values per task (the library of tools/predict.py).
 
     from squad.deploy.predict import predict
-    summary = predict("runs/demo", ["photos/"], "predictions", tasks=["depth", "normal"], batch_size=16)
+    summary = predict(squad.load("runs/demo"), ["photos/"], "predictions", PredictConfig(tasks=["depth", "normal"]))
 
 Models: whatever `squad.load` opens — a run folder, ``model.pt``, a DeepSpeed checkpoint tag, an extracted
 single-task file (tools/extract.py), an adapted MoD/A-MoD model (tools/adapt_pretrained.py) — or a model in memory
@@ -39,6 +39,7 @@ too), then the skipped files with their reasons.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import struct
@@ -52,6 +53,7 @@ import torch
 import torch.nn as nn
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from squad.config.tools import PredictConfig
 from squad.data.transforms import decode_rgb, resize_raw
 from squad.deploy.encode import encode_taskonomy, has_taskonomy_encoding
 from squad.deploy.pictures import picture, save_png, top_k
@@ -59,6 +61,7 @@ from squad.io.files import atomic_save, atomic_write_text, check_writable, sync_
 from squad.layers.heads import DenseHead
 from squad.models.compile import compile_model
 from squad.models.inference import inference_settings, set_inference
+from squad.models.precision import cast_model, precision_name
 from squad.models.single_task import SingleTaskModel
 from squad.models.vit import SquadViT
 from squad.tasks import Task, TaskOptions, get_task
@@ -284,27 +287,23 @@ def run_model(model: nn.Module, images: torch.Tensor, tasks: Sequence[str]) -> d
 
 
 def predict(model: nn.Module, images: str | Path | Iterable[str | Path], out: str | Path,
-            tasks: str | Iterable[str] | None = None, *, batch_size: int = 8, device: str | torch.device | None = None,
-            encode: Encoding = "npy", mone_capacity: float | None = None, mod_inference: str | None = None,
-            class_names: dict[str, list[str]] | None = None, progress: bool = False, compile: bool = False) -> dict:
+            cfg: PredictConfig | None = None, *, class_names: dict[str, list[str]] | None = None,
+            progress: bool = False) -> dict:
     """Runs a model on image files and writes, per image and task, a picture and the raw values (module docstring).
 
     Args:
-        model: a loaded model, full or extracted (`squad.load`; moved to ``device``, set to eval mode).
+        model: a loaded model, full or extracted (`squad.load`; moved to ``cfg.device``, set to eval mode).
         images: image files and folders (`list_images`).
         out: the output folder (created).
-        tasks: task names or aliases (default: every task of the model).
-        batch_size: images per forward pass.
-        device: where to run (default: ``cuda`` when available, else ``cpu``).
-        encode: raw values as ``"npy"`` (task units) or ``"taskonomy"`` (the dataset's PNG encodings).
-        mone_capacity, mod_inference: MoNE's e_c and MoD's inference mode (`squad.models.inference.set_inference`).
+        cfg: the tasks (names or aliases; default: every task of the model), images per forward pass, device
+            (default: ``cuda`` when available, else ``cpu``), the raw values' encoding (``"npy"`` in task units or
+            ``"taskonomy"``, the dataset's PNG encodings), torch.compile, and the inference settings
+            (`squad.models.inference.set_inference`) — `squad.config.tools.PredictConfig`.
         class_names: ``{task: names}`` for class tasks, one name per class (shown in the top-5).
         progress: show a progress bar over the images (tqdm, on stderr).
-        compile: torch.compile the model first (in place: `squad.models.compile.compile_model`).
-
     Returns:
         The summary written to ``out/predictions.json``: ``{"checkpoint", "tasks", "encode", "image_size",
-        "preprocess", "inference", "device", "images": [{"path", "out", "size", "crop", "files", "top5"?}],
+        "preprocess", "inference", "device", "precision", "images": [{"path", "out", "size", "crop", "files", "top5"?}],
         "skipped": [{"path", "reason"}]}`` (paths in ``files`` are relative to the image's folder, ``out`` to
         ``out``).
 
@@ -316,21 +315,19 @@ def predict(model: nn.Module, images: str | Path | Iterable[str | Path], out: st
         squad.io.files.WriteError: a file could not be written (a full disk): the images written before it are
             whole, the file being written is removed, and no ``predictions.json`` is written.
     """
-    if encode not in ("npy", "taskonomy"):
-        raise ValueError(f"encode must be 'npy' or 'taskonomy', got {encode!r}")
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    cfg = cfg or PredictConfig()
+    cfg.check()
     checkpoint = (getattr(model, "meta", None) or {}).get("path")
     inner = _inner(model)
-    set_inference(inner, mone_capacity, mod_inference)
-    names = resolve_tasks(model, tasks)
+    set_inference(inner, **dataclasses.asdict(cfg.inference))
+    names = resolve_tasks(model, cfg.tasks)
     kinds = {t: _head_kind(inner, t) for t in names}
     class_names = _check_class_names(inner, class_names or {}, names)
     paths = list_images(images)
-    device = torch.device(device if device is not None else default_device())
+    device = torch.device(cfg.device if cfg.device is not None else default_device())
     out = check_writable(out, "output folder", folder=True)
-    model.eval().to(device)
-    if compile:
+    dtype = cast_model(model.eval(), cfg.precision, device)
+    if cfg.compile:
         compile_model(model)
     size = inner.cfg.img_size
     folders = dict(zip(paths, _out_names(paths), strict=True))
@@ -339,7 +336,7 @@ def predict(model: nn.Module, images: str | Path | Iterable[str | Path], out: st
     from tqdm import tqdm
 
     with tqdm(total=len(paths), unit="image", disable=not progress, dynamic_ncols=True) as bar:
-        for chunk in _batches(paths, batch_size):
+        for chunk in _batches(paths, cfg.batch_size):
             batch, infos = [], []
             for p in chunk:
                 try:
@@ -360,7 +357,7 @@ def predict(model: nn.Module, images: str | Path | Iterable[str | Path], out: st
                 folder = out / folders[p]  # created by the first file written into it
                 entry = {"path": str(p), "out": folders[p], **{k: info[k] for k in ("size", "crop")}, "files": {}}
                 for t in names:
-                    files, top = _write(folder, t, kinds[t], preds[t][i], encode, class_names.get(t))
+                    files, top = _write(folder, t, kinds[t], preds[t][i], cfg.encode, class_names.get(t))
                     entry["files"][t] = files
                     if top is not None:
                         entry.setdefault("top5", {})[t] = top
@@ -370,12 +367,13 @@ def predict(model: nn.Module, images: str | Path | Iterable[str | Path], out: st
         "checkpoint": checkpoint,
         "model": inner.cfg.name,
         "tasks": names,
-        "encode": encode,
+        "encode": cfg.encode,
         "image_size": size,
         "preprocess": f"centred square of side min(H, W), resized to {size}x{size} (antialiased bilinear), RGB in "
                       "[0, 1]; crop = [top, left, side] in the original's pixels",
         "inference": inference_settings(inner),
         "device": str(device),
+        "precision": precision_name(dtype),
         "images": done,
         "skipped": skipped,
     }

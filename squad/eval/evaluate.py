@@ -21,12 +21,14 @@ Example::
     results = evaluate_model(model, model.task_names, "data/synthetic", "val")
     table = side_by_side({"full": model, "depth θ=0.01": squad.load("runs/demo/depth.pt")}, "data/synthetic")
     dt = delta_against(results, load_baseline(["runs/stl_depth/eval.json", "runs/stl_normal/eval.json"]))
-    run = evaluate_run(squad.load("runs/mod"), "data/synthetic", mod_inference="threshold")   # + run["compute"]
+    run = evaluate_run(squad.load("runs/mod"), "data/synthetic",                           # + run["compute"]
+                       EvaluateConfig(inference=InferenceOptions(mod_inference="threshold")))
     print(format_results({"full": results}))
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -37,10 +39,12 @@ import torch
 import torch.distributed as dist
 
 from squad.analysis.flops import mod_shares, mone_shares, profile
+from squad.config.tools import EvaluateConfig
 from squad.data import build_dataset, eval_loader, report
 from squad.eval.metrics import MetricAccumulator, delta_t
 from squad.models.compile import compile_model
 from squad.models.inference import inference_settings, set_inference
+from squad.models.precision import cast_model, precision_name
 from squad.models.single_task import SingleTaskModel
 from squad.models.usage import ExpertUsage
 from squad.models.vit import SquadViT
@@ -161,29 +165,22 @@ def compute_summary(model, tasks: Sequence[str], usage: ExpertUsage | None = Non
     return out
 
 
-def evaluate_run(model: SquadViT | SingleTaskModel, data: str | Path, split: str = "val",
-                 tasks: Sequence[str] | None = None, batches: int = 0, batch_size: int = 8,
-                 device: str | torch.device = "cpu", workers: int = 0, *, mone_capacity: float | None = None,
-                 mod_inference: str | None = None, compile: bool = False) -> dict:
+def evaluate_run(model: SquadViT | SingleTaskModel, data: str | Path, cfg: EvaluateConfig | None = None) -> dict:
     """Metrics and compute of a model (full or extracted, as `squad.load` returns it) on a split, under inference
     settings.
 
     Args:
-        model: the model (its inference settings are changed in place by ``mone_capacity`` / ``mod_inference``).
+        model: the model (its inference settings are changed in place by ``cfg.inference``: `set_inference`).
         data: dataset root.
-        split: ``train``, ``val``, ``test`` or ``all``.
-        tasks: tasks to score (default: every task of the model; an extracted model has one).
-        batches: batches to use (0 = the whole split).
-        batch_size: images per batch.
-        device: where to run.
-        workers: loader workers.
-        mone_capacity: MoNE effective capacity e_c for this evaluation (`set_inference`; default: the saved one).
-        mod_inference: MoD inference mode for this evaluation, ``"topk"`` or ``"threshold"`` (`set_inference`;
-            default: the saved one).
-        compile: torch.compile the model first (in place: `squad.models.compile.compile_model`).
+        cfg: the split, tasks (default: every task of the model; an extracted model has one), batches (0: the whole
+            split), batch size, device, loader workers, inference settings, torch.compile and the precision the
+            model is cast to in place (``"bf16"`` / ``"fp32"``; default bf16 on CUDA, fp32 elsewhere:
+            `squad.models.precision`) — `squad.config.tools.EvaluateConfig`; default: the whole val split as the
+            model was saved.
 
     Returns:
-        ``{"metrics": {task: {metric: value}}, "compute": compute_summary, "data": DataReport.as_dict()}``; under
+        ``{"metrics": {task: {metric: value}}, "compute": compute_summary, "data": DataReport.as_dict(),
+        "precision": "bf16" | "fp32"}``; under
         threshold MoD inference ``compute["mod_tokens"]`` is the share of tokens each MoD block actually processed
         and ``compute["macs_measured"]`` the MACs per image from it. ``data`` counts the images scored and the
         files the split could not use (`squad.data.accounting`; its summary line is logged too).
@@ -192,37 +189,44 @@ def evaluate_run(model: SquadViT | SingleTaskModel, data: str | Path, split: str
         ValueError: a task the model does not have (listing its tasks), or an inference setting the model cannot
             take.
     """
+    cfg = cfg or EvaluateConfig()
+    cfg.check()
+    split, tasks, device = cfg.split, cfg.tasks, cfg.device
     inner = _inner(model)
-    set_inference(inner, mone_capacity, mod_inference)
+    set_inference(inner, **dataclasses.asdict(cfg.inference))
     names = inner.task_names if tasks is None else [inner.task_names[i] for i in inner.task_index(list(tasks))]
     ds = model_dataset(inner, data, names, split)
-    inner.to(device)
-    if compile:
+    dtype = cast_model(inner, cfg.precision, device)
+    if cfg.compile:
         compile_model(inner)
     usage = ExpertUsage(inner.task_names)
     counts: dict = {}
-    metrics = evaluate(inner, eval_loader(ds, batch_size, workers), list(names), device, batches, usage=usage,
-                       counts=counts)
+    metrics = evaluate(inner, eval_loader(ds, cfg.batch_size, cfg.workers), list(names), device, cfg.batches,
+                       dtype=dtype,
+                       usage=usage, counts=counts)
     usage.all_reduce()
     data_report = report(ds, split if isinstance(split, str) else "+".join(split), images=counts["images"])
     logging.getLogger("squad.data").info("%s", data_report.line())
-    return {"metrics": metrics, "compute": compute_summary(inner, names, usage), "data": data_report.as_dict()}
+    return {"metrics": metrics, "compute": compute_summary(inner, names, usage), "data": data_report.as_dict(),
+            "precision": precision_name(dtype)}
 
 
-def side_by_side(models: Mapping[str, SquadViT | SingleTaskModel], data: str | Path, split: str = "val",
-                 batches: int = 0, batch_size: int = 8, device: str | torch.device = "cpu", workers: int = 0) -> dict:
-    """Several models on the same split.
+def side_by_side(models: Mapping[str, SquadViT | SingleTaskModel], data: str | Path,
+                 cfg: EvaluateConfig | None = None) -> dict:
+    """Several models on the same split, each with every task it has (``cfg.tasks`` is not used).
 
     Args:
         models: column label → model (full or extracted, as `squad.load` returns them).
+        data: dataset root.
+        cfg: the evaluation's settings (`evaluate_run`).
 
     Returns:
         ``{"split": split, "models": {label: {task: {metric: value}}}}``; a task appears under every model that
         has it (an extracted model only has its own).
     """
-    return {"split": split,
-            "models": {label: evaluate_run(model, data, split, None, batches, batch_size, device, workers)["metrics"]
-                       for label, model in models.items()}}
+    cfg = dataclasses.replace(cfg or EvaluateConfig(), tasks=None)
+    return {"split": cfg.split, "models": {label: evaluate_run(model, data, cfg)["metrics"]
+                                           for label, model in models.items()}}
 
 
 # --------------------------------------------------------------------------------------------- Δt and reports

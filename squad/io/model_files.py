@@ -42,9 +42,8 @@ from squad.config.loading import load_config
 from squad.config.run import RunConfig
 from squad.io.checkpoints import COMPLETE, MODEL_STATES, find_resume_tag, load_checkpoint_file, refusal_reason
 from squad.io.files import atomic_torch_save
-from squad.models.pruning import prune_model
 from squad.models.single_task import SingleTaskModel
-from squad.models.surgery import build_on_meta, load_assigned
+from squad.models.surgery import build_on_meta, keep_experts, load_assigned
 from squad.models.usage import ExpertUsage
 from squad.models.vit import SquadViT
 
@@ -204,7 +203,7 @@ def _extracted_from_payload(payload: dict) -> SingleTaskModel:
     model = build_on_meta(cfg)
     kept = {str(k): [int(i) for i in v] for k, v in payload["kept"].items()}
     try:
-        prune_model(model, kept, exact=bool(payload["exact"]))
+        keep_experts(model, kept, exact=bool(payload["exact"]))
     except ValueError as e:
         raise ValueError(f"{source}: {e}") from e
     load_assigned(model, payload["state_dict"], source)

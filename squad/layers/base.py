@@ -64,13 +64,19 @@ class RoutedLayer(nn.Module):
             mass: [R, E] soft router probabilities summed per row (differentiable), or None; summed per task.
             top_k: selections per token.
             aux_loss: the layer's auxiliary loss, already averaged, or None.
-            experts: [R·N, k] every token's selections; kept only when ``ctx.record_routing``.
+            experts: [R·N, k] every token's selections (the counts' columns); kept only when ``ctx.record_routing``
+                ([B·N, k] of image rows shared by the task rows are recorded per task row, [R·N, k]).
         """
         rows = ctx.task_ids.numel()
         tokens = ctx.per_task_sum(torch.full((rows,), float(tokens_per_row), device=counts.device))
+        recorded = None
+        if experts is not None and ctx.record_routing:
+            recorded = experts.detach()
+            if ctx.shared_rows is not None:  # image rows → the task rows that read them (as the counts count them)
+                k = recorded.shape[-1]
+                recorded = recorded.view(-1, tokens_per_row, k).index_select(0, ctx.shared_rows).reshape(-1, k)
         stats = RouterStats(self.layer_name, self.kind, None if mass is None else ctx.per_task_sum(mass),
-                            ctx.per_task_sum(counts).detach(), tokens, top_k, aux_loss,
-                            experts.detach() if experts is not None and ctx.record_routing else None)
+                            ctx.per_task_sum(counts).detach(), tokens, top_k, aux_loss, recorded)
         ctx.stats.append(stats)
         return stats
 

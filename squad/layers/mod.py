@@ -74,7 +74,7 @@ class MoDBlock(RoutedLayer):
                 keep[:, 0] = True
             k = int(keep.sum(1).max().item())  # eval-only host read: the widest row decides the padded width
             if k == 0:
-                self._record(ctx, r, n, keep.sum(1).float(), logits, None)
+                self._record(ctx, r, n, keep.sum(1).float(), logits, None, None)
                 return x
         else:
             k = self.capacity_tokens(n)
@@ -93,17 +93,25 @@ class MoDBlock(RoutedLayer):
         if ctx.attn_scores is not None:  # the inner attention produced scores for the selected tokens only
             ctx.attn_scores = ctx.attn_scores.new_zeros(r, n).scatter(1, idx, ctx.attn_scores)
         processed = valid.sum(1).float() if valid is not None else torch.full((r,), float(k), device=x.device)
-        self._record(ctx, r, n, processed, logits, idx)
+        self._record(ctx, r, n, processed, logits, idx, valid)
         return out
 
     def _record(self, ctx: ForwardContext, r: int, n: int, processed: torch.Tensor, logits: torch.Tensor | None,
-                idx: torch.Tensor | None) -> None:
-        """Statistics: per task, tokens processed vs skipped; the aux BCE when configured."""
+                idx: torch.Tensor | None, valid: torch.Tensor | None) -> None:
+        """Statistics: per task, tokens processed vs skipped; the aux BCE when configured; with
+        ``ctx.record_routing`` every token's choice ([R·N, 1]: 0 processed, 1 skipped, the columns of the counts)."""
         aux = None
         if self.cfg.aux_loss and logits is not None and self.training and idx is not None:
             target = torch.zeros_like(logits).scatter(1, idx, 1.0)
             aux = F.binary_cross_entropy_with_logits(logits.float(), target.float())
-        self.report(ctx, n, torch.stack([processed, n - processed], dim=1), aux_loss=aux)  # counts [R, 2]
+        choice = None
+        if ctx.record_routing:
+            done = torch.zeros(r, n, dtype=torch.bool, device=processed.device)
+            if idx is not None:
+                done.scatter_(1, idx, True if valid is None else valid)  # [R, N] the tokens the block processed
+            choice = (~done).long().reshape(r * n, 1)
+        self.report(ctx, n, torch.stack([processed, n - processed], dim=1), aux_loss=aux,
+                    experts=choice)  # counts [R, 2]
 
     def macs(self, tokens: int, capacity: float | None = None) -> float:
         """Multiply-accumulates per sequence of ``tokens`` tokens: the router plus the block on the tokens it

@@ -107,7 +107,10 @@ class MoNERouter(RoutedLayer):
         gate = p_sorted.gather(2, expert.view(1, n, 1).expand(r, n, 1)).squeeze(-1)  # [R, N]
         ctx.mone = MoNEState(order, slices, gate.to(x.dtype))
         hard = F.one_hot(expert, e).float().sum(0).expand(r, e)  # [R, E] tokens per expert
-        self.report(ctx, n, hard, probs.sum(1))
+        chosen = None
+        if ctx.record_routing:  # [R·N, 1] every token's nested expert, in original token order
+            chosen = torch.empty_like(order).scatter_(1, order, expert.expand(r, n)).reshape(r * n, 1)
+        self.report(ctx, n, hard, probs.sum(1), experts=chosen)
         return ctx.mone.permute(x)  # [R, N, D] in routed order, [N, R, D] token-major memory
 
     def macs(self, tokens: int, capacity: float | None = None) -> int:

@@ -6,11 +6,13 @@ models).
 - single_task.py: `SingleTaskModel`, one task's path through a model (what extraction produces).
 - usage.py: `ExpertUsage`, expert-selection statistics per task and layer (saved with a model; pruning reads them).
 - inference.py: how a loaded model runs at inference (MoNE's e_c, MoD's top-k or threshold: `set_inference`).
+- precision.py: the dtype inference runs in (``--precision bf16|fp32``; bf16 by default on CUDA): `cast_model`.
 - compile.py: torch.compile of a model in place (`compile_model`: train.compile, --compile) and the graph breaks
   that remain (`graph_breaks`).
-- surgery.py: building on the meta device and shape-checked weight assignment (`build_on_meta`, `load_assigned`),
-  keeping a subset of tasks (`select_tasks`).
-- pruning.py: choosing experts from usage frequencies (θ or keep-top) and pruning MoE layers to them.
+- surgery.py: every structural edit of a built model: adding a task and folding it in (`add_task`,
+  `merge_added_tasks`, `with_new_task`), keeping a subset of tasks (`select_tasks`) or of experts (`keep_experts`);
+  building on the meta device with shape-checked weight assignment (`build_on_meta`, `load_assigned`).
+- pruning.py: choosing the experts to keep from usage frequencies (θ or keep-top).
 - timm.py: timm interop: `from_timm` (a timm ViT's weights into a SquadViT), `load_timm_weights`.
 - transfer.py: weight transfer from a dense ViT (sparse upcycling's maps, `transfer`; training's ``train.init``,
   `initialize_from`).

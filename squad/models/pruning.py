@@ -1,4 +1,4 @@
-"""Expert pruning: which experts a task uses, which to keep, and cutting MoE layers down to the kept ones.
+"""Expert pruning: which experts a task uses and which to keep (`squad.models.surgery.keep_experts` cuts the layers).
 
 Usage frequency of expert e for task t in one layer = share of the task's tokens that selected e (so a top-k
 layer's frequencies sum to k; `squad.models.usage.ExpertUsage.frequencies`). An expert is kept when its frequency is
@@ -6,11 +6,11 @@ above θ (θ = 0 keeps every expert used at least once), or when it is among the
 expert per layer always stays (the most used). Only real experts are pruned: MoDE's no-op experts cost nothing
 and stay selectable.
 
-A pruned layer holds only its kept experts: each layer removes the others itself (`ExpertLayer.keep_experts`) and
-restricts its router to them (`TaskRouter.restrict`), with exact routing by default — the router still scores every
-expert, so the gates of the kept experts are unchanged and, on data where the removed experts were never selected,
-the pruned model computes exactly what the full one did. top-k shrinks to the number of experts left when fewer
-than k remain.
+A pruned layer holds only its kept experts: each layer removes the others itself (`ExpertLayer.keep_experts`, called
+by `squad.models.surgery.keep_experts`) and restricts its router to them (`TaskRouter.restrict`), with exact routing
+by default — the router still scores every expert, so the gates of the kept experts are unchanged and, on data where
+the removed experts were never selected, the pruned model computes exactly what the full one did. top-k shrinks to
+the number of experts left when fewer than k remain.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import math
 import torch
 import torch.nn as nn
 
+from squad.config.tools import check_keep_top, check_theta
 from squad.layers.base import EXPERT_KINDS, ExpertLayer
 from squad.models.usage import ExpertUsage
-from squad.models.vit import SquadViT
 
 
 def prunable_layers(model: nn.Module) -> dict[str, ExpertLayer]:
@@ -87,44 +87,6 @@ def choose_experts(freqs: dict[str, torch.Tensor], theta: float | None = None,
             chosen = order[: max(1, math.ceil(keep_top * e - 1e-9))]
         kept[name] = sorted(chosen) if chosen else [order[0]]
     return kept
-
-
-def check_theta(theta: float | None) -> None:
-    """Raises ValueError unless θ is None or in [0, 1)."""
-    if theta is not None and not (0.0 <= theta < 1.0 and math.isfinite(theta)):
-        raise ValueError(f"theta must be in [0, 1) (a share of the task's tokens), got {theta}")
-
-
-def check_keep_top(keep_top: float | None) -> None:
-    """Raises ValueError unless H is None or in (0, 1]."""
-    if keep_top is not None and not (0.0 < keep_top <= 1.0):
-        raise ValueError(f"keep_top must be in (0, 1] (a share of each layer's experts), got {keep_top}")
-
-
-def prune_model(model: SquadViT, kept: dict[str, list[int]], exact: bool = True) -> None:
-    """Prunes every MoE attention / MoE MLP layer of ``model`` to its kept experts (in place).
-
-    Args:
-        model: a model whose layers are not pruned yet (real or meta tensors).
-        kept: layer name → kept real-expert indices (every prunable layer must be listed).
-        exact: exact routing (the router scores all experts); False: softmax over the kept experts only.
-
-    Raises:
-        ValueError: a layer missing from ``kept`` or unknown to the model, or an index out of range.
-    """
-    layers = prunable_layers(model)
-    unknown = sorted(set(kept) - set(layers))
-    missing = sorted(set(layers) - set(kept))
-    if unknown or missing:
-        raise ValueError(f"kept experts do not match the model's MoE layers (unknown {unknown[:3]}, "
-                         f"missing {missing[:3]})")
-    for name, layer in layers.items():
-        idx = list(kept[name])
-        e = real_experts(layer)
-        if not idx or len(set(idx)) != len(idx) or not all(isinstance(i, int) and 0 <= i < e for i in idx):
-            raise ValueError(f"layer {name}: kept experts must be distinct indices in [0, {e}), got {idx}")
-    for name, layer in layers.items():  # checked all first: a bad entry leaves the model as it was
-        layer.keep_experts(list(kept[name]), exact)
 
 
 def pruned_summary(model: nn.Module, kept: dict[str, list[int]], before: dict[str, int]) -> dict[str, dict]:

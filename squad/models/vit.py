@@ -27,14 +27,14 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from squad.config.loading import load_config
-from squad.config.model import HeadConfig, ModelConfig, SquadConfig
+from squad.config.model import ModelConfig, SquadConfig
 from squad.layers.base import RoutedLayer
 from squad.layers.block import Block
 from squad.layers.context import ForwardContext, RouterStats
 from squad.layers.heads import build_head
 from squad.layers.mod import MoDBlock
 from squad.layers.mone import MoNEBlock
-from squad.layers.routing import TaskLinear, TaskRouter
+from squad.layers.routing import TaskLinear
 from squad.tasks import Task, canonical_name, get_task
 
 
@@ -51,6 +51,19 @@ class SquadOutput:
     preds: dict[str, torch.Tensor]
     image_index: dict[str, torch.Tensor]
     stats: list[RouterStats]
+
+
+def init_timm(module: nn.Module) -> None:
+    """timm's init of every linear layer and LayerNorm in ``module``: weights truncated normal(0.02), zero biases,
+    unit norms (a whole model's, or a head added to a trained one)."""
+    for m in module.modules():
+        if isinstance(m, nn.Linear):
+            nn.init.trunc_normal_(m.weight, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.LayerNorm):
+            nn.init.ones_(m.weight)
+            nn.init.zeros_(m.bias)
 
 
 class PatchEmbed(nn.Module):
@@ -81,7 +94,7 @@ class SquadViT(nn.Module):
         self.cls_token = nn.Parameter(torch.zeros(1, 1, d)) if cfg.class_token else None
         self.pos_embed = nn.Parameter(torch.zeros(1, cfg.num_tokens, d))
         self.task_embed = nn.Parameter(torch.zeros(t, d)) if cfg.task_embed != "none" else None
-        self.register_parameter("task_embed_extra", None)  # [T', D] embeddings of tasks added later (add_task)
+        self.register_parameter("task_embed_extra", None)  # [T', D] tasks added later (squad.models.surgery.add_task)
         self.record_routing = False  # routers report every token's experts (RouterStats.experts), for analysis
         self.activation_checkpointing = "none"  # none | blocks | every_n (set_activation_checkpointing)
         self.checkpoint_every = 1
@@ -119,20 +132,13 @@ class SquadViT(nn.Module):
                 target.want_scores = True
 
     def init_weights(self) -> None:
-        """timm-style init: truncated normal(0.02) for linear/embedding weights, zero biases, unit norms."""
+        """timm-style init: truncated normal(0.02) for embeddings (`init_timm` for the linear layers and norms)."""
         nn.init.trunc_normal_(self.pos_embed, std=0.02)
         if self.cls_token is not None:
             nn.init.normal_(self.cls_token, std=1e-6)
         if self.task_embed is not None:
             nn.init.trunc_normal_(self.task_embed, std=0.02)
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.trunc_normal_(m.weight, std=0.02)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
-            elif isinstance(m, nn.LayerNorm):
-                nn.init.ones_(m.weight)
-                nn.init.zeros_(m.bias)
+        init_timm(self)
 
     # ----------------------------------------------------------------------------------------------------- inputs
     def task_index(self, tasks: Sequence[str]) -> list[int]:
@@ -397,78 +403,11 @@ class SquadViT(nn.Module):
             return True
         return any(isinstance(m, RoutedLayer) for m in self.modules())
 
-    # ---------------------------------------------------------------------------------------------- new tasks
     def task_embeddings(self) -> torch.Tensor | None:
         """[T, D] task embeddings, added tasks' rows last (None when the model has none)."""
         if self.task_embed is None or self.task_embed_extra is None:
             return self.task_embed
         return torch.cat([self.task_embed, self.task_embed_extra])
-
-    @torch.no_grad()
-    def add_task(self, head: HeadConfig | str, init: str = "mean") -> None:
-        """Adds a task to a trained model: its head, its task embedding and its rows in every per-task router
-        (MoE attention, MoE MLP, MoD learned routers, MoNE routers).
-
-        The new rows live in separate parameters (``TaskLinear.extra``, ``task_embed_extra``) so everything the
-        model had can be frozen exactly; `added_task_parameters` lists them and `merge_added_tasks` folds them
-        back into an ordinary model (whose config then lists the new head last).
-
-        Args:
-            head: a task name from `squad.tasks` or a `HeadConfig`.
-            init: router rows and embedding start at the mean of the existing tasks' (``"mean"``), at zero
-                (``"zero"``: uniform routing), or at the layers' own initialisation (``"random"``).
-
-        Raises:
-            ValueError: the model already has this task, or a router of the model has been pruned.
-        """
-        if isinstance(head, str):
-            task = get_task(head)
-            head = HeadConfig(task.name, task.head_kind, task.channels)
-        if head.name in self.heads:
-            raise ValueError(f"add_task: the model already has task {head.name!r} "
-                             f"(tasks: {', '.join(self.task_names)})")
-        if any(isinstance(m, TaskRouter) and m.kept is not None for m in self.modules()):
-            raise ValueError("add_task: this model's routers are pruned (an extracted model); "
-                             "add tasks to the full model")
-        ref = self.pos_embed
-        for m in self.modules():
-            if isinstance(m, TaskLinear):
-                m.add_rows(1, init)
-        if self.task_embed is not None:
-            if init == "mean":
-                row = self.task_embeddings().mean(0, keepdim=True).clone()
-            elif init == "zero":
-                row = torch.zeros(1, ref.shape[-1], dtype=ref.dtype, device=ref.device)
-            else:
-                row = nn.init.trunc_normal_(torch.empty(1, ref.shape[-1], dtype=ref.dtype, device=ref.device), std=0.02)
-            extra = row if self.task_embed_extra is None else torch.cat([self.task_embed_extra, row])
-            self.task_embed_extra = nn.Parameter(extra)
-        cfg = self.cfg
-        module = build_head(head, cfg.embed_dim, cfg.patch_size, cfg.grid, cfg.class_token).to(ref.device, ref.dtype)
-        for m in module.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.trunc_normal_(m.weight, std=0.02)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
-        self.heads[head.name] = module
-        self.task_names.append(head.name)
-        self.cfg = dataclasses.replace(cfg, heads=[*cfg.head_configs(), head])
-
-    def added_task_parameters(self) -> dict[str, nn.Parameter]:
-        """Name → parameter of everything `add_task` created that is not a head (router rows, embeddings)."""
-        return {n: p for n, p in self.named_parameters()
-                if n == "task_embed_extra" or n.endswith((".extra", ".extra_bias"))}
-
-    @torch.no_grad()
-    def merge_added_tasks(self) -> None:
-        """Folds added tasks' rows into the ordinary parameters (the state dict then matches `build_model(cfg)`)."""
-        for m in self.modules():
-            if isinstance(m, TaskLinear):
-                m.merge_rows()
-        if self.task_embed_extra is not None:
-            grad = self.task_embed.requires_grad
-            self.task_embed = nn.Parameter(self.task_embeddings().detach().clone(), requires_grad=grad)
-            self.task_embed_extra = None
 
 
 def build_model(cfg: ModelConfig | SquadConfig | str | Path) -> SquadViT:

@@ -20,6 +20,7 @@ run never trained (a head left at its initialisation) is refused.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Iterable
@@ -29,22 +30,21 @@ import torch
 import torch.nn as nn
 
 from squad.analysis.flops import profile
+from squad.config.tools import ExtractConfig
 from squad.data import EmptyDatasetError, eval_loader
 from squad.eval.evaluate import compute_summary, evaluate, model_dataset
 from squad.io import save_extracted
 from squad.io.files import atomic_write_text
 from squad.models.inference import set_inference
+from squad.models.precision import cast_copy, precision_dtype, precision_name
 from squad.models.pruning import (
-    check_keep_top,
-    check_theta,
     choose_experts,
     prunable_layers,
-    prune_model,
     pruned_summary,
     task_frequencies,
 )
 from squad.models.single_task import SingleTaskModel
-from squad.models.surgery import select_tasks
+from squad.models.surgery import keep_experts, select_tasks
 from squad.models.usage import ExpertUsage
 from squad.models.vit import SquadViT
 
@@ -77,7 +77,8 @@ def collect_usage(model: SquadViT, task: str, batches: Iterable, max_batches: in
     """
     (t,) = model.task_index([task])
     name = model.task_names[t]
-    device = device or next(model.parameters()).device
+    first = next(model.parameters())
+    device = device or first.device
     usage = ExpertUsage(model.task_names)
     was = model.training
     model.eval()
@@ -85,7 +86,7 @@ def collect_usage(model: SquadViT, task: str, batches: Iterable, max_batches: in
         for i, batch in enumerate(batches):
             if max_batches and i >= max_batches:
                 break
-            usage.update(model(_images(batch).to(device), [name]).stats)
+            usage.update(model(_images(batch).to(device, first.dtype), [name]).stats)  # a bf16 model: bf16 images
     finally:
         model.train(was)
     if not usage.counts:
@@ -123,7 +124,7 @@ def extract(model: SquadViT, task: str, usage: ExpertUsage | None, theta: float 
         freqs = task_frequencies(usage, name, model)
         kept = choose_experts(freqs, None if keep_top is not None else theta, keep_top)
     single = select_tasks(model, [name])
-    prune_model(single, kept, exact=not renormalize)
+    keep_experts(single, kept, exact=not renormalize)
     return SingleTaskModel(single.eval(), name, kept, exact=not renormalize)
 
 
@@ -137,40 +138,24 @@ def layer_report(ext: SingleTaskModel, full: SquadViT) -> dict[str, dict]:
     return pruned_summary(ext.model, ext.kept, kept_counts(full))
 
 
-def _loader(model: SquadViT, data: str | Path, task: str, split: str, batch_size: int, workers: int):
+def _loader(model: SquadViT, data: str | Path, task: str, split: str, cfg: ExtractConfig):
     ds = model_dataset(model, data, [task], split)
-    return eval_loader(ds, batch_size, workers), len(ds)
+    return eval_loader(ds, cfg.batch_size, cfg.workers), len(ds)
 
 
-def extract_to_file(model: SquadViT, task: str, out: str | Path, *, theta: float | None = 0.01,
-                    keep_top: float | None = None, renormalize: bool = False, data: str | Path | None = None,
-                    calib_split: str = "train", calib_batches: int = 8, eval_split: str | None = "val",
-                    eval_batches: int = 0, batch_size: int = 8, saved_usage: bool = False,
-                    device: str | torch.device = "cpu", workers: int = 0, mone_capacity: float | None = None,
-                    mod_inference: str | None = None) -> dict:
+def extract_to_file(model: SquadViT, task: str, out: str | Path, cfg: ExtractConfig | None = None) -> dict:
     """Extracts ``task`` from a trained model into ``out`` and returns the report (also written as JSON).
 
     Args:
         model: the trained model as `squad.load_model` returns it: its ``usage`` (the statistics saved in
             ``model.pt``) serves when no calibration data is given, and its ``meta`` names the file and the tasks
             the run trained (a task it never trained is refused). Its inference settings are changed in place by
-            ``mone_capacity`` / ``mod_inference``.
+            ``cfg.inference``.
         task: task name or alias.
         out: the extracted model file (the report goes to ``out`` with suffix ``.json``).
-        theta: usage threshold in [0, 1) (ignored when ``keep_top`` is given).
-        keep_top: keep the top H share of experts per layer, H in (0, 1].
-        renormalize: the paper's pruned router (softmax over kept experts) instead of exact routing.
-        data: dataset root for the calibration pass and the held-out metrics.
-        calib_split: split for the calibration pass.
-        calib_batches: calibration batches (0 = the whole split).
-        eval_split: held-out split for metrics before/after (None: no metrics).
-        eval_batches: evaluation batches (0 = all).
-        batch_size: images per batch.
-        saved_usage: use the statistics saved with the model even when ``data`` is given.
-        device: where to run.
-        workers: data loader workers.
-        mone_capacity: MoNE effective capacity e_c for calibration, metrics and the extracted model (MoNE models).
-        mod_inference: MoD inference mode, topk or threshold, likewise (MoD models; `set_inference`).
+        cfg: the criterion (θ or keep-top H), routing, calibration and evaluation data, inference settings and the
+            precision of the calibration pass and the metrics (the weights are pruned and saved as they were
+            loaded) — `squad.config.tools.ExtractConfig`; default: θ = 0.01 from the saved statistics, no metrics.
 
     Returns:
         The report: task, criterion, usage source, parameters / active parameters / MACs / experts before and after,
@@ -183,10 +168,9 @@ def extract_to_file(model: SquadViT, task: str, out: str | Path, *, theta: float
             trained, no usage available, an inference setting the model cannot take.
         FileNotFoundError: missing data.
     """
-    check_theta(theta if keep_top is None else None)
-    check_keep_top(keep_top)
-    if keep_top is None and theta is None:
-        raise ValueError("give theta (a usage threshold) or keep_top (a share of experts per layer)")
+    cfg = cfg or ExtractConfig()
+    cfg.check()
+    theta, keep_top, data, device = cfg.theta, cfg.keep_top, cfg.data, cfg.device
     saved = getattr(model, "usage", None)
     meta = getattr(model, "meta", None) or {"path": f"the {model.cfg.name} model in memory"}
     (t,) = model.task_index([task])
@@ -196,25 +180,27 @@ def extract_to_file(model: SquadViT, task: str, out: str | Path, *, theta: float
         raise ValueError(f"{meta['path']}: the run never trained {name} (its head is untrained; the run trained "
                          f"{', '.join(trained)}); extract a trained task, or learn {name} first with "
                          f"tools/finetune_router.py")
-    inference = set_inference(model, mone_capacity, mod_inference)
+    inference = set_inference(model, **dataclasses.asdict(cfg.inference))
     model.to(device)
+    dtype = precision_dtype(cfg.precision, device)
+    runner = cast_copy(model, dtype)  # the passes run in ``precision``; the weights pruned and saved stay as loaded
     prunable = bool(prunable_layers(model))
     if not prunable:
         usage, source = None, {"kind": "none (no MoE attention / MoE MLP layers to prune)"}
         log.info("%s has no MoE attention / MoE MLP layers: no experts can be pruned; keeping %s's head, router rows "
                  "and embedding only", meta["path"], name)
-    elif data is not None and not saved_usage:
-        loader, n_images = _loader(model, data, name, calib_split, batch_size, workers)
-        usage = collect_usage(model, name, loader, calib_batches, device)
-        images = min(n_images, calib_batches * batch_size) if calib_batches else n_images
-        source = {"kind": "calibration", "data": str(data), "split": calib_split, "images": images}
+    elif data is not None and not cfg.saved_usage:
+        loader, n_images = _loader(model, data, name, cfg.calib_split, cfg)
+        usage = collect_usage(runner, name, loader, cfg.calib_batches, device)
+        images = min(n_images, cfg.calib_batches * cfg.batch_size) if cfg.calib_batches else n_images
+        source = {"kind": "calibration", "data": str(data), "split": cfg.calib_split, "images": images}
     else:
         if saved is None:
             raise ValueError(f"{meta['path']} holds no usage statistics; pass data= (--data DIR) for a calibration "
                              f"pass over {name}'s data")
         usage = saved
         source = {"kind": "saved statistics", "file": meta["path"]}
-    ext = extract(model, name, usage, theta=theta, keep_top=keep_top, renormalize=renormalize)
+    ext = extract(model, name, usage, theta=theta, keep_top=keep_top, renormalize=cfg.renormalize)
     full_prof, ext_prof = profile(model, [name]), profile(ext.model)
     layers = layer_report(ext, model)
     report = {
@@ -222,7 +208,7 @@ def extract_to_file(model: SquadViT, task: str, out: str | Path, *, theta: float
         "checkpoint": meta["path"],
         "out": str(out),
         "criterion": {"keep_top": keep_top} if keep_top is not None else {"theta": theta},
-        "routing": "renormalized" if renormalize else "exact",
+        "routing": "renormalized" if cfg.renormalize else "exact",
         "usage": source,
         "pruned": prunable,
         "params": _pair(full_prof["params"], ext_prof["params"]),
@@ -232,6 +218,7 @@ def extract_to_file(model: SquadViT, task: str, out: str | Path, *, theta: float
                          sum(v["experts_after"] for v in layers.values())),
         "layers": layers,
         "inference": inference,
+        "precision": precision_name(dtype),
         "compute": None,
         "metrics": None,
     }
@@ -239,16 +226,17 @@ def extract_to_file(model: SquadViT, task: str, out: str | Path, *, theta: float
         report["note"] = (f"no experts could be pruned: {model.cfg.name} has no MoE attention / MoE MLP layers; "
                           f"the extracted model keeps the shared backbone and only {name}'s head, router rows and "
                           f"task embedding")
-    if data is not None and eval_split:
+    if data is not None and cfg.eval_split:
         try:
-            loader, n_eval = _loader(model, data, name, eval_split, batch_size, workers)
+            loader, n_eval = _loader(model, data, name, cfg.eval_split, cfg)
         except (EmptyDatasetError, ValueError) as e:
             log.warning("no held-out metrics: %s", e)
         else:
-            before = evaluate(model, loader, [name], device, eval_batches)[name]
+            before = evaluate(runner, loader, [name], device, cfg.eval_batches, dtype=dtype)[name]
             usage_after = ExpertUsage(ext.model.task_names)
-            after = evaluate(ext.model, loader, [name], device, eval_batches, usage=usage_after)[name]
-            report["metrics"] = {"split": eval_split, "images": n_eval, "full": before, "extracted": after}
+            after = evaluate(cast_copy(ext.model, dtype), loader, [name], device, cfg.eval_batches, dtype=dtype,
+                             usage=usage_after)[name]
+            report["metrics"] = {"split": cfg.eval_split, "images": n_eval, "full": before, "extracted": after}
             report["compute"] = compute_summary(ext.model, [name], usage_after)
     out = Path(out)
     save_extracted(out, ext, report)

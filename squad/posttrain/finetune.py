@@ -1,138 +1,97 @@
 """Router fine-tuning (Mod-Squad §4.3): learn a new task on a frozen multi-task model from a little data.
 
 The new task gets a head, a task embedding and its rows in every per-task router (MoE attention, MoE MLP, MoD
-learned routers, MoNE routers) via `SquadViT.add_task`; those rows are separate parameters, so the rest of the model
-is frozen for real — ``requires_grad=False``, absent from the optimizer, and checked bitwise unchanged afterwards
-(the authors' script set ``requires_grad`` on modules, which does nothing, so their experts trained too).
+learned routers, MoNE routers) via `squad.models.surgery.add_task`; those rows are separate parameters, so the rest
+of the model is frozen for real — ``requires_grad=False``, absent from the optimizer, and checked bitwise unchanged
+afterwards (the authors' script set ``requires_grad`` on modules, which does nothing, so their experts trained too).
 
 Modes, for the paper's comparison:
 
 * ``router``: the new task's router rows, task embedding and head;
 * ``head``: the head only (routing stays at its initialisation);
 * ``full``: every parameter of the model;
-* ``linear-probe``: logistic regression on frozen pooled features (class tasks).
+* ``linear-probe``: a linear layer on the frozen model's mean-pooled features (the new task's routing at its
+  initialisation), standardised by the statistics of the images it learns from (`LinearProbe`, put in the head's
+  place; the backbone runs in eval mode).
 
-Training subsets are deterministic: a seeded permutation of the task's training split, of which the first
-``ceil(fraction · N)`` images are used (so smaller fractions are subsets of larger ones), or ``shots`` images per
-class (class = argmax of the label distribution).
+Every mode trains in the same loop (`fit`): AdamW over exactly the trainable parameters for ``steps`` steps.
+Held-out selection is an option of `squad.config.tools.FinetuneConfig`: with ``holdout`` > 0 a seeded share of each
+subset's images is set aside (`squad.posttrain.subsets.holdout_split`), every lr of ``lrs`` is tried, the held-out
+metric is measured ``evals`` times along each run, and the best evaluation's lr and weights are kept; only the chosen
+model is scored on the evaluation split. tools/finetune_router.py and the reproduction's router-finetune claim
+(`squad.reproduce.finetune`) both run `finetune_once`.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader, Subset
 
+from squad.config.tools import FinetuneConfig
 from squad.data import collate, eval_loader
 from squad.eval.evaluate import evaluate, model_dataset
 from squad.io import export_model
 from squad.io.files import atomic_write_text
-from squad.models.surgery import select_tasks
+from squad.models.surgery import added_task_parameters, merge_added_tasks, replace_head, select_tasks, with_new_task
 from squad.models.vit import SquadViT
+from squad.posttrain.subsets import class_labels, holdout_split, subset_indices
 from squad.tasks import TASK_NAMES, get_task
 
 log = logging.getLogger(__name__)
 MODES = ("router", "head", "full", "linear-probe")
 
 
-@dataclasses.dataclass
-class FinetuneConfig:
-    """Optimisation settings shared by every (mode, subset) run."""
-
-    steps: int = 200  # optimiser steps (linear-probe: L-BFGS iterations)
-    batch_size: int = 8
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    init: str = "mean"  # new router rows / embedding: mean of the existing tasks', zero, or random
-    probe_l2: float = 1e-4  # L2 penalty of the linear probe
-    seed: int = 0
-    eval_batches: int = 0  # 0 = the whole evaluation split
-    device: str = "cpu"
-    workers: int = 0
-    verify_frozen: bool = True  # compare every frozen parameter bitwise after training
-
-    def check(self) -> None:
-        if self.steps < 1 or self.batch_size < 1:
-            raise ValueError(f"steps and batch_size must be >= 1, got {self.steps}, {self.batch_size}")
-        if self.lr <= 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
-        if self.init not in ("mean", "zero", "random"):
-            raise ValueError(f"init must be mean, zero or random, got {self.init!r}")
-
-
-# ------------------------------------------------------------------------------------------------ subsets
-def class_labels(dataset, task: str) -> torch.Tensor:
-    """[N] class of every sample (argmax of its label distribution; -1 where the label is invalid).
-
-    Reads only the label files (not the images).
-    """
-    spec = get_task(task, getattr(dataset, "task_options", None))
-    if spec.head_kind != "class":
-        raise ValueError(f"shots per class need a class task; {spec.name} is {spec.head_kind}")
-    labels = []
-    for i in range(len(dataset)):
-        value, mask = spec.decode(dataset._read(i, spec.domain))
-        labels.append(int(value.argmax()) if bool(mask.all()) else -1)
-    return torch.tensor(labels, dtype=torch.long)
-
-
-def subset_indices(n: int, fraction: float | None = None, shots: int | None = None,
-                   labels: torch.Tensor | None = None, seed: int = 0) -> list[int]:
-    """Deterministic training subset of a dataset of ``n`` samples.
+# ------------------------------------------------------------------------------------------------ linear probe
+class LinearProbe(nn.Module):
+    """linear-probe's head: a linear layer on the mean-pooled patch tokens, standardised per feature.
 
     Args:
-        n: dataset size.
-        fraction: share of the samples in (0, 1]: the first ceil(fraction · n) of a seeded permutation.
-        shots: instead, this many samples per class (``labels`` needed), in permutation order.
-        labels: [n] class per sample (-1 = unusable).
-        seed: permutation seed.
-
-    Raises:
-        ValueError: neither or both of fraction and shots, or values out of range.
+        mean: [D] feature means of the images the probe learns from.
+        std: [D] their standard deviations (clamped away from 0).
+        channels: the task's outputs C.
+        prefix: tokens before the patch tokens (1 with a class token).
     """
-    if (fraction is None) == (shots is None):
-        raise ValueError("give exactly one of fraction or shots")
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
-    if fraction is not None:
-        if not 0.0 < fraction <= 1.0:
-            raise ValueError(f"fraction must be in (0, 1], got {fraction}")
-        return order[: max(1, math.ceil(fraction * n - 1e-9))]
-    if shots < 1:
-        raise ValueError(f"shots must be >= 1, got {shots}")
-    if labels is None or labels.numel() != n:
-        raise ValueError("shots per class need one label per sample")
-    taken: dict[int, int] = {}
-    out = []
-    for i in order:
-        c = int(labels[i])
-        if c >= 0 and taken.get(c, 0) < shots:
-            taken[c] = taken.get(c, 0) + 1
-            out.append(i)
-    if not out:
-        raise ValueError("no sample has a valid class label")
-    return out
+
+    def __init__(self, mean: torch.Tensor, std: torch.Tensor, channels: int, prefix: int):
+        super().__init__()
+        self.register_buffer("mean", mean.detach().clone())
+        self.register_buffer("std", std.detach().clone())
+        self.prefix = prefix
+        self.fc = nn.Linear(mean.numel(), channels)
+        nn.init.zeros_(self.fc.weight)
+        nn.init.zeros_(self.fc.bias)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Final normed tokens [B, N, D] → logits [B, C]."""
+        pooled = tokens[:, self.prefix:].mean(1).float()  # [B, D]
+        return self.fc((pooled - self.mean) / self.std)
 
 
-# --------------------------------------------------------------------------------------------- the model
-def with_new_task(base: SquadViT, task: str, init: str = "mean", seed: int = 0) -> SquadViT:
-    """A copy of ``base`` with ``task`` added (fresh head; router rows and embedding per ``init``)."""
-    model = copy.deepcopy(base)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model.add_task(task, init)
-    return model
+@torch.no_grad()
+def probe_statistics(model: SquadViT, task: str, loader: DataLoader, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """[D] mean and standard deviation of the mean-pooled patch tokens over ``loader``'s images (the model in eval
+    mode, routing ``task``)."""
+    was = model.training
+    model.eval()
+    prefix = int(model.cfg.class_token)
+    feats = torch.cat([model.forward_features(b["rgb"].to(device), task)[:, prefix:].mean(1).float()
+                       for b in loader])  # [N, D]
+    model.train(was)
+    return feats.mean(0), feats.std(0, unbiased=False).clamp_min(1e-6)
 
 
+# ----------------------------------------------------------------------------------------------- the loop
 def select_trainable(model: SquadViT, task: str, mode: str) -> dict[str, nn.Parameter]:
-    """Freezes everything a ``mode`` does not train and returns name → trainable parameter."""
+    """Freezes everything a ``mode`` does not train and returns name → trainable parameter (linear-probe: the probe
+    in the head's place)."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; modes: {', '.join(MODES)}")
     if mode == "full":
@@ -140,7 +99,7 @@ def select_trainable(model: SquadViT, task: str, mode: str) -> dict[str, nn.Para
     else:
         names = {f"heads.{task}.{n}" for n, _ in model.heads[task].named_parameters()}
         if mode == "router":
-            names |= set(model.added_task_parameters())
+            names |= set(added_task_parameters(model))
     trainable = {}
     for n, p in model.named_parameters():
         p.requires_grad_(n in names)
@@ -149,119 +108,132 @@ def select_trainable(model: SquadViT, task: str, mode: str) -> dict[str, nn.Para
     return trainable
 
 
-def _cycle(loader: DataLoader):
+def make_optimizer(trainable: dict[str, nn.Parameter], cfg: FinetuneConfig, lr: float | None = None
+                   ) -> torch.optim.Optimizer:
+    """AdamW over exactly the trainable parameters (frozen ones are not even registered with it), at ``lr``
+    (default ``cfg.lr``)."""
+    return torch.optim.AdamW(list(trainable.values()), lr=cfg.lr if lr is None else lr,
+                             weight_decay=cfg.weight_decay)
+
+
+def _cycle(loader: DataLoader) -> Iterator[dict]:
     while True:
         yield from loader
 
 
-def make_optimizer(trainable: dict[str, nn.Parameter], cfg: FinetuneConfig) -> torch.optim.Optimizer:
-    """AdamW over exactly the trainable parameters (frozen ones are not even registered with it)."""
-    return torch.optim.AdamW(list(trainable.values()), lr=cfg.lr, weight_decay=cfg.weight_decay)
+def fit(model: SquadViT, task: str, mode: str, loader: DataLoader, trainable: dict[str, nn.Parameter],
+        cfg: FinetuneConfig, lr: float, held: DataLoader | None = None) -> dict:
+    """The fine-tuning loop of every mode: ``cfg.steps`` AdamW steps on the task's loss, and with ``held`` the
+    held-out metric every ``steps / evals`` steps, the best evaluation's weights restored at the end.
 
+    Args:
+        model: the model with the new task (linear-probe: with the probe as its head; the backbone then runs in
+            eval mode, so the features it learns from are the frozen model's).
+        task: the task's canonical name.
+        mode: one of `MODES`.
+        loader: the images it learns from.
+        trainable: the parameters it trains (`select_trainable`).
+        cfg: the settings (steps, evals, weight decay, device, eval_batches).
+        lr: the learning rate of this run.
+        held: held-out images that pick the stopping step (None: the last step's weights).
 
-def train_new_task(model: SquadViT, task: str, loader: DataLoader, trainable: dict[str, nn.Parameter],
-                   cfg: FinetuneConfig) -> list[float]:
-    """Trains ``trainable`` on the task's loss for ``cfg.steps`` steps (model in train mode); returns the losses."""
+    Returns:
+        ``{"lr", "losses" (per step), "best_step", "held" (the chosen evaluation's primary metric, or None),
+        "curve" ([(step, held-out metric)])}``; the model is left in eval mode.
+    """
     spec = model.get_task(task)
-    opt = make_optimizer(trainable, cfg)
-    losses = []
-    model.train()
+    sign = -1.0 if spec.lower_is_better else 1.0
+    opt = make_optimizer(trainable, cfg, lr)
+    every = max(1, cfg.steps // cfg.evals)
     batches = _cycle(loader)
-    for _ in range(cfg.steps):
+    best, best_step, best_state, curve, losses = -math.inf, cfg.steps, None, [], []
+    for step in range(1, cfg.steps + 1):
+        model.train(mode != "linear-probe")
         batch = next(batches)
-        images = batch["rgb"].to(cfg.device)
-        pred = model(images, [task]).preds[task]
+        pred = model(batch["rgb"].to(cfg.device), [task]).preds[task]
         loss = spec.loss(pred.float(), spec.target(batch["targets"][task].to(cfg.device)),
                          batch["masks"][task].to(cfg.device))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         losses.append(float(loss.detach()))
+        if held is not None and (step % every == 0 or step == cfg.steps):
+            value = evaluate(model, held, [task], cfg.device)[task].get(spec.primary_metric, math.nan)
+            curve.append((step, value))
+            if math.isfinite(value) and sign * value > best:
+                best, best_step = sign * value, step
+                best_state = {n: p.detach().clone() for n, p in trainable.items()}
+    if best_state is not None:
+        with torch.no_grad():
+            for n, p in trainable.items():
+                p.copy_(best_state[n])
     model.eval()
-    return losses
-
-
-# ------------------------------------------------------------------------------------------- linear probe
-@torch.no_grad()
-def pooled_features(model: SquadViT, task: str, loader: DataLoader, device: str, max_batches: int = 0):
-    """Mean-pooled patch tokens [N, D] of the frozen model (the task's routing), with targets and masks."""
-    model.eval()
-    prefix = int(model.cfg.class_token)
-    feats, targets, masks = [], [], []
-    for i, batch in enumerate(loader):
-        if max_batches and i >= max_batches:
-            break
-        tokens = model.forward_features(batch["rgb"].to(device), task)  # [B, N, D]
-        feats.append(tokens[:, prefix:].mean(1).float().cpu())
-        targets.append(batch["targets"][task])
-        masks.append(batch["masks"][task])
-    return torch.cat(feats), torch.cat(targets), torch.cat(masks)
-
-
-def linear_probe(model: SquadViT, task: str, train_loader: DataLoader, eval_loader: DataLoader,
-                 cfg: FinetuneConfig) -> tuple[dict[str, float], float]:
-    """Logistic regression (soft-target cross-entropy, L2) on frozen pooled features; returns (metrics, loss)."""
-    spec = model.get_task(task)
-    if spec.head_kind != "class":
-        raise ValueError(f"linear-probe is logistic regression on pooled features and needs a class task; {task} is "
-                         f"{spec.head_kind} (for dense tasks, mode 'head' trains the linear head on frozen features)")
-    x, y, m = pooled_features(model, task, train_loader, cfg.device)
-    mean, std = x.mean(0), x.std(0, unbiased=False).clamp_min(1e-6)
-    x = (x - mean) / std
-    target = spec.target(y)
-    probe = nn.Linear(x.shape[1], spec.channels)
-    nn.init.zeros_(probe.weight)
-    nn.init.zeros_(probe.bias)
-    opt = torch.optim.LBFGS(probe.parameters(), lr=1.0, max_iter=cfg.steps, history_size=20,
-                            line_search_fn="strong_wolfe")
-
-    def closure():
-        opt.zero_grad()
-        loss = spec.loss(probe(x), target, m) + cfg.probe_l2 * probe.weight.square().sum()
-        loss.backward()
-        return loss
-
-    opt.step(closure)
-    with torch.no_grad():
-        final = float(spec.loss(probe(x), target, m))
-    xe, ye, me = pooled_features(model, task, eval_loader, cfg.device, cfg.eval_batches)
-    with torch.no_grad():
-        sums = spec.metric_sums(probe((xe - mean) / std), spec.target(ye), me)
-    return spec.metrics(sums), final
+    return {"lr": lr, "losses": losses, "best_step": best_step, "curve": curve,
+            "held": sign * best if best_state is not None else None}
 
 
 # ----------------------------------------------------------------------------------------------- one run
-def finetune_once(base: SquadViT, task: str, mode: str, train_set, indices: Sequence[int], eval_loader: DataLoader,
-                  cfg: FinetuneConfig) -> tuple[dict, SquadViT | None]:
-    """One (mode, subset) run from ``base``; returns its result row and the fine-tuned model (None for probes)."""
+def _subset_loader(train_set, indices: Sequence[int], cfg: FinetuneConfig, shuffle: bool) -> DataLoader:
+    return DataLoader(Subset(train_set, list(indices)), batch_size=min(cfg.batch_size, len(indices)),
+                      shuffle=shuffle, collate_fn=collate, num_workers=cfg.workers,
+                      generator=torch.Generator().manual_seed(cfg.seed))
+
+
+def _learner(base: SquadViT, task: str, mode: str, train_set, fit_idx: list[int], cfg: FinetuneConfig
+             ) -> tuple[SquadViT, dict[str, nn.Parameter]]:
+    """A copy of ``base`` with the new task, set up for ``mode``, and its trainable parameters."""
     model = with_new_task(base, task, cfg.init, cfg.seed).to(cfg.device)
-    loader = DataLoader(Subset(train_set, list(indices)), batch_size=min(cfg.batch_size, len(indices)),
-                        shuffle=True, collate_fn=collate, num_workers=cfg.workers,
-                        generator=torch.Generator().manual_seed(cfg.seed))
-    row = {"mode": mode, "train_images": len(indices)}
     if mode == "linear-probe":
-        for p in model.parameters():
-            p.requires_grad_(False)
-        metrics, loss = linear_probe(model, task, loader, eval_loader, cfg)
-        row.update(metrics=metrics, final_loss=loss, trainable_params=(model.cfg.embed_dim + 1) *
-                   model.get_task(task).channels, frozen_unchanged=True)
-        return row, None
-    trainable = select_trainable(model, task, mode)
-    frozen = ({n: p.detach().clone() for n, p in model.named_parameters() if n not in trainable}
-              if cfg.verify_frozen else {})
-    torch.manual_seed(cfg.seed)
-    losses = train_new_task(model, task, loader, trainable, cfg)
-    unchanged = all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if n in frozen)
-    if cfg.verify_frozen and not unchanged:
-        raise RuntimeError(f"mode {mode}: a frozen parameter changed during training")
-    metrics = evaluate(model, eval_loader, [task], cfg.device, cfg.eval_batches)[task]
-    row.update(metrics=metrics, final_loss=losses[-1], trainable_params=sum(p.numel() for p in trainable.values()),
-               frozen_unchanged=unchanged if cfg.verify_frozen else None)
+        spec = model.get_task(task)
+        if spec.head_kind != "class":
+            raise ValueError(f"linear-probe is a linear classifier on pooled features and needs a class task; "
+                             f"{task} is {spec.head_kind} (for dense tasks, mode 'head' trains the linear head on "
+                             f"frozen features)")
+        mean, std = probe_statistics(model, task, _subset_loader(train_set, fit_idx, cfg, False), cfg.device)
+        replace_head(model, task, LinearProbe(mean, std, spec.channels, int(model.cfg.class_token)))
+    return model, select_trainable(model, task, mode)
+
+
+def finetune_once(base: SquadViT, task: str, mode: str, train_set, indices: Sequence[int], scored: DataLoader,
+                  cfg: FinetuneConfig) -> tuple[dict, SquadViT | None]:
+    """One (mode, subset) run from ``base`` — with held-out selection (``cfg.holdout``), one run per lr and the best
+    kept — scored on ``scored`` (the evaluation split's loader).
+
+    Returns:
+        (its result row, the fine-tuned model; None for linear-probe, whose head is no head of the config). The row
+        holds ``mode, train_images, fit_images, held_images, lr, best_step, held ({lr: held-out metric} when
+        selecting), curve, metrics, final_loss, trainable_params, frozen_unchanged``.
+
+    Raises:
+        RuntimeError: a frozen parameter changed (``cfg.verify_frozen``).
+    """
+    indices = list(indices)
+    fit_idx, held_idx = holdout_split(indices, cfg.holdout, cfg.seed) if cfg.selects else (indices, [])
+    held = eval_loader(Subset(train_set, held_idx), cfg.batch_size, cfg.workers) if held_idx else None
+    chosen, tries = None, {}
+    for lr in cfg.lr_grid():
+        model, trainable = _learner(base, task, mode, train_set, fit_idx, cfg)
+        frozen = ({n: p.detach().clone() for n, p in model.named_parameters() if n not in trainable}
+                  if cfg.verify_frozen else {})
+        torch.manual_seed(cfg.seed)
+        run = fit(model, task, mode, _subset_loader(train_set, fit_idx, cfg, True), trainable, cfg, lr, held)
+        if not all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if n in frozen):
+            raise RuntimeError(f"mode {mode}: a frozen parameter changed during training")
+        tries[f"{lr:g}"] = run["held"]
+        sign = -1.0 if model.get_task(task).lower_is_better else 1.0
+        score = -math.inf if run["held"] is None else sign * run["held"]
+        if chosen is None or score > chosen[0]:  # the first lr wins a tie
+            chosen = (score, run, model, trainable)
+    _, run, model, trainable = chosen
+    metrics = evaluate(model, scored, [task], cfg.device, cfg.eval_batches)[task]
+    row = {"mode": mode, "train_images": len(indices), "fit_images": len(fit_idx), "held_images": len(held_idx),
+           "lr": run["lr"], "best_step": run["best_step"], "held": tries if held is not None else None,
+           "curve": run["curve"], "metrics": metrics, "final_loss": run["losses"][-1],
+           "trainable_params": sum(p.numel() for p in trainable.values()),
+           "frozen_unchanged": True if cfg.verify_frozen else None}
     for p in model.parameters():
         p.requires_grad_(True)
-    return row, model
-
-
+    return row, None if mode == "linear-probe" else model
 
 
 def base_without(model: SquadViT, task: str, trained: Sequence[str] | None, replace: bool) -> tuple[SquadViT, str]:
@@ -333,7 +305,8 @@ def finetune_table(full: SquadViT, task: str, data: str | Path, modes: Sequence[
         modes: any of router, head, full, linear-probe.
         fractions: training-set shares in (0, 1] (deterministic nested subsets).
         shots: instead, images per class (class tasks).
-        cfg: optimisation settings.
+        cfg: the settings (`squad.config.tools.FinetuneConfig`; with ``holdout`` > 0 every run picks its lr and
+            stopping step on held-out images of its subset).
         train_split: split the subsets are drawn from.
         eval_split: split the metric is measured on.
         replace: allow a task the model was trained with (its head and router rows are dropped first).
@@ -360,7 +333,7 @@ def finetune_table(full: SquadViT, task: str, data: str | Path, modes: Sequence[
     result = {"task": name, "checkpoint": meta["path"], "base_tasks": base.task_names, "note": note,
               "metric": spec.primary_metric, "lower_is_better": spec.lower_is_better, "train_split": train_split,
               "train_images_total": len(train_set), "eval_split": eval_split, "eval_images": len(eval_set),
-              "config": vars(cfg).copy(), "untrained": untrained, "runs": [], "table": {}}
+              "config": dataclasses.asdict(cfg), "untrained": untrained, "runs": [], "table": {}}
     for kind, value in sizes:
         idx = subset_indices(len(train_set), **{kind: value}, labels=labels, seed=cfg.seed)
         label = f"{value:g}" if kind == "fraction" else f"{value}-shot"
@@ -371,7 +344,7 @@ def finetune_table(full: SquadViT, task: str, data: str | Path, modes: Sequence[
             result["runs"].append(row)
             result["table"].setdefault(mode, {})[label] = row["primary"]
             if save_dir is not None and model is not None:
-                model.merge_added_tasks()
+                merge_added_tasks(model)
                 path = Path(save_dir) / f"{name}_{mode}_{label}.pt"
                 path.parent.mkdir(parents=True, exist_ok=True)
                 export_model(path, model, None, {"finetuned_task": name, "mode": mode, kind: value,

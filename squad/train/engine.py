@@ -17,13 +17,11 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader
 
 from squad.analysis.figures import usage_figure
 from squad.config.base import ConfigError
 from squad.config.run import RunConfig, deepspeed_config, precision
-from squad.data import build_dataset, collate, eval_loader, report
-from squad.data.samplers import ResumableSampler
+from squad.data import build_dataset, build_loader, eval_loader, report, set_epoch
 from squad.distributed import (
     all_reduce_sum,
     broadcast_object,
@@ -166,13 +164,11 @@ class Trainer:
         torch.manual_seed(self.cfg.train.seed)
         self.train_set, self.val_set = self._datasets()
         o = self.cfg.optim
-        self.sampler = ResumableSampler(self.train_set, num_replicas=self.world, rank=self.rank, shuffle=True,
-                                        seed=self.cfg.train.seed, drop_last=True)
         # the loader draws its workers' base seed from its own generator, never from the global RNG that the
         # step reseeds (router noise), so where an epoch starts does not shift the noise
-        self.loader = DataLoader(self.train_set, batch_size=o.batch_per_rank, sampler=self.sampler,
-                                 num_workers=self.cfg.data.workers, collate_fn=collate, drop_last=True,
-                                 pin_memory=self.cuda, generator=torch.Generator().manual_seed(self.cfg.train.seed))
+        self.loader = build_loader(self.train_set, o.batch_per_rank, seed=self.cfg.train.seed,
+                                   num_workers=self.cfg.data.workers, rank=self.rank, world=self.world,
+                                   pin_memory=self.cuda)
         self.batches_per_epoch = len(self.loader)
         if self.batches_per_epoch == 0:
             raise ValueError(f"data.root={self.cfg.data.root}: {len(self.train_set)} training images are fewer than "
@@ -297,9 +293,7 @@ class Trainer:
     def _batches(self):
         """Micro-batches forever, from the saved (epoch, batch) position on."""
         while True:
-            self.sampler.set_epoch(self.state.epoch)
-            self.train_set.set_epoch(self.state.epoch)
-            self.sampler.skip = self.state.batch_in_epoch * self.cfg.optim.batch_per_rank
+            set_epoch(self.loader, self.state.epoch, skip_batches=self.state.batch_in_epoch)
             for batch in self.loader:
                 self.state.batch_in_epoch += 1
                 yield batch

@@ -1,9 +1,6 @@
-"""The DeepSpeed training loop: one fused multi-task pass per step, uncertainty-weighted task losses, the MI loss
-across ranks, periodic validation, TensorBoard logs, checkpoints that resume exactly, and the exported model.
-
-Exact resumption: the data order is the sampler's (seed, epoch) permutation with the consumed batches skipped,
-augmentation draws come from (seed, epoch, index), and the torch RNG (router noise, task sampling) is reseeded from
-(seed, step, rank) every step — so nothing but the step counters needs saving beside DeepSpeed's own state.
+"""The training objective: `MultiTaskObjective`, the module DeepSpeed wraps (one fused forward over the step's tasks,
+each task's masked loss, their learned weighting and the routers' auxiliary losses), and `TrainingError`, how a run
+that cannot go on stops (`nonfinite_stop`: too many non-finite losses in a row, with what to try).
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""The DeepSpeed training loop: one fused multi-task pass per step, uncertainty-weighted task losses, the MI loss
-across ranks, periodic validation, TensorBoard logs, checkpoints that resume exactly, and the exported model.
-
-Exact resumption: the data order is the sampler's (seed, epoch) permutation with the consumed batches skipped,
-augmentation draws come from (seed, epoch, index), and the torch RNG (router noise, task sampling) is reseeded from
-(seed, step, rank) every step — so nothing but the step counters needs saving beside DeepSpeed's own state.
+"""The optimiser's side of a run: AdamW parameter groups (`param_groups`: no weight decay on norms, biases,
+embeddings, task weights; expert weights in groups of their own) and the learning-rate schedule (`lr_lambda`: linear
+warm-up, then cosine to a floor; `warmup_note` when the warm-up outlasts the run).
 """
 
 from __future__ import annotations

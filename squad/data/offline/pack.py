@@ -24,11 +24,10 @@ from torch.utils.data import DataLoader, Dataset
 from squad.data.benchmark import DATASETS, BenchmarkBase, check_dataset_tasks
 from squad.data.nyud import NYUDDataset
 from squad.data.pascal import PascalContextDataset
+from squad.data.samples import CorruptFileError, EmptyDatasetError
 from squad.data.shards import FORMAT, HW_KEY, INDEX_NAME, VERSION, detect_dataset, logger
 from squad.data.taskonomy import (
     SPLITS,
-    CorruptFileError,
-    EmptyDatasetError,
     TaskonomyDataset,
     domain_dir,
     find_split_csv,

@@ -22,12 +22,9 @@ from squad.data.offline.stats.accumulators import (
 )
 from squad.data.offline.stats.references import GEOMETRY, REFERENCES, SOURCES, TOLERANCE, VALID, Reference, fmt, label
 from squad.data.offline.stats.sources import ShardSource, TreeSource
+from squad.data.samples import CorruptFileError
 from squad.data.shards import is_shard_root
-from squad.data.taskonomy import (
-    SPLITS,
-    CorruptFileError,
-    make_data_hint,
-)
+from squad.data.taskonomy import SPLITS, make_data_hint
 from squad.data.transforms import compact_rgb
 from squad.tasks import TASK_NAMES, DecodeError, get_task, resolve_task_names
 

@@ -13,10 +13,10 @@ from typing import Any
 import numpy as np
 
 from squad.data.offline.stats.references import GEOMETRY
+from squad.data.samples import CorruptFileError
 from squad.data.shards import FORMAT, INDEX_NAME
 from squad.data.taskonomy import (
     SPLITS,
-    CorruptFileError,
     domain_dir,
     file_ext,
     find_split_csv,

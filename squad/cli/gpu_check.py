@@ -1,0 +1,62 @@
+"""One GPU's check of squad: the GPU tests, the GPU bench rows beside the H100 cost model, train steps, a DeepSpeed run.
+
+    python tools/gpu_check.py                     # results in $OUT/gpu-check when $OUT is set, else reports/gpu_check
+    python tools/gpu_check.py --out /tmp/check    # (make gpu-check runs the same)
+
+At most 9 minutes on one H100 (each stage has its own limit; `squad.bench.gpucheck`); writes gpu_check.json and
+gpu_check.md into the folder, with one log per stage. Exit 0 when every stage ran and passed (a missed performance
+target is printed as NO, not failed), 1 when one did not, 2 without a GPU (nothing runs) or with an --out that cannot
+be written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from squad.cli import run
+
+
+def default_out() -> Path:
+    """``$OUT/gpu-check`` on a lent GPU machine (its $OUT comes back), else ``reports/gpu_check``."""
+    return Path(os.environ["OUT"]) / "gpu-check" if os.environ.get("OUT") else Path("reports/gpu_check")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The arguments of ``tools/gpu_check.py`` / ``make gpu-check``."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--out", type=Path, default=None,
+                   help="folder for gpu_check.json, gpu_check.md and the stage logs (default: $OUT/gpu-check when "
+                        "$OUT is set, else reports/gpu_check)")
+    return p
+
+
+def _gpu_check(argv: list[str] | None) -> int:
+    args = build_parser().parse_args(argv)
+    from squad.bench.gpucheck import FILES, NoGpu, require_gpu, run_check
+    from squad.io.files import check_writable
+
+    out = check_writable(args.out or default_out(), "--out", folder=True)  # before minutes of work
+    try:
+        gpu = require_gpu()
+    except NoGpu as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"gpu-check on {gpu}: results in {out}", flush=True)
+    report = run_check(out)
+    for name, result in report["stages"].items():
+        print(f"  {name}: {result.get('status')} ({result.get('wall_s', 0):.0f} s)")
+    print(f"wrote {out / FILES[0]} and {out / FILES[1]} ({report['wall_s']:.0f} s)")
+    return 0 if report["ok"] else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the GPU check; exit 0 passed, 1 a stage failed, 2 no GPU or bad input (`squad.cli.run`)."""
+    return run(_gpu_check, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

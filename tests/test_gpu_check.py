@@ -1,0 +1,75 @@
+"""make gpu-check on a machine without a GPU: the refusal, the stage runner (limits, crashes), the report, the join of
+measured GPU rows with the traffic model's figures, and the parsers of its stages' outputs."""
+
+import json
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from squad.bench import gpucheck
+from squad.bench.gpucheck import Stage
+
+WRITE = [sys.executable, "-c", "import json, sys; json.dump({{'status': 'ok', 'stage': sys.argv[1]}}, "
+         "open(sys.argv[2], 'w'))"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a GPU")
+def test_without_a_gpu_the_check_refuses_before_it_starts(tmp_path, load_tool, capsys):
+    assert load_tool("tools/gpu_check.py").main(["--out", str(tmp_path / "check")]) == 2
+    err = capsys.readouterr().err
+    assert "needs a CUDA GPU" in err and "Training fast on GPUs" in err
+    assert not (tmp_path / "check").exists()
+
+
+def test_stages_run_in_order_within_their_limits_and_the_report_is_written(tmp_path):
+    stages = [Stage("tests", 30), Stage("bench", 1.5), Stage("step", 30), Stage("deepspeed", 30)]
+    commands = {"tests": [*WRITE, "tests", "{result}"],
+                "bench": [sys.executable, "-c", "import time; time.sleep(30)"],
+                "step": [sys.executable, "-c", "raise SystemExit(3)"],
+                "deepspeed": [*WRITE, "deepspeed", "{result}"]}
+    report = gpucheck.run_check(tmp_path, stages, total_s=120, commands=commands)
+    status = {name: r["status"] for name, r in report["stages"].items()}
+    assert status == {"tests": "ok", "bench": "timeout", "step": "crashed", "deepspeed": "ok"}
+    assert report["stages"]["step"]["returncode"] == 3 and not report["ok"]
+    assert json.loads((tmp_path / "gpu_check.json").read_text())["stages"]["tests"]["stage"] == "tests"
+    md = (tmp_path / "gpu_check.md").read_text()
+    assert "| bench | timeout |" in md and "NOT all stages passed" in md
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*gpucheck.FILES, *(f"{s.name}.log" for s in stages)])
+    late = gpucheck.run_check(tmp_path / "late", stages, total_s=10, commands=commands)  # too little time left
+    assert {r["status"] for r in late["stages"].values()} == {"skipped"}
+
+
+def test_measured_rows_are_joined_with_the_modelled_figures():
+    measured = [
+        {"case": "moe_mlp_fwd_bwd_vs_dense_gpu", "value": 2.0, "unit": "x time", "target": "<= 1.3", "ok": False,
+         "details": {"candidate_s": 0.004, "baseline_s": 0.002}},
+        {"case": "attention_fwd_bwd_n197_vs_sdpa", "value": 1.01, "unit": "x time", "target": "<= 1.02", "ok": True,
+         "details": {}},
+    ]
+    predicted = {"moe_mlp_fwd_bwd_vs_dense_gpu": {"modelled": 2.5, "traffic_row": "x", "unit": "x time (H100 model)"}}
+    traffic = [{"case": "traffic_moe_mlp_bytes_vs_dense_mlp", "details": {
+        "gpu_case": "moe_mlp_fwd_bwd_vs_dense_gpu", "layer": {"model_ms": 5.0}, "twin": {"model_ms": 2.0}}}]
+    moe, attention = gpucheck.join_predictions(measured, predicted, traffic)
+    assert moe["modelled"] == 2.5 and moe["model_error"] == pytest.approx(0.25)
+    assert moe["measured_ms"] == (4.0, 2.0) and moe["modelled_ms"] == (5.0, 2.0)
+    assert attention["modelled"] is None and attention["model_error"] is None
+    report = gpucheck.assemble({"bench": {"status": "ok", "joined": [moe, attention], "wall_s": 3.0}},
+                               {"gpu": "NVIDIA H100 80GB HBM3", "commit": "abc"}, 3.0)
+    md = gpucheck.markdown(report)
+    assert "NVIDIA H100" in md and "| moe_mlp_fwd_bwd_vs_dense_gpu | 2.000 | 2.500 | +25 % |" in md
+    assert "| 4.00 / 2.00 | 5.00 / 2.00 |" in md
+
+
+def test_stage_outputs_are_parsed(tmp_path):
+    log = textwrap.dedent("""\
+        [squad] step 10/60 loss 3.2100 mi 0.0100 lr 1.000e-03 55.0 img/s 3520 tok/s
+        [squad] step 60/60 loss 2.5000 mi 0.0090 lr 1.000e-05 410.5 img/s 26272 tok/s
+        """)
+    assert gpucheck.parse_train_log(log) == {"steps": 60, "total_steps": 60, "final_loss": 2.5, "last_img_s": 410.5,
+                                             "best_img_s": 410.5, "finite": True}
+    assert gpucheck.parse_train_log("no steps") == {"steps": 0}
+    xml = tmp_path / "junit.xml"
+    xml.write_text('<testsuites><testsuite tests="5" failures="1" errors="0" skipped="2"/></testsuites>')
+    assert gpucheck.junit_counts(xml) == {"tests": 5, "failures": 1, "errors": 0, "skipped": 2, "passed": 2}

@@ -38,13 +38,13 @@ def extensions_dir() -> Path:
     ``site-packages/torch/include``, ``deepspeed/ops/csrc``). Two checkouts with their own virtual environments
     sharing that cache rebuild each other's op every time (ninja sees another command: two command hashes in its
     ``.ninja_log``), and every rank of every run waits on the cache's lock meanwhile (60–120 s on 2 cores). So each
-    installation keeps its own: ``<venv>/torch_extensions`` inside a virtual environment, else a folder of the
-    default cache named by the installation's paths. ``TORCH_EXTENSIONS_DIR`` set by the user is kept.
+    installation keeps its own: ``<venv>/torch_extensions/squad-<digest>`` inside a virtual environment, else a
+    folder of the default cache, both named by the installation's paths. ``TORCH_EXTENSIONS_DIR`` set by the user is
+    kept.
 
-    Inside the virtual environment the folder is named by the installation's paths too
-    (``<venv>/torch_extensions/squad-<digest>``): a virtual environment copied to another checkout with hard links
-    (``cp -al``, as a fast clone does) otherwise shares the build files, ninja log and lock of the original's folder
-    through the links, and the two rebuild each other's op at every start exactly as through the shared cache.
+    The name matters inside the virtual environment too: one copied to another checkout with hard links (``cp -al``,
+    as a fast clone does) would otherwise share the build files, ninja log and lock of the original's folder through
+    the links, and the two would rebuild each other's op at every start exactly as through the shared cache.
     """
     if os.environ.get("TORCH_EXTENSIONS_DIR"):
         return Path(os.environ["TORCH_EXTENSIONS_DIR"])

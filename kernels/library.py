@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from .device import triton_runs_on
 from .reference import attention_backward_chunked, attention_forward_chunked, cpu_flash_backward
 
 
@@ -52,7 +53,7 @@ def _rows(q: torch.Tensor, token_index: torch.Tensor | None) -> int:
                                 "-> (Tensor, Tensor, Tensor)")
 def triton_attention(q, k, v, token_index, scale, scores):
     """See the module docstring."""
-    if not q.is_cuda and not triton_module().interpreter_enabled():
+    if not triton_runs_on(q.device):
         raise ValueError(f"routed_attention: backend='triton' needs CUDA tensors (got {q.device}), or Triton's CPU "
                          "interpreter: TRITON_INTERPRET=1 in the environment before Python imports torch/triton")
     if token_index is not None:

@@ -19,30 +19,30 @@ a Triton op runs, so importing this package never defines or compiles kernels.
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 import torch.nn.functional as F
 
 from . import library
+from .device import cuda_path, triton_available, triton_runs_on
 from .reference import attention_forward_chunked, gather_rows
 
 BACKENDS = ("auto", "triton", "reference")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_TRITON_HEAD_DIM = 128
-_TRITON = importlib.util.find_spec("triton") is not None  # once: torch.compile traces a constant, not importlib
-
-
-def triton_available() -> bool:
-    """Whether the `triton` package can be imported."""
-    return _TRITON
 
 
 def auto_backend(is_cuda: bool, head_dim: int, scores: bool, token_subset: bool) -> str:
-    """What "auto" runs: "triton" only on CUDA, for scores or a token subset, at head dims Triton serves;
-    "reference" (SDPA when there are no scores) otherwise."""
+    """What "auto" runs: "triton" only on the CUDA path (``is_cuda``), for scores or a token subset, at head dims
+    Triton serves; "reference" (SDPA when there are no scores) otherwise."""
     wants_triton = scores or token_subset
-    return "triton" if is_cuda and wants_triton and _TRITON and head_dim <= MAX_TRITON_HEAD_DIM else "reference"
+    return "triton" if is_cuda and wants_triton and triton_available() and head_dim <= MAX_TRITON_HEAD_DIM \
+        else "reference"
+
+
+def _triton_serves(device: torch.device) -> bool:
+    """The CUDA path takes the Triton op where a kernel can run (`triton_runs_on`) or where only its fake runs (meta
+    tensors: the traffic recorder); a forced CUDA path on CPU tensors without the interpreter takes the reference."""
+    return cuda_path(device) and (device.type == "meta" or triton_runs_on(device))
 
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, token_index: torch.Tensor | None,
@@ -89,9 +89,9 @@ def _resolve_backend(backend: str, q: torch.Tensor, scores: bool, token_subset: 
     if backend not in BACKENDS:
         raise ValueError(f"routed_attention: backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        return auto_backend(q.is_cuda, q.shape[-1], scores, token_subset)
+        return auto_backend(_triton_serves(q.device), q.shape[-1], scores, token_subset)
     if backend == "triton":
-        if not _TRITON:
+        if not triton_available():
             raise RuntimeError("routed_attention: backend='triton' needs the triton package")
         if q.shape[-1] > MAX_TRITON_HEAD_DIM:
             raise ValueError(f"routed_attention: backend='triton' supports head dim <= {MAX_TRITON_HEAD_DIM}, "
@@ -109,7 +109,7 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, 
         q, k, v = gather_rows(q, token_index), gather_rows(k, token_index), gather_rows(v, token_index)
     if not return_scores:
         gqa = k.shape[1] != q.shape[1]
-        if gqa and q.is_cuda and q.dtype == torch.float32:  # only flash takes GQA, and not fp32: math would form N×N
+        if gqa and cuda_path(q.device) and q.dtype == torch.float32:  # only flash takes GQA, not fp32: math forms N×N
             group = q.shape[1] // k.shape[1]
             k, v, gqa = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), False
         return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)

@@ -25,9 +25,18 @@ probability block kept until the row's LSE is known (A-MoD's A_temp), which fits
 one-tile path. Past one tile the probabilities must be formed twice or written out (B·H·N² values, slower than
 recomputing them), so phase 1 recomputes QKᵀ and exp2: by the FLOP and exp2 count about half a forward more at long
 N (unmeasured: no GPU was at hand; `tools/bench.py` on a GPU gives the ratios), against a column reduction per tile
-on the one-tile path. Column sums go to a [B, Hq, row blocks, M] buffer summed in PyTorch: no atomics, the same sum
-in the same order every run (the scores choose tokens by top-k; a last-bit wobble could change the choice between
-runs). Its size is M²/BLOCK_M per head — 1/64 of one N×N map; nothing N×N exists.
+on the one-tile path. Column sums, already divided by Hq·M, go to a [B, Hq, row blocks, M] buffer summed in PyTorch
+(one launch after the forward): no atomics, the same sum in the same order every run (the scores choose tokens by
+top-k; a last-bit wobble could change the choice between runs), and no zeroed buffer an atomic sum would need (a
+launch too). Its size is M²/BLOCK_M per head — 1/64 of one N×N map; nothing N×N exists.
+
+What this costs against SDPA without scores (the traffic profile's H100 model, `tools/bench.py --only traffic`):
+on the one-tile path the forward itself matches flash's rate and the scores cost the one summing launch (N = 197:
+~1.3×, a launch against a ~20 µs kernel). Past one tile the ratio is FLOP-bound at ~1.5× and no exact method with
+O(N) memory does better: every probability exp(S_ij - LSE_i) needs S_ij after LSE_i is known, and LSE_i needs
+every S_ij of row i, so S = QKᵀ is formed twice (6·N²·d FLOPs against flash's 4·N²·d) unless the N×N scores are
+kept (written out: B·H·N² values, slower than recomputing them, and the O(N) memory contract forbids it). The
+design contract's ≤ 1.15 at N ≥ 1024 is therefore out of reach for exact scores.
 
 Backward: delta = rowsum(dO ∘ O) in PyTorch, then one kernel per (key block, kv head[·split], batch) accumulating
 dK, dV over the group's query heads and all query blocks (split partial sums added in PyTorch), and one per (query
@@ -44,7 +53,7 @@ The kernel bodies are plain functions wrapped at first use by `_kernels()`, for 
 following the mode Triton itself was imported in (see `interpreter_enabled`). Their shared prologue lives in device
 helpers they call (`_program_tile`: program ids → head, batch row, feature and row offsets and masks; `_block_rows`:
 a block's positions, mask and token-index gather; `_load_tile`: a masked, optionally upcast q/k/v/dO tile), wrapped
-the same way at import (`_device_function`); the compiler inlines them.
+the same way at import (`triton_common.device_function`); the compiler inlines them.
 """
 
 from __future__ import annotations
@@ -55,29 +64,13 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
-from triton.runtime.jit import JITFunction
+
+from .triton_common import device_function, interpreter_enabled, wrap_kernels
 
 LOG2E = 1.4426950408889634
 
 
-def interpreter_enabled() -> bool:
-    """Whether Triton runs kernels in its CPU interpreter.
-
-    Triton reads TRITON_INTERPRET=1 when `triton.language` is first imported (and `import torch` imports it), building
-    its library helpers for one mode; so the variable must be in the environment before Python imports torch.
-    This reports the mode Triton actually runs in.
-    """
-    return not isinstance(tl.zeros, JITFunction)
-
-
-def _device_function(fn):
-    """``@triton.jit`` for a helper the kernels call, in the mode Triton was imported in (`interpreter_enabled`):
-    a `JITFunction` the compiler inlines into the kernel, or an `InterpretedFunction` the interpreter calls."""
-    return InterpretedFunction(fn) if interpreter_enabled() else JITFunction(fn)
-
-
-@_device_function
+@device_function
 def _block_rows(IDX, b, stride_ib, stride_ik, start, M,
                 BLOCK: tl.constexpr, HAS_INDEX: tl.constexpr):
     """Positions ``start .. start + BLOCK`` of the M attended rows of batch row b.
@@ -94,7 +87,7 @@ def _block_rows(IDX, b, stride_ib, stride_ik, start, M,
     return offs, mask, rows
 
 
-@_device_function
+@device_function
 def _load_tile(base, rows, mask_rows, stride_n, offs_d, mask_d, stride_d, UPCAST: tl.constexpr):
     """The [BLOCK, BLOCK_D] tile ``base[rows, offs_d]`` (zeros outside the masks), upcast to fp32 when UPCAST."""
     tile = tl.load(base + rows[:, None] * stride_n + offs_d[None, :] * stride_d,
@@ -104,7 +97,7 @@ def _load_tile(base, rows, mask_rows, stride_n, offs_d, mask_d, stride_d, UPCAST
     return tile
 
 
-@_device_function
+@device_function
 def _program_tile(IDX, stride_ib, stride_ik, M, D,
                   BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, HAS_INDEX: tl.constexpr):
     """The prologue of every kernel: grid (row block, head, batch row) → where this program works.
@@ -141,6 +134,7 @@ def _fwd_kernel(Q, K, V, IDX, OUT, LSE, PART,
     k_base = K + b * stride_kb + hk * stride_kh
     v_base = V + b * stride_vb + hk * stride_vh
     part = PART + (bh * tl.num_programs(0) + tl.program_id(0)) * M  # this row block's column sums [M]
+    col_scale = 1.0 / (HQ * M * 1.0)  # a column sum's share of the mean over heads and query rows
     if ONE_TILE:
         # every key in one tile (BLOCK_N >= M): the exact softmax in one pass, probabilities normalised once
         offs_n, mask_n, rows_n = _block_rows(IDX, b, stride_ib, stride_ik, 0, M, BLOCK_N, HAS_INDEX)
@@ -154,7 +148,7 @@ def _fwd_kernel(Q, K, V, IDX, OUT, LSE, PART,
         p = p * tl.where(mask_m, 1.0 / l_i, 0.0)[:, None]  # rows past M weigh nothing in the column sums
         acc = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         if SCORES:
-            tl.store(part + offs_n, tl.sum(p, 0), mask=mask_n)
+            tl.store(part + offs_n, tl.sum(p, 0) * col_scale, mask=mask_n)
         lse2 = m_i + tl.log2(l_i)
     elif SCORES:
         # phase 1: each row's log-sum-exp over the key blocks (no V, no output)
@@ -179,7 +173,7 @@ def _fwd_kernel(Q, K, V, IDX, OUT, LSE, PART,
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
             p = tl.where(mask_n[None, :], tl.exp2(s - row_lse2[:, None]), 0.0)
             acc += tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            tl.store(part + offs_n, tl.sum(p, 0), mask=mask_n)
+            tl.store(part + offs_n, tl.sum(p, 0) * col_scale, mask=mask_n)
     else:
         # online softmax (no scores): running max and sum, the output rescaled as the max grows
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -284,8 +278,7 @@ def _bwd_dq_kernel(Q, K, V, DO, IDX, LSE, DELTA, DQ,
 @functools.cache
 def _kernels() -> dict[str, object]:
     """The kernels, wrapped for the compiler or the interpreter (whichever mode Triton was imported in)."""
-    wrap = InterpretedFunction if interpreter_enabled() else JITFunction
-    return {fn.__name__: wrap(fn) for fn in (_fwd_kernel, _bwd_dkdv_kernel, _bwd_dq_kernel)}
+    return wrap_kernels(_fwd_kernel, _bwd_dkdv_kernel, _bwd_dq_kernel)
 
 
 def _config(d: int, dtype: torch.dtype, device: torch.device) -> dict[str, object]:
@@ -390,7 +383,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
             m, d, hq, hq // hkv, scale * LOG2E, HAS_INDEX=token_index is not None, **cfg)
     if not scores:
         return out, lse, None
-    return out, lse, part.sum(dim=(1, 2)).div_(hq * m)
+    return out, lse, part.sum(dim=(1, 2))  # the partial sums are scaled by 1 / (Hq·M) in the kernel
 
 
 def _head_splits(blocks: int, b: int, hkv: int, group: int, device: torch.device) -> int:

@@ -11,37 +11,74 @@ The public API (everything below is importable from ``squad``):
 - Sparse upcycling: `upcycle` (a dense ViT — timm state dict or dense squad model — as the init of a Mod-Squad or
   any other config: experts and heads from the dense MLP and attention, routers fresh).
 - Parameter and MAC counts: `profile`.
-- Trained models: `load` (whatever squad wrote: a model.pt, an extracted model, a run folder or checkpoint),
-  `load_model` (a full model), `load_extracted` (an extracted single-task model, `SingleTaskModel`).
+- Trained models: `load` (whatever squad wrote: a model.pt, an extracted model, a run folder or checkpoint; always in
+  eval mode), `load_model` (a full model), `load_extracted` (an extracted single-task model, `SingleTaskModel`).
+- ``__version__``: the installed distribution's version.
+
+``import squad`` is light: each name is imported on first use (PEP 562), so a tool can parse its arguments and check
+its config and paths before torch, DeepSpeed or timm are loaded (``python -X importtime -c "import squad"``).
 """
 
-from squad.analysis.flops import profile
-from squad.config.loading import load_config, model_config
-from squad.config.model import ModelConfig, SquadConfig
-from squad.config.run import RunConfig
-from squad.io import load, load_extracted, load_model
-from squad.models.registry import create_model, list_models
-from squad.models.single_task import SingleTaskModel
-from squad.models.timm import from_timm
-from squad.models.vit import SquadOutput, SquadViT, build_model
-from squad.posttrain.upcycle import upcycle
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from squad.lazy import exports
+
+# name → the module that defines it
+_EXPORTS = {
+    "profile": "squad.analysis.flops",
+    "load_config": "squad.config.loading",
+    "model_config": "squad.config.loading",
+    "ModelConfig": "squad.config.model",
+    "SquadConfig": "squad.config.model",
+    "RunConfig": "squad.config.run",
+    "load": "squad.io.model_files",
+    "load_extracted": "squad.io.model_files",
+    "load_model": "squad.io.model_files",
+    "create_model": "squad.models.registry",
+    "list_models": "squad.models.registry",
+    "SingleTaskModel": "squad.models.single_task",
+    "from_timm": "squad.models.timm",
+    "SquadOutput": "squad.models.vit",
+    "SquadViT": "squad.models.vit",
+    "build_model": "squad.models.vit",
+    "upcycle": "squad.posttrain.upcycle",
+}
 
 __all__ = [
-    "ModelConfig",
-    "RunConfig",
-    "SquadConfig",
-    "SquadOutput",
-    "SingleTaskModel",
-    "SquadViT",
-    "build_model",
-    "create_model",
-    "from_timm",
-    "list_models",
-    "load",
-    "load_config",
-    "load_extracted",
-    "load_model",
-    "model_config",
-    "profile",
-    "upcycle",
+    "ModelConfig", "RunConfig", "SingleTaskModel", "SquadConfig", "SquadOutput", "SquadViT", "__version__",
+    "build_model", "create_model", "from_timm", "list_models", "load", "load_config", "load_extracted", "load_model",
+    "model_config", "profile", "upcycle",
 ]
+
+if TYPE_CHECKING:  # what static tools see; at run time `__getattr__` imports each name on first use
+    from squad.analysis.flops import profile
+    from squad.config.loading import load_config, model_config
+    from squad.config.model import ModelConfig, SquadConfig
+    from squad.config.run import RunConfig
+    from squad.io.model_files import load, load_extracted, load_model
+    from squad.models.registry import create_model, list_models
+    from squad.models.single_task import SingleTaskModel
+    from squad.models.timm import from_timm
+    from squad.models.vit import SquadOutput, SquadViT, build_model
+    from squad.posttrain.upcycle import upcycle
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("squad")
+    except PackageNotFoundError:  # a checkout on sys.path, not installed
+        return "0+unknown"
+
+
+_getattr, __dir__ = exports(__name__, _EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "__version__":
+        globals()[name] = _version()
+        return globals()[name]
+    return _getattr(name)

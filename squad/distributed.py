@@ -8,7 +8,10 @@ MASTER_PORT) so it never looks for MPI.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
+import logging
 import os
 import socket
 import sys
@@ -67,9 +70,30 @@ def use_own_extensions() -> Path:
     return path
 
 
+class _DropMessages(logging.Filter):
+    """Drops log records whose message starts with one of ``prefixes``."""
+
+    def __init__(self, *prefixes: str):
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefixes)
+
+
+def quiet_cpu_start() -> None:
+    """Silences the two lines every CPU start printed and nobody acts on: torch's "No CUDA runtime is found, using
+    CUDA_HOME=..." (a machine with a CUDA toolkit and no GPU) and DeepSpeed's "... deepspeed_shm_comm_op built
+    successfully" (printed whenever the op is loaded, built or not: `init_distributed` holds it back)."""
+    logger = logging.getLogger("torch.utils.cpp_extension")
+    if not any(isinstance(f, _DropMessages) for f in logger.filters):
+        logger.addFilter(_DropMessages("No CUDA runtime is found"))
+
+
 def prepare_environment() -> None:
     """Sets the accelerator and rendezvous variables a launcher would have set, and this installation's extension
     folder (`use_own_extensions`). Call before importing deepspeed."""
+    quiet_cpu_start()
     use_own_extensions()
     if not cuda_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -121,7 +145,12 @@ def init_distributed() -> tuple[int, int, torch.device]:
             torch.set_num_threads(threads)
         runtime.tune_cpu_allocator()
     if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", verbose=False)
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):  # DeepSpeed prints "... shm_comm_op built successfully" here
+            deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", verbose=False)
+        rest = [line for line in printed.getvalue().splitlines() if not line.endswith("built successfully")]
+        if rest:
+            print("\n".join(rest))
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if cuda:
         torch.cuda.set_device(local)

@@ -46,6 +46,27 @@ def launch_rank() -> int | None:
     return None
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this id runs on this host (someone else's included)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def launch_world() -> int | None:
+    """The number of ranks the launcher started (deepspeed, torchrun, MPI), readable before any process group
+    exists; None when no launcher variable says."""
+    for key in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
+        value = os.environ.get(key, "")
+        if value.isdigit():
+            return int(value)
+    return None
+
+
 def cpu_threads_per_rank() -> int | None:
     """Intra-op threads for one of this node's ranks on a CPU-only run: cores / local ranks (None = leave as is).
 
@@ -90,3 +111,30 @@ def tune_cpu_allocator() -> bool:
 
 def malloc_tuned() -> bool:
     return _MALLOC_TUNED
+
+
+_INTERRUPTED = False
+
+
+def _on_sigint(signum: int, frame: object) -> None:
+    global _INTERRUPTED
+    _INTERRUPTED = True
+    raise KeyboardInterrupt
+
+
+def watch_interrupts() -> None:
+    """Ctrl-C (SIGINT) raises ``KeyboardInterrupt`` as usual and is remembered (`interrupted`), so a tool can tell an
+    error that follows from it — a collective call whose peer rank left on the same Ctrl-C — from a real one. Call
+    from the main thread of an entry point (`squad.cli.run`)."""
+    import signal
+    import threading
+
+    # a process started with SIGINT ignored (a background job of a shell script) keeps ignoring it, as Python does
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is \
+            signal.default_int_handler:
+        signal.signal(signal.SIGINT, _on_sigint)
+
+
+def interrupted() -> bool:
+    """Whether this process got Ctrl-C (SIGINT) since `watch_interrupts`."""
+    return _INTERRUPTED

@@ -31,7 +31,10 @@ from __future__ import annotations
 from typing import Literal
 
 import numpy as np
-import torch
+
+from squad.lazy import module
+
+torch = module("torch")  # imported at first use: building a task (the config does) needs no torch
 
 HeadKind = Literal["dense", "class"]
 

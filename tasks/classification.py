@@ -20,9 +20,12 @@ from __future__ import annotations
 from typing import Literal
 
 import numpy as np
-import torch
+
+from squad.lazy import module, no_grad
 
 from .base import DecodeError, Task, as_f64, ratio
+
+torch = module("torch")  # imported at first use: building a task (the config does) needs no torch
 
 NUM_CLASSES = {"class_object": 1000, "class_scene": 365}
 _MIN_PROB = 1e-12
@@ -91,7 +94,7 @@ class ClassTask(Task):
         zero = torch.zeros((), dtype=per_sample.dtype, device=per_sample.device)
         return torch.where(mask, per_sample, zero).sum() / mask.sum().clamp_min(1).to(per_sample.dtype)
 
-    @torch.no_grad()
+    @no_grad
     def metric_sums(self, pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
         mask = self.check_batch(pred, target, mask)
         truth = target.argmax(dim=1)  # argmax is the same in head space and in units

@@ -58,12 +58,15 @@ import math
 from typing import Literal
 
 import numpy as np
-import torch
-import torch.nn.functional as F
+
+from squad.lazy import module, no_grad
 
 from .base import DecodeError, Task, as_f64, integer_image, masked_mean, ratio
 from .edges import edge_counts, ods_f, thin
 from .normal import _EPS, _MIN_NORM, UnitVectorTask
+
+torch = module("torch")  # imported at first use: building a task (the config does) needs no torch
+F = module("torch.nn.functional")
 
 _LOGIT = 20.0  # the logit a {0, 1} truth maps to (sigmoid(20) = 1 − 2e-9)
 SALIENCY_THRESHOLDS: tuple[float, ...] = tuple(float(t) for t in np.linspace(0.2, 0.9, 15))
@@ -138,7 +141,7 @@ class SaliencyTask(Task):
         w = ((1 - label) * valid).sum() / valid.sum().clamp_min(1)  # share of negatives (HED)
         return _weighted_bce(pred, label, mask, w)
 
-    @torch.no_grad()
+    @no_grad
     def metric_sums(self, pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
         mask = self.check_batch(pred, target, mask)
         prob = self.to_units(pred).double()
@@ -213,7 +216,7 @@ class SurfaceNormalsTask(UnitVectorTask):
         mask = self.check_batch(pred, target, mask)
         return masked_mean((self.to_units(pred) - target.float()).abs(), mask)
 
-    @torch.no_grad()
+    @no_grad
     def metric_sums(self, pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
         mask = self.check_batch(pred, target, mask)
         p = F.normalize(pred.double(), dim=1, eps=_EPS)
@@ -316,7 +319,7 @@ class EdgeTask(Task):
         mask = self.check_batch(pred, target, mask)
         return _weighted_bce(pred, (target > 0).float(), mask, self.pos_weight)
 
-    @torch.no_grad()
+    @no_grad
     def metric_sums(self, pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
         mask = self.check_batch(pred, target, mask)
         prob = self.to_units(pred)[:, 0].cpu().numpy()
@@ -374,7 +377,7 @@ class NyudDepthTask(Task):
         mask = self.check_batch(pred, target, mask)
         return masked_mean((pred.float() - target.float()).abs(), mask)
 
-    @torch.no_grad()
+    @no_grad
     def metric_sums(self, pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
         mask = self.check_batch(pred, target, mask)
         gt = target.double()

@@ -16,9 +16,12 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import torch
+
+from squad.lazy import module, no_grad
 
 from .base import Task, as_f64, integer_image, masked_mean, ratio
+
+torch = module("torch")  # imported at first use: building a task (the config does) needs no torch
 
 DEPTH_SCALE = 512.0  # codes per metre
 NO_GEOMETRY = 65535
@@ -66,7 +69,7 @@ class DepthTask(Task):
         mask = self.check_batch(pred, target, mask)
         return masked_mean((pred.float() - target.float()).abs(), mask)
 
-    @torch.no_grad()
+    @no_grad
     def metric_sums(self, pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
         mask = self.check_batch(pred, target, mask)
         d = self.to_units(pred).double()

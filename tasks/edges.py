@@ -39,8 +39,6 @@ import math
 from collections.abc import Sequence
 
 import numpy as np
-from scipy.sparse import csr_matrix
-from scipy.sparse.csgraph import maximum_bipartite_matching
 
 PASCAL_MAX_DIST = 0.0075  # SEISM / edgesEvalImg default, used for PASCAL-Context
 NYUD_MAX_DIST = 0.011  # the NYUD-v2 boundary benchmark's tolerance
@@ -192,6 +190,9 @@ def match_counts(pred: np.ndarray, gt: np.ndarray, radius: float | Sequence[floa
             rows.append(ok[hit])
             cols.append(j[hit])
     rows_a, cols_a = np.concatenate(rows), np.concatenate(cols)
+    from scipy.sparse import csr_matrix  # here: importing the tasks needs no scipy
+    from scipy.sparse.csgraph import maximum_bipartite_matching
+
     graph = csr_matrix((np.ones(len(rows_a), dtype=np.int8), (rows_a, cols_a)), shape=(len(pn), len(gn)))
     matched = maximum_bipartite_matching(graph, perm_type="column") >= 0  # per predicted pixel
     out = np.bincount(pn[matched], minlength=n).astype(np.int64)

@@ -13,10 +13,13 @@
 from __future__ import annotations
 
 import numpy as np
-import torch
-import torch.nn.functional as F
+
+from squad.lazy import module, no_grad
 
 from .base import DecodeError, Task, as_f64, integer_image, masked_mean, ratio
+
+torch = module("torch")  # imported at first use: building a task (the config does) needs no torch
+F = module("torch.nn.functional")
 
 _MIN_NORM = 0.1
 _EPS = 1e-6
@@ -84,7 +87,7 @@ class NormalTask(UnitVectorTask):
         cos = F.cosine_similarity(pred.float(), target.float(), dim=1, eps=_EPS).unsqueeze(1)  # [B, 1, H, W]
         return masked_mean(1.0 - cos, mask)
 
-    @torch.no_grad()
+    @no_grad
     def metric_sums(self, pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
         mask = self.check_batch(pred, target, mask)
         p = self.to_units(pred).double()

@@ -45,9 +45,12 @@ from collections.abc import Sequence
 from typing import Literal
 
 import numpy as np
-import torch
+
+from squad.lazy import module, no_grad
 
 from .base import DecodeError, Task, as_f64, integer_image, masked_mean, ratio
+
+torch = module("torch")  # imported at first use: building a task (the config does) needs no torch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,7 +255,7 @@ class ScalarTask(Task):
         err = diff.square() if self.spec.loss == "l2" else diff.abs()
         return masked_mean(err, mask)
 
-    @torch.no_grad()
+    @no_grad
     def metric_sums(self, pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
         mask = self.check_batch(pred, target, mask)
         diff = (self.to_units(pred).double() - self.to_units(target).double())

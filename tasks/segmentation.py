@@ -28,10 +28,13 @@ the whole dataset, IoU_c = TP_c / (TP_c + FP_c + FN_c), and mIoU is their mean.
 from __future__ import annotations
 
 import numpy as np
-import torch
-import torch.nn.functional as F
+
+from squad.lazy import module, no_grad
 
 from .base import DecodeError, Task, as_f64, masked_mean
+
+torch = module("torch")  # imported at first use: building a task (the config does) needs no torch
+F = module("torch.nn.functional")
 
 IGNORE = 255
 
@@ -133,7 +136,7 @@ class SegmentationTask(Task):
         ce = F.cross_entropy(pred.float(), ids, reduction="none").unsqueeze(1)  # [B, 1, H, W]
         return masked_mean(ce, mask)
 
-    @torch.no_grad()
+    @no_grad
     def metric_sums(self, pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
         mask = self.check_batch(pred, target, mask)
         c = self.channels

@@ -81,6 +81,45 @@ def randomize_routers(model: torch.nn.Module, seed: int = 0, std: float = 0.5) -
             m.weight.copy_(torch.randn(m.weight.shape, generator=g) * std)
 
 
+@torch.no_grad()
+def routed_inference_model(name: str) -> squad.SquadViT:
+    """Paper config ``name`` at test widths in eval mode, every per-task bank drawn N(0, 0.5) (the global generator,
+    seeded 0 before the build) and MoNE's α at 0.3, so routing and the router's gate both reach the outputs."""
+    from squad.layers.mone import MoNEBlock
+
+    torch.manual_seed(0)
+    model = squad.build_model(tiny_config(ROOT / "configs" / "model" / f"{name}.yaml").model).eval()
+    for m in model.modules():
+        if isinstance(m, MoNEBlock):
+            m.alpha.fill_(0.3)
+        elif isinstance(m, TaskLinear):
+            m._parameters["weight"].normal_(0, 0.5)
+    return model
+
+
+def compile_triton_for_gpu(fn, types: dict[str, str], constexprs: dict, options: dict, sm: int):
+    """Lowers the Triton kernel body ``fn`` to a cubin for an sm_``sm`` GPU, no GPU needed (the interpreter alone
+    proves no compile). ``types``: Triton type of each pointer or float argument by name (others are i32)."""
+    import inspect
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    names = list(inspect.signature(fn).parameters)
+    signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
+    src = ASTSource(JITFunction(fn), signature, constexprs={(names.index(n),): v for n, v in constexprs.items()})
+    return triton.compile(src, target=GPUTarget("cuda", sm, 32), options=options)
+
+
+def assert_compiles_for_gpu(fn, types: dict[str, str], constexprs: dict, options: dict, sm: int) -> None:
+    """`compile_triton_for_gpu` gives a cubin whose shared memory fits an sm_86 block (99 KiB)."""
+    compiled = compile_triton_for_gpu(fn, types, constexprs, options, sm)
+    assert len(compiled.asm["cubin"]) > 0
+    assert compiled.metadata.shared <= 99 * 1024, compiled.metadata.shared
+
+
 def tool_env(**extra: str) -> dict[str, str]:
     """The environment of a tool run as a subprocess: CPU DeepSpeed, one thread, no launcher variables inherited."""
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", **extra)

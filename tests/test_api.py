@@ -24,8 +24,8 @@ def test_list_models_names_the_paper_configs():
     assert names == sorted(p.stem for p in MODEL_CONFIGS)
     assert "modsquad_vit_s" in names and not any(n.startswith("_") for n in names)
     assert squad.list_models("*vit_s") == ["amod_vit_s", "mod_vit_s", "modsquad_vit_s", "mone_vit_s"]
-    assert squad.list_models("modsquad_*") == ["modsquad_vit_b", "modsquad_vit_s", "modsquad_vit_s_nyud",
-                                               "modsquad_vit_s_pascal"]
+    assert squad.list_models("modsquad_*") == ["modsquad_vit_b", "modsquad_vit_l", "modsquad_vit_s",
+                                               "modsquad_vit_s_nyud", "modsquad_vit_s_pascal"]
     assert squad.list_models("nothing*") == []
 
 

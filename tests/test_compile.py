@@ -1,6 +1,7 @@
 """torch.compile of squad models (issue 20): ``train.compile`` through the trainer with inductor (20 steps, the same
-losses as eager, across a resume, under ZeRO-1), every shipped config under aot_eager against eager, the one graph
-that the routed layers give in bf16, and ``--compile`` on tools/evaluate.py and tools/predict.py.
+losses as eager, across a resume, under ZeRO-1), every shipped config under aot_eager against eager in one graph, the
+CUDA path of every shipped config's routed layers compiled with ``fullgraph=True`` on the CPU (what crashed on CUDA
+only: pinned memory inside a compiled region), and ``--compile`` on tools/evaluate.py and tools/predict.py.
 
 CPU inductor compiles are slow (about a minute for the trainer test on a shared machine; the FX graph cache makes
 reruns faster), so only the trainer test generates code; the others trace with aot_eager or a counting eager backend.
@@ -18,12 +19,14 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import squad
 from squad.io import export_model
+from squad.kernels.device import force_cuda_path, pinned
+from squad.layers.base import RoutedLayer
+from squad.layers.experts import segment_groups
 from squad.models import compile as squad_compile
 from squad.train.engine import train
 from tests.helpers import MODEL_CONFIGS, ROOT, tiny_config, tiny_model, write_run_config
 
 TASKS = ["depth_euclidean", "class_scene"]
-ROUTED = ("moe", "moa", "mone")  # kinds whose fp32 dispatch still breaks the graph (squad.models.compile)
 
 
 def _losses(run_dir) -> list[float]:
@@ -69,8 +72,8 @@ def _step(fn, model, x, tasks) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
 @pytest.mark.parametrize("path", MODEL_CONFIGS, ids=lambda p: p.stem)
 def test_every_config_compiles_to_the_eager_step(path):
     """Every shipped config at test widths: one training forward/backward compiled (aot_eager: dynamo, fake
-    tensors, AOT autograd, no code generation) gives eager's loss and gradients; a config without MoE/MoNE layers
-    is one graph."""
+    tensors, AOT autograd, no code generation) gives eager's loss and gradients, in one graph (float32: the routed
+    layers' expert matmuls are custom ops in every dtype; MoNE's nested projections take no strided out=)."""
     cfg = tiny_config(path, ["model.depth=2"]).model
     torch.manual_seed(0)
     model = squad.build_model(cfg).train()
@@ -84,9 +87,75 @@ def test_every_config_compiles_to_the_eager_step(path):
     assert grads.keys() == want.keys()
     for name, g in grads.items():
         torch.testing.assert_close(g, want[name], rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
-    assert counter.frame_count >= 1
-    if not any(getattr(m, "kind", None) in ROUTED for m in model.modules()):
-        assert counter.frame_count == 1, f"{path.stem}: {counter.frame_count} graphs"
+    assert counter.frame_count == 1, f"{path.stem}: {counter.frame_count} graphs"
+
+
+def _routed_layers(path) -> set[tuple]:
+    """The kinds of routed layer a config builds, as far as their code paths go: the layer's class with the settings
+    that change its path (router noise, no-op experts, capacity drops; MoD's routing)."""
+    model = squad.build_model(tiny_config(path, ["model.depth=2"]).model)
+    cfg, kinds = model.cfg, set()
+    for m in model.modules():
+        if not isinstance(m, RoutedLayer):
+            continue
+        if m.kind == "moe":
+            kinds.add((m.kind, cfg.moe.router.noise, cfg.moe.noop_experts, cfg.moe.capacity_factor))
+        elif m.kind == "moa":
+            kinds.add((m.kind, cfg.moa.router.noise))
+        else:
+            kinds.add((m.kind, getattr(m, "routing", None)))
+    return kinds
+
+
+def _configs_covering_every_routed_layer():
+    """The fewest shipped configs (in name order) that together build every kind of routed layer any config builds."""
+    seen, out = set(), []
+    for path in MODEL_CONFIGS:
+        kinds = _routed_layers(path)
+        if not kinds <= seen:
+            seen |= kinds
+            out.append(path)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", _configs_covering_every_routed_layer(), ids=lambda p: p.stem)
+def test_cuda_path_of_every_routed_layer_compiles_in_one_graph(path):
+    """The algorithm CUDA tensors take (forced on the CPU: `force_cuda_path`), compiled with ``fullgraph=True`` for
+    every shipped config's kinds of routed layers (MoE MLP with and without router noise, MoE attention, MoD with
+    learned and attention routing, MoNE): one graph (a host read, a pinned copy or a strided out= would fail it),
+    eager's loss and gradients."""
+    cfg = tiny_config(path, ["model.depth=2"]).model
+    torch.manual_seed(0)
+    model = squad.build_model(cfg).train()
+    tasks = model.task_names[:2]  # two task runs: the per-task routers' grouped matmul has two groups
+    x = torch.randn(2, 3, cfg.img_size, cfg.img_size)
+    with force_cuda_path():
+        want_loss, want = _step(model, model, x, tasks)
+        torch._dynamo.reset()
+        loss, grads = _step(torch.compile(model, backend="aot_eager", fullgraph=True), model, x, tasks)
+    torch._dynamo.reset()
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
+    assert grads.keys() == want.keys()
+    for name, g in grads.items():
+        torch.testing.assert_close(g, want[name], rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_cuda_path_builds_device_ints_without_pinning_when_compiled():
+    """The per-task routers' layout (`segment_groups`: host ints copied to the device, through pinned memory on
+    CUDA) traces whole on the forced CUDA path; pinning inside a compiled region fails on a CPU as it does on CUDA,
+    so this test would see the crash that once hit every config with per-task routers on a GPU."""
+    def layout(x):
+        groups, tasks = segment_groups.__wrapped__(((0, 0, 2), (1, 2, 3)), 4, x.device)
+        return x + groups.offsets.sum() + tasks.sum()
+
+    torch._dynamo.reset()
+    with force_cuda_path():
+        compiled = torch.compile(layout, backend="eager", fullgraph=True)
+        assert compiled(torch.zeros(3)).tolist() == [21.0] * 3  # group ends 8 + 12, tasks 0 + 1
+        with pytest.raises(Exception, match="pin_memory"):
+            torch.compile(lambda x: x + pinned(torch.ones(3)), backend="eager", fullgraph=True)(torch.zeros(3))
+    torch._dynamo.reset()
 
 
 @pytest.mark.slow

@@ -78,7 +78,7 @@ def test_run_configs_load(path):
 
 @pytest.mark.parametrize("override, needle", [
     (["optim.steps=0", "optim.epochs=0"], "optim.steps"),
-    (["train.zero_stage=3"], "train.zero_stage"),
+    (["train.zero_stage=4"], "train.zero_stage"),
     (["train.tasks_per_image=20"], "train.tasks_per_image"),
     (["data.tasks=[depth, flow]"], "data.tasks"),
     (["data.image_size=32"], "data.image_size"),

@@ -183,14 +183,18 @@ def test_extract_tool_writes_model_and_report(tmp_path, model_file, tiny_data, l
     tool = load_tool("tools/extract.py")
     out = tmp_path / "depth.pt"
     assert tool.main(["--checkpoint", str(model_file), "--task", "depth", "--theta", "0.05", "--data",
-                      str(tiny_data), "--calib-batches", "2", "--out", str(out)]) == 0
+                      str(tiny_data), "--calib-batches", "2", "--eval-batches", "1", "--batch-size", "2", "--out",
+                      str(out)]) == 0
     report = json.loads(out.with_suffix(".json").read_text())
+    assert report["metrics"]["images"] == 2  # the images scored (1 batch of 2), not the split's 4
+    printed = capsys.readouterr().out
+    assert "(2 images)" in printed and "experts kept per layer" in printed
     assert report["task"] == "depth_euclidean" and report["usage"]["kind"] == "calibration"
     assert report["params"]["extracted"] < report["params"]["full"]
     assert set(report["metrics"]["full"]) == set(report["metrics"]["extracted"]) and "rmse" in report["metrics"]["full"]
     assert set(report["layers"]) == {"blocks.0.attn", "blocks.0.mlp", "blocks.1.block.mlp"}
-    assert "experts kept per layer" in capsys.readouterr().out
     ext = squad.load_extracted(out)
+    assert not ext.training and not squad.load(out).training  # eval mode, like every model squad.load returns
     assert ext(torch.randn(1, 3, 32, 32)).shape == (1, 1, 32, 32)
     # saved statistics instead of a calibration pass
     assert tool.main(["--checkpoint", str(model_file), "--task", "depth", "--saved-usage", "--out",

@@ -2,6 +2,7 @@
 of modes × sizes, and the tool's errors."""
 
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -157,10 +158,14 @@ def test_router_finetuning_beats_the_untrained_head_and_writes_json(base_file, t
 
 
 @pytest.mark.slow
-def test_linear_probe_and_shots(base_file, tiny_data):
-    cfg = FinetuneConfig(steps=10, batch_size=4, lr=1e-2)
-    result = finetune_table(squad.load_model(base_file), "scene", tiny_data, ["linear-probe", "full"], shots=[1],
-                            cfg=cfg)
+def test_linear_probe_and_shots(base_file, tiny_data, caplog):
+    cfg = FinetuneConfig(steps=10, batch_size=2, lr=1e-2, eval_batches=1)
+    with caplog.at_level(logging.WARNING, logger="squad"):
+        result = finetune_table(squad.load_model(base_file), "scene", tiny_data, ["linear-probe", "full"], shots=[1],
+                                cfg=cfg)
+    assert result["eval_images"] == 2  # the images scored (--eval-batches 1 of 2), not the split's size
+    few = [r.getMessage() for r in caplog.records if "metrics from so few are noisy" in r.getMessage()]
+    assert len(few) == 1 and "fine-tuning class_scene on" in few[0]
     rows = {r["mode"]: r for r in result["runs"]}
     assert set(rows) == {"linear-probe", "full"}
     assert rows["linear-probe"]["trainable_params"] == (32 + 1) * 365

@@ -1,6 +1,7 @@
 """The conditional layers' GPU algorithms against their CPU ones (float64, on CPU tensors), and the GPU-only checks.
 
-The sync-free path of MoE MLP / MoE attention (`squad.layers.experts.FORCE_SYNC_FREE` runs it on the CPU), the
+The CUDA path of MoE MLP / MoE attention (the grouped-GEMM kernel ops; `squad.kernels.device.force_cuda_path` runs it
+on the CPU, where the ops take their PyTorch reference), the
 grouped per-task routers, capacity dropping without a histogram, MoNE's nested projections into the residual and
 MoD's in-place scatter must give today's outputs and gradients on odd shapes, empty experts, all tokens on one
 expert, no-op experts and capacity drops. Tests marked ``gpu`` run the layers on CUDA in bf16 (sync debug mode,
@@ -13,8 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import squad
 from squad.config.model import BlockSpec, MoAConfig, MoDConfig, MoEConfig, MoNEConfig, RouterConfig
+from squad.kernels.device import force_cuda_path
 from squad.layers import experts as X
 from squad.layers.attention import attend
 from squad.layers.block import Block
@@ -33,7 +34,7 @@ from squad.layers.moe_mlp import MoEMlp, apply_capacity
 from squad.layers.mone import MoNEBlock, MoNEState
 from squad.layers.nested import nested_linear_in, nested_linear_out
 from squad.layers.routing import Routing, TaskLinear
-from tests.helpers import tiny_config, tiny_model, tiny_model_cfg
+from tests.helpers import routed_inference_model, tiny_model, tiny_model_cfg
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 HEADS = [{"name": "depth_euclidean", "kind": "dense", "channels": 1},
@@ -112,6 +113,33 @@ def test_sync_free_readable_pieces_compose_to_the_fused_ops():
     torch.testing.assert_close(combine(rows, gates, cpu), matmul_combine(dispatch_tokens(x, cpu), w, gates, free, b))
 
 
+@pytest.mark.parametrize("force", [False, True], ids=["cpu", "cuda_path"])
+def test_the_steps_expert_parallelism_runs_apart_compose_to_the_moe_mlp(force):
+    """An MoE MLP as the three steps expert parallelism separates — dispatch by the plan, the experts on grouped rows
+    (`Groups`, as a rank holds its received rows), combine — equals the fused `ExpertMLP` (no-op slots included):
+    values and every gradient, on the CPU algorithm and on the kernel path."""
+    m, k, e = 23, 3, 4
+    experts = _routes(m, k, e, 2, "random", torch.Generator().manual_seed(1))
+    mlp = MoEMlp(6, 5, MoEConfig(num_experts=e, top_k=k, noop_experts=2), num_tasks=1).experts.double()
+    with torch.no_grad():
+        mlp.b1.normal_()
+        mlp.b2.normal_()
+    x = torch.randn(m, 6, dtype=torch.float64, requires_grad=True)
+    gates = torch.rand(m, k, dtype=torch.float64, requires_grad=True)
+    leaves = [x, gates, *mlp.parameters()]
+    with force_cuda_path(force):
+        fused = mlp(x, gates, experts)
+        plan = plan_dispatch(experts, e, host_sizes=False)
+        groups = X.Groups(counts=plan.counts, offsets=plan.offsets, tail=True)  # the rows' experts, nothing else
+        rows = dispatch_tokens(x, plan)  # [M·k, D] grouped by expert: what all_to_all_single would send
+        h = F.gelu(grouped_matmul(rows, mlp.w1, groups, mlp.b1))
+        apart = combine(grouped_matmul(h, mlp.w2, groups, mlp.b2), gates, plan)
+        grads = [torch.autograd.grad(y.square().sum(), leaves) for y in (fused, apart)]
+    torch.testing.assert_close(apart, fused, rtol=1e-12, atol=1e-12)
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
 def _layer(make, dtype, seed=0):
     torch.manual_seed(seed)
     layer = make().to(dtype)
@@ -137,9 +165,9 @@ MOE = {
 @pytest.mark.parametrize("name", list(MOE))
 @pytest.mark.parametrize("one_expert", [False, True], ids=["spread", "one_expert"])
 def test_sync_free_layers_equal_cpu_layers(name, one_expert, monkeypatch):
-    """MoE MLP (no-op experts, capacity drops, no bias) and MoE attention: forward, input and parameter gradients of
-    the sync-free path equal the CPU path's, on 3 tasks in task-major runs of odd length (float64; MoE attention in
-    float32, the attention kernels' widest type)."""
+    """MoE MLP (no-op experts, capacity drops, no bias) and MoE attention (routed and dense all-head projections):
+    forward, input and parameter gradients of the CUDA path equal the CPU path's, on 3 tasks in task-major runs of
+    odd length (float64; MoE attention in float32, the attention kernels' widest type)."""
     rows, n = 5, 7
     dtype, tol = (torch.float32, 2e-6) if name == "moa" else (torch.float64, 1e-12)
     task_ids = torch.tensor([0, 0, 2, 2, 2])
@@ -148,23 +176,59 @@ def test_sync_free_layers_equal_cpu_layers(name, one_expert, monkeypatch):
     if one_expert:  # every token's first choice is expert 0
         x0[..., 0] = 3.0
     outs = []
-    for force in (False, True):
-        monkeypatch.setattr(X, "FORCE_SYNC_FREE", force)
+    forms = [None, "routed", "dense"] if name == "moa" else [None, None]
+    for force, form in zip((False, True, True), forms, strict=False):
+        if form is not None:
+            monkeypatch.setattr(MoEAttention, "projections", lambda self, *a, f=form: f)
         layer = _layer(MOE[name], dtype)
         if one_expert:
             with torch.no_grad():
                 layer.router.gate.weight[:, 0, 0] = 20.0
         x = x0.clone().requires_grad_()
         ctx = ForwardContext(task_ids=task_ids, num_tasks=3, segments=segments)
-        y = layer(x, ctx)
+        with force_cuda_path(force):
+            y = layer(x, ctx)
         loss = (y * torch.linspace(-1, 1, y.numel(), dtype=dtype).view_as(y)).sum() + ctx.stats[0].mass.pow(2).sum()
         params = [p for p in layer.parameters()]
-        outs.append([y, ctx.stats[0].counts, *torch.autograd.grad(loss, [x, *params], allow_unused=True)])
-    for a, b in zip(*outs, strict=True):
-        if a is None:
-            assert b is None
-        else:
-            torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+        with force_cuda_path(force):
+            outs.append([y, ctx.stats[0].counts, *torch.autograd.grad(loss, [x, *params], allow_unused=True)])
+    for other in outs[1:]:
+        for a, b in zip(outs[0], other, strict=True):
+            if a is None:
+                assert b is None
+            else:
+                torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("name,form", [("moe_noop", None), ("moe_capacity", None), ("moa", "routed"),
+                                       ("moa", "dense")])
+def test_cuda_path_in_bf16_with_real_values_matches_float64(name, form, monkeypatch):
+    """The CUDA path in bf16 (the GPU's training dtype) on real values — the grouped-GEMM ops' reference on the CPU,
+    fp32 inside — against the CPU algorithm in float64 (MoE attention: float32, the attention's widest type): output
+    and every gradient within bf16's ~3 significant digits (relative norm error), on the same routing decision."""
+    if form is not None:
+        monkeypatch.setattr(MoEAttention, "projections", lambda self, *a: form)
+    rows, n = 6, 9
+    ids, segments = torch.tensor([0, 0, 1, 1, 2, 2]), [(0, 0, 2), (1, 2, 4), (2, 4, 6)]
+    x0 = torch.randn(rows, n, 12)
+    with torch.no_grad():  # one routing decision for both passes (bf16 logits could break a near tie otherwise)
+        decided = _layer(MOE[name], torch.float64).router(x0.double(), ForwardContext(task_ids=ids, num_tasks=3,
+                                                                                      segments=segments))
+    results = []
+    for force, dtype in ((False, torch.float32 if name == "moa" else torch.float64), (True, torch.bfloat16)):
+        layer = _layer(MOE[name], dtype)
+        x = x0.to(dtype).requires_grad_()
+        gates = decided.gates.to(dtype).requires_grad_()  # a leaf: the gate's gradient is compared too
+        layer.router.forward = lambda *a, g=gates: Routing(g, decided.experts, decided.probs)
+        with force_cuda_path(force):
+            ctx = ForwardContext(task_ids=ids, num_tasks=3, segments=segments)
+            y = layer(x, ctx)
+            params = [p for n, p in layer.named_parameters() if not n.startswith("router.")]
+            grads = torch.autograd.grad(y.float().square().sum(), [x, gates, *params])
+        results.append([y, *grads])
+    for want, got in zip(*results, strict=True):
+        err = (got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-12)
+        assert err < 3e-2, err
 
 
 def test_sync_free_path_never_reads_the_device(monkeypatch):
@@ -183,10 +247,9 @@ def test_sync_free_path_never_reads_the_device(monkeypatch):
 
     makers = [lambda: MoEMlp(32, 48, MoEConfig(num_experts=4, top_k=2, noop_experts=1, capacity_factor=1.0), 3),
               lambda: MoEAttention(32, MoAConfig(num_experts=4, top_k=2, head_dim=16), 3)]
-    monkeypatch.setattr(X, "FORCE_SYNC_FREE", True)
-    for make in makers:
-        run(make)
-    monkeypatch.setattr(X, "FORCE_SYNC_FREE", False)
+    with force_cuda_path():
+        for make in makers:
+            run(make)
     with pytest.raises((RuntimeError, NotImplementedError)):
         run(makers[0])
 
@@ -354,15 +417,7 @@ def _inference_models():
                                                {"attn": "moa", "mlp": "moe"},
                                                {"attn": "dense", "mlp": "moe", "mod": "learned"}], depth=3)
     for name in ("mod_vit_s", "amod_vit_s", "mone_vit_s"):
-        torch.manual_seed(0)
-        model = squad.build_model(tiny_config(f"configs/model/{name}.yaml").model).eval()
-        with torch.no_grad():
-            for m in model.modules():
-                if isinstance(m, MoNEBlock):
-                    m.alpha.fill_(0.3)
-                elif isinstance(m, TaskLinear):
-                    m._parameters["weight"].normal_(0, 0.5)
-        yield name, model
+        yield name, routed_inference_model(name)
 
 
 @pytest.mark.parametrize("case", range(4))

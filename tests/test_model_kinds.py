@@ -127,8 +127,8 @@ def test_tasks_per_image_trains_when_a_class_task_draws_no_image(tiny_data, tmp_
     config, sets = "configs/model/modsquad_vit_s.yaml", ["train.tasks_per_image=1", "optim.batch_per_rank=12"]
     cfg = squad.load_config(config, [*TINY, f"data.root={tiny_data}", "optim.steps=2", *sets])
     tasks = cfg.train_tasks()
-    trainer = SimpleNamespace(cfg=cfg, rank=0, tasks=tasks)  # the engine's own draw, for the precondition
-    drawn = [Trainer._assignment(trainer, 12, step) for step in range(2)]
+    trainer = SimpleNamespace(cfg=cfg, rank=0, tasks=tasks)  # the engine's own draw (slot 0), for the precondition
+    drawn = [Trainer._assignment(trainer, 12, step, 0) for step in range(2)]
     assert any(not a[:, tasks.index(t)].any() for a in drawn for t in ("class_object", "class_scene"))
     _ok(_train(config, tmp_path / "k1", tiny_data, *sets))
 

@@ -7,7 +7,8 @@ What counts as a command:
 
 - every line of a fenced block whose lines start with a program (`PROGRAMS`: ``python``, ``deepspeed``,
   ``torchrun``, ``make``, ``squad-*``, ...), ``\\``-continued lines joined, ``#`` comments dropped (a block of file
-  names, such as the Layout section, is not a command block);
+  names, such as the Layout section, is not a command block; nor is a SLURM batch script, ``#!`` with ``#SBATCH``
+  lines: tests/test_preemption.py runs it with a stand-in ``scontrol``);
 - every ``python`` fenced block: one script;
 - inline code (`` `...` ``) that starts with ``python tools/``, ``deepspeed``, ``torchrun``, ``make``, or
   ``squad-<tool>`` followed by arguments; and inline ``squad.<function>(...)`` calls (run after the python block,
@@ -134,6 +135,8 @@ def readme_commands(text: str | None = None) -> list[Command]:
         i += 1
         if lang == "python":
             commands.append(Command("python", "\n".join(body), start + 1))
+        elif body and body[0].startswith("#!") and any(ln.startswith("#SBATCH") for ln in body):
+            continue  # a SLURM batch script: tests/test_preemption.py runs it
         elif lang in ("", "bash", "sh", "shell", "console"):
             joined, at = "", None
             shell = [(n, ln) for n, ln in enumerate(body) if ln.strip().startswith(PROGRAMS)]

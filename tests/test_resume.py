@@ -18,6 +18,7 @@ import torch
 from squad.io.checkpoints import (
     COMPLETE,
     MODEL_STATES,
+    SAVING,
     DamagedCheckpointError,
     UnsafeCheckpointError,
     complete_tags,
@@ -25,7 +26,7 @@ from squad.io.checkpoints import (
     resume_candidates,
     tag_for,
 )
-from squad.train import checkpoint as ckpt
+from squad.train import checkpointer as ckpt
 from tests.helpers import ROOT, launcher, tool_env, write_run_config
 
 TIMEOUT = 240  # a 2-rank tiny run takes well under a minute, even on 2 busy cores
@@ -167,7 +168,7 @@ def test_deepspeed_reads_checkpoints_weights_only(one_rank_run, tmp_path):
                 return torch.load(path, map_location=map_location, weights_only=False)
 
     engine = Engine()
-    ckpt.guard_engine(engine)
+    ckpt.EngineGuard(engine)
     target = tmp_path / "pwned"
     bad = _plant(_copy(one_rank_run, tmp_path / "run") / "checkpoints" / STEP4, target)
     with pytest.raises(UnsafeCheckpointError, match="open, which weights_only loading does not allow"):
@@ -213,9 +214,9 @@ def test_every_checkpoint_damaged_names_each_file(config, one_rank_run, tmp_path
 def test_unit_verify_tag_and_markers(tmp_path):
     d = tmp_path / "checkpoints"
     for step in (2, 4, 6):
-        (d / tag_for(step)).mkdir(parents=True)
-        torch.save({"module": {"w": torch.ones(2)}, "ds_config": {}}, d / tag_for(step) / MODEL_STATES)
-        ckpt.mark_complete(d, tag_for(step), step, keep=5)
+        (d / SAVING / tag_for(step)).mkdir(parents=True)
+        torch.save({"module": {"w": torch.ones(2)}, "ds_config": {}}, d / SAVING / tag_for(step) / MODEL_STATES)
+        ckpt.commit_tag(d, tag_for(step), {"step": step}, keep=5)
     (d / tag_for(6) / COMPLETE).write_text("")  # a marker cut short: the tag is not complete
     assert complete_tags(d) == [tag_for(2), tag_for(4)]
     assert resume_candidates(d) == [tag_for(4), tag_for(2)]
@@ -224,7 +225,7 @@ def test_unit_verify_tag_and_markers(tmp_path):
     problem = ckpt.verify_tag(d / tag_for(4))
     assert isinstance(problem, DamagedCheckpointError) and problem.file.endswith("optim_states.pt")
     warnings = []
-    assert ckpt.select_resume_tag(d, resume_candidates(d), warn=warnings.append) == tag_for(2)
+    assert ckpt.select_tag(d, resume_candidates(d), warn=warnings.append) == tag_for(2)
     assert len(warnings) == 1 and "optim_states.pt" in warnings[0]
 
 
@@ -263,11 +264,12 @@ def test_disk_full_during_a_two_rank_save_keeps_the_previous_checkpoint(config, 
                  env={"SQUAD_TEST_FAIL": f"{STEP4}/zero_pp_rank_1:1:torch"})
     output = res.stdout + res.stderr
     assert res.returncode == 3, output[-3000:]
-    message = f"could not write checkpoint {STEP4} to {run / 'checkpoints' / STEP4 / 'zero_pp_rank_1'}"
+    message = f"could not write checkpoint {STEP4} to {run / 'checkpoints' / SAVING / STEP4 / 'zero_pp_rank_1'}"
     assert message in output and "basic_ios::clear: iostream error" in output and "MiB free" in output
     log = (run / "train.log").read_text()
     assert message in log and f"previous checkpoint {run / 'checkpoints' / STEP2} is intact" in log
     assert find_resume_tag(run / "checkpoints") == STEP2 and not (run / "checkpoints" / STEP4).exists()
+    assert not (run / "checkpoints" / SAVING).exists()
     assert not (run / "model.pt").exists()
     _ok(_train(config, run, "--set", "train.zero_stage=1", ranks=2))  # room again: it resumes and finishes
     assert f"resumed from {run / 'checkpoints' / STEP2}" in (run / "train.log").read_text()

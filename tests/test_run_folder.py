@@ -16,8 +16,9 @@ import yaml
 
 from squad.distributed import free_port
 from squad.io.checkpoints import complete_tags, find_resume_tag
-from squad.train import checkpoint as ckpt
+from squad.train import checkpointer as ckpt
 from squad.train import run_folder as rf
+from squad.train import shm as sh
 from squad.train.objective import nonfinite_stop
 from tests.helpers import DEEPSPEED, PY, ROOT, tool_env
 
@@ -33,7 +34,7 @@ def _dead_pid() -> int:
 
 
 def _shm_files(port: int) -> list[str]:
-    return sorted(p.name for p in rf.SHM_DIR.glob(f"{rf.SHM_PREFIX}_*_{port}_*"))
+    return sorted(p.name for p in sh.SHM_DIR.glob(f"{sh.SHM_PREFIX}_*_{port}_*"))
 
 
 @pytest.fixture
@@ -105,7 +106,7 @@ def test_train_help_documents_the_flags_and_the_resumable_keys():
     text = " ".join(build_parser().format_help().split())
     assert "--overwrite" in text and "--allow-world-size-change" in text
     for key in rf.RESUMABLE_KEYS:
-        section, name = key.split(".")
+        section, name = key.split(".", 1)  # model.moe.expert_parallel: section model, name moe.expert_parallel
         assert f"{section}." in text and name in text, key
 
 
@@ -113,8 +114,8 @@ def test_nonfinite_stop_says_what_works(tmp_path):
     msg = str(nonfinite_stop(3, 7, tmp_path))
     assert "3 non-finite losses in a row at step 7" in msg
     assert "new run with a lower optim.lr" in msg and "cannot change on resume" in msg and "no checkpoint" in msg
-    (tmp_path / "checkpoints" / "step00000005").mkdir(parents=True)
-    ckpt.mark_complete(tmp_path / "checkpoints", "step00000005", 5, keep=2)
+    (tmp_path / "checkpoints" / ckpt.SAVING / "step00000005").mkdir(parents=True)
+    ckpt.commit_tag(tmp_path / "checkpoints", "step00000005", {"step": 5}, keep=2)
     assert "resume this run from its last checkpoint (step00000005" in str(nonfinite_stop(3, 7, tmp_path))
 
 
@@ -126,25 +127,25 @@ def test_stale_shm_segments_of_a_crashed_run_are_removed(tmp_path, monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(port))
-    shm = rf.ShmSegments.from_env()
-    assert shm.names == [rf.shm_name("127.0.0.1", port, r) for r in (0, 1)]
+    shm = sh.ShmSegments.from_env()
+    assert shm.names == [sh.shm_name("127.0.0.1", port, r) for r in (0, 1)]
     shm.record(tmp_path)  # the crashed run's record ...
     record = next(tmp_path.glob(".shm-*.json"))
     data = json.loads(record.read_text())
     data["pid"] = _dead_pid()  # ... whose process is gone
     record.write_text(json.dumps(data))
     live = tmp_path / f".shm-{socket.gethostname()}-{os.getppid()}.json"  # a live run's record stays
-    live.write_text(json.dumps({**data, "pid": os.getppid(), "names": [rf.shm_name("127.0.0.1", port, 7)]}))
+    live.write_text(json.dumps({**data, "pid": os.getppid(), "names": [sh.shm_name("127.0.0.1", port, 7)]}))
     try:
-        for name in [*shm.names, rf.shm_name("127.0.0.1", port, 7)]:
-            (rf.SHM_DIR / name).write_bytes(b"x" * 100)
-        notes = rf.remove_stale_shm(tmp_path)
-        assert _shm_files(port) == [rf.shm_name("127.0.0.1", port, 7)]
+        for name in [*shm.names, sh.shm_name("127.0.0.1", port, 7)]:
+            (sh.SHM_DIR / name).write_bytes(b"x" * 100)
+        notes = sh.remove_stale_shm(tmp_path)
+        assert _shm_files(port) == [sh.shm_name("127.0.0.1", port, 7)]
         assert not record.exists() and live.exists()
         assert len(notes) == 1 and "removed 2 shared-memory files" in notes[0]
     finally:
         for name in _shm_files(port):
-            (rf.SHM_DIR / name).unlink()
+            (sh.SHM_DIR / name).unlink()
 
 
 # ---------------------------------------------------------------------------------------- real training runs

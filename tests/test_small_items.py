@@ -100,3 +100,28 @@ def test_bench_extraction_trains_its_own_run_with_the_packaged_config(tmp_path, 
 
     assert seen["cmd"][:5] == [PY, "-m", "squad.cli.train", "--config", str(config_root() / "demo.yaml")]
     assert "squad_bench_extract_" in str(seen["cwd"])  # its temporary folder, not the install tree
+
+
+# ------------------------------------------------------------------------------------- issue 28's small things
+def test_load_gives_eval_mode_and_names_an_export(tmp_path):
+    """`squad.load` returns every kind of model in eval mode, and a torch.export program is named as one, with how to
+    load it, instead of "not a loadable squad model file"."""
+    import torch
+
+    import squad
+    from squad.io import save_extracted
+    from squad.posttrain.extract import collect_usage, extract
+
+    model = tiny_model([{"name": "depth_euclidean", "kind": "dense", "channels": 1}])
+    ext = extract(model, "depth_euclidean", collect_usage(model, "depth_euclidean", [torch.randn(2, 3, 32, 32)]),
+                  theta=0.0)
+    path = save_extracted(tmp_path / "depth.pt", ext.train())
+    loaded = squad.load(path)
+    assert not loaded.training and not any(m.training for m in loaded.modules())
+    import zipfile
+
+    with zipfile.ZipFile(tmp_path / "depth.pt2", "w") as z:  # the layout torch.export.save writes
+        z.writestr("depth/archive_format", "pt2")
+        z.writestr("depth/models/model.json", "{}")
+    with pytest.raises(ValueError, match=r"is a torch.export program .* torch.export.load\(path\).module\(\)"):
+        squad.load(tmp_path / "depth.pt2")

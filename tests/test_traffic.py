@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from squad.bench.traffic import HostReadOnMeta, TrafficRecorder, record
-from squad.layers import experts
+from squad.kernels import device
 
 
 def test_matmul_flops_and_bytes_are_exact():
@@ -52,9 +52,9 @@ def test_backward_is_recorded_and_the_cuda_path_is_forced_only_inside():
     x = torch.randn(4, 16, requires_grad=True)
     seen = []
     with TrafficRecorder() as rec:
-        seen.append(experts.FORCE_SYNC_FREE)
+        seen.append(device.forced())
         (x @ w).backward(torch.ones(4, 8))
-    assert seen == [True] and experts.FORCE_SYNC_FREE is False
+    assert seen == [True] and device.forced() is False
     mms = [r for r in rec.summary().records if r.op == "mm"]
     assert len(mms) == 3  # forward, grad of x, grad of w
     assert rec.summary().flops == 3 * 2 * 4 * 16 * 8
@@ -130,3 +130,66 @@ def test_host_reads_inside_one_launched_op_are_not_the_paths_syncs():
     x, sizes = torch.randn(4), torch.tensor([1, 3])
     t = record(lambda: (reads_sizes(x, sizes), sizes.tolist()))
     assert [r.op for r in t.records] == ["reads_sizes", "tolist"] and t.syncs == 1
+
+
+def test_flash_results_are_laid_out_like_their_operands():
+    """CUDA's flash kernels allocate out, dq, dk, dv with ``empty_like`` of their operands (PyTorch's flash API and
+    its meta kernels): a query laid out [B, N, H, d] gives an output that reshapes to [B, N, H·d] with no copy."""
+    b, n, h, d = 2, 197, 6, 64
+    qkv = torch.randn(b, n, 3, h, d, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(b, n, h * d, device="meta", dtype=torch.bfloat16)
+
+    def attention(backward: bool):
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # [B, H, N, d] views of [B, N, 3, H, d]
+        out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, h * d)
+        if backward:
+            out.backward(grad)
+
+    with torch.no_grad():
+        assert [r.op for r in record(lambda: attention(False)).records] == ["flash_attention_forward"]
+    ops = [r.op for r in record(lambda: attention(True)).records]
+    assert ops == ["flash_attention_forward", "flash_attention_backward", "stack", "copy_"]  # unbind's backward
+
+
+def test_a_gather_reads_only_the_rows_it_indexes():
+    """``gather``/``index_select`` read one output's worth of their source (a row once per index), not all of it."""
+    x = torch.randn(256, 197, 384, device="meta", dtype=torch.bfloat16)
+    idx = torch.zeros(256, 25, dtype=torch.long, device="meta")
+    t = record(lambda: (x.gather(1, idx.unsqueeze(-1).expand(-1, -1, 384)), x.index_select(1, idx[0])))
+    gather, select = t.records
+    picked = 256 * 25 * 384 * 2
+    assert (gather.bytes_read, gather.bytes_written) == (picked + idx.numel() * 8, picked)
+    assert (select.bytes_read, select.bytes_written) == (picked + 25 * 8, picked)
+
+
+def test_squads_ops_are_priced_by_what_their_kernels_do():
+    """The head-select GEMMs compute every head (2·M·K·E·d) and read each operand once; the row ops read and write
+    only the rows they index; the fused MLP's FLOPs are its tiles' (widths rounded up to its K tile and N chunk)."""
+    from squad.kernels import heads, nested, rows
+
+    m, dim, e, k, d = 300, 64, 6, 3, 16
+    bf = {"device": "meta", "dtype": torch.bfloat16}
+    x, w = torch.randn(m, dim, **bf), torch.randn(e, dim, d, **bf)
+    slots = torch.zeros(m, e, dtype=torch.int32, device="meta")
+    t = record(lambda: heads.head_select_mm(x, w, slots, k, None, None))
+    (sel,) = t.records
+    assert sel.kind == "gemm" and sel.flops == 2 * m * dim * e * d
+    assert (sel.bytes_read, sel.bytes_written) == (2 * (m * dim + e * dim * d) + 4 * m * e, 2 * m * k * d)
+    xr, idx, emb = torch.randn(4, 50, dim, **bf), torch.zeros(4, 7, dtype=torch.long, device="meta"), None
+    ln, ln_b = torch.randn(dim, **bf), torch.randn(dim, **bf)
+    picked = 4 * 7 * dim * 2
+    t = record(lambda: (rows.row_norm(xr, idx, emb, ln, ln_b, 1e-6),
+                        rows.row_scatter_lerp_(xr, idx, xr[:, :7], xr[:, 7:14], None, None, None)))
+    norm, scatter = t.records
+    assert (norm.bytes_read, norm.bytes_written) == (picked + idx.numel() * 8 + 2 * dim * 2, 2 * picked)
+    assert scatter.bytes_written == picked and scatter.bytes_read == 2 * picked + idx.numel() * 8
+    hidden, groups = 96, [40, 100, 24, 64]  # two groups: 40 rows of width 24, 60 of width 64
+    z = torch.randn(100, dim, **bf)
+    w1, w2, b1 = torch.randn(hidden, dim, **bf), torch.randn(dim, hidden, **bf), torch.randn(hidden, **bf)
+    layout = torch.zeros(2, 2, dtype=torch.int32, device="meta")
+    t = record(lambda: nested.nested_mlp_(z, ln, ln, 1e-6, w1, b1, w2, ln, layout, groups, None, None))
+    (mlp,) = t.records
+    cfg = nested.nested_mlp_config(dim, hidden, torch.bfloat16)  # K tile 16, output chunks of 64
+    assert (cfg["BLOCK_K"], cfg["BLOCK_W"]) == (16, 64)
+    assert mlp.flops == 2 * hidden * (40 * (32 + 64) + 60 * (64 + 64))
+    assert mlp.bytes_written == 2 * (40 * 24 + 60 * 64)

@@ -14,7 +14,7 @@ import torch
 import squad
 from squad.distributed import free_port
 from squad.io.checkpoints import find_resume_tag
-from squad.train import checkpoint as ckpt
+from squad.train import checkpointer as ckpt
 from tests.helpers import DEEPSPEED, PY, ROOT, tool_env, write_run_config
 
 pytestmark = pytest.mark.slow  # every test here runs tools/train.py (subprocesses, launchers)
@@ -132,13 +132,16 @@ def test_unwritable_run_folder(tmp_path, run_config):
 
 def test_incomplete_checkpoint_is_never_resumed(tmp_path):
     d = tmp_path / "checkpoints"
-    (d / "step00000003").mkdir(parents=True)
-    ckpt.mark_complete(d, "step00000003", 3, keep=5)
-    (d / "step00000006").mkdir()  # a save that was killed before every rank finished
+    (d / ckpt.SAVING / "step00000003").mkdir(parents=True)
+    ckpt.commit_tag(d, "step00000003", {"step": 3}, keep=5)
+    (d / "step00000006").mkdir()  # a save an older version left half-written in the tag folder itself
     (d / "latest").write_text("step00000006")
-    assert find_resume_tag(d) == "step00000003"
-    ckpt.mark_complete(d, "step00000006", 6, keep=1)
+    (d / ckpt.SAVING / "step00000009").mkdir(parents=True)  # one killed while writing: never a tag
+    assert find_resume_tag(d) == "step00000003" and ckpt.complete_tags(d) == ["step00000003"]
+    (d / ckpt.SAVING / "step00000006").mkdir()
+    ckpt.commit_tag(d, "step00000006", {"step": 6}, keep=1)  # replaces the half-written folder
     assert find_resume_tag(d) == "step00000006" and not (d / "step00000003").exists()
+    assert sorted(p.name for p in (d / "step00000006").iterdir()) == ["COMPLETE"]
 
 
 def test_non_finite_losses_skip_then_stop(tmp_path, run_config):
@@ -148,6 +151,7 @@ def test_non_finite_losses_skip_then_stop(tmp_path, run_config):
                 "--set", "optim.warmup_steps=0", "--set", "optim.clip=0", "--set", "train.max_nonfinite=3"])
     assert res.returncode == 3, res.stderr[-2000:]
     assert "3 non-finite losses in a row" in res.stderr
+    assert "requires_grad=True to a scalar" not in res.stderr  # the skipped losses are logged detached
     assert "non-finite loss" in (out / "train.log").read_text()
     assert not (out / "model.pt").exists() and find_resume_tag(out / "checkpoints") is None
 

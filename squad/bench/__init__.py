@@ -5,6 +5,8 @@
 - step.py: the training-step case (`train_step`: images/s, MFU, peak memory; eager/compiled, checkpointing).
 - plan.py: the capacity plan of a training run (``tools/bench.py --plan CONFIG --gpus N``), an estimate from a step
   measured here.
+- layouts.py: memory per GPU, the 80 GiB GPUs needed, gradient/weight and all-to-all bytes per step of every ZeRO stage
+  and expert-parallel size (the plan's layout table).
 - memory.py: peak memory on any device (CUDA's statistics, or every tensor storage followed on the CPU).
 - extract.py: the extracted-model case (parameters and forward time against the full model).
 - data.py: HDF5 shards against the PNG tree.

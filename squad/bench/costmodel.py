@@ -92,8 +92,8 @@ def is_scatter(r: OpRecord) -> bool:
 
 # The fit of `squad.bench.calibrate` (tools/bench.py --fit-traffic) at 84de653's recordings: see
 # reports/bench/traffic_fit.json for the residuals. Refit when the recorder's counting changes.
-FITTED = CostModel(gemm_tflops=733.0, attention_tflops=70.7, triton_tflops=69.8, bandwidth_tbs=2.32, launch_us=4.5,
-                   scatter_penalty=10.9)
+FITTED = CostModel(gemm_tflops=667.8, attention_tflops=64.1, triton_tflops=63.2, bandwidth_tbs=2.49, launch_us=5.16,
+                   scatter_penalty=11.2)
 
 # ------------------------------------------------------------------------------------------------ calibration
 # What the H100 measured at 84de653 (shared/gpu/MEASURED.md), as recorded cases (squad.bench.legacy) → figure.

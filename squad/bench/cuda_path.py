@@ -1,7 +1,8 @@
 """What CUDA runs, recorded on any device: the pieces of a `squad.bench.traffic.TrafficRecorder` that make a CPU or
 ``meta`` recording follow the GPU's path.
 
-- `force_cuda_path`: squad's routed layers take the algorithm CUDA tensors take (``FORCE_SYNC_FREE``).
+- `force_cuda_path`: squad's routed layers take the algorithm CUDA tensors take (the forced
+  `squad.kernels.device` predicate; ``FORCE_SYNC_FREE`` on older commits).
 - `CudaKernels`, a `TorchFunctionMode` active while a recorder runs with ``cuda_path=True``:
   ``F.scaled_dot_product_attention`` becomes one fused flash kernel forward and one backward (`FusedAttention`),
   where the CPU and ``meta`` would decompose it into an N×N softmax; on ``meta`` tensors squad's attention custom ops
@@ -53,14 +54,25 @@ def force_cuda_path() -> Iterator[None]:
 
 
 # ------------------------------------------------------------------------------------------------- fused SDPA
+def laid_out_like(ref: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``value`` in ``ref``'s memory order, as CUDA's flash kernels allocate their results: ``empty_like`` of the
+    operand (the output like q, dq/dk/dv like q/k/v — PyTorch's flash API and its own meta kernels do the same), so
+    a query laid out [B, N, H, d] in memory gives an output the caller reshapes to [B, N, H·d] without a copy. The
+    copy is made with the recording paused: it stands for where the kernel writes, not for a launch."""
+    if value.stride() == torch.empty_like(ref).stride():
+        return value
+    return torch.empty_like(ref).copy_(value)
+
+
 class FusedAttention(torch.autograd.Function):
     """SDPA recorded as CUDA runs it in bf16/fp16: one flash forward (out and the fp32 row log-sum-exp) and one
-    flash backward; the values come from PyTorch's own SDPA with the recording paused."""
+    flash backward; the values come from PyTorch's own SDPA with the recording paused, laid out as the flash kernels
+    write them (`laid_out_like`)."""
 
     @staticmethod
     def forward(ctx, q, k, v, mask, recorder, kwargs):  # q [B, Hq, Nq, d], k/v [B, Hkv, Nk, d]
         with recorder.paused():
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kwargs)
+            out = laid_out_like(q, F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kwargs))
         lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
         recorder.launch("flash_attention_forward", [q, k, v, mask], [out, lse], attention_flops(q, k, 4.0),
                         kind="attention")
@@ -75,7 +87,8 @@ class FusedAttention(torch.autograd.Function):
         with recorder.paused(), torch.enable_grad():
             leaves = [t.detach().requires_grad_() for t in (q, k, v)]
             again = F.scaled_dot_product_attention(*leaves, attn_mask=mask, **ctx.kwargs)
-            dq, dk, dv = torch.autograd.grad(again, leaves, grad_out)
+            dq, dk, dv = (laid_out_like(t, g) for t, g in zip((q, k, v), torch.autograd.grad(again, leaves, grad_out),
+                                                               strict=True))
         recorder.launch("flash_attention_backward", [grad_out, q, k, v, mask, out, lse], [dq, dk, dv],
                         attention_flops(q, k, 10.0), kind="attention")
         return dq, dk, dv, None, None, None

@@ -6,9 +6,12 @@ machine has, from a training step measured here (`squad.bench.step`) and the dat
   a CPU at a shrunken width (`squad.bench.step.CPU_WIDTH`, fp32), then scaled to the config's MACs at the FLOP rate
   the measured step reached (same MFU).
 - Memory per device = model state (parameters, gradients, AdamW state, as the ZeRO paper counts them for the run's
-  precision and ZeRO stage over N devices) + activations (measured beside the step: its peak above the resident
-  parameters and optimizer state; scaled with the MACs per embedding width — rows × tokens × widths — when the
-  step was measured at a shrunken width).
+  precision, ZeRO stage over N devices and expert-parallel sizes: `squad.bench.layouts`) + activations (measured
+  beside the step: its peak above the resident parameters and optimizer state; scaled with the MACs per embedding
+  width — rows × tokens × widths — when the step was measured at a shrunken width).
+- Layouts: the same memory for every ZeRO stage and expert-parallel layout (none, the config's, 8 GPUs per group for
+  the MoE MLP alone and for MoE attention too), the 80 GiB GPUs
+  each needs at least, and the all-to-all bytes an expert-parallel step sends per GPU (`squad.bench.layouts`).
 - Not included: the gradient all-reduce between devices, data loading stalls, validation and checkpoint time.
 - The dataset: counted when ``data.root`` exists here; else ``--images``, else a documented estimate (Taskonomy:
   4M images over the 537 buildings of the fullplus split, DESIGN.md / FACTS.md §5, times the training buildings
@@ -25,8 +28,17 @@ import torch
 
 import squad
 from squad.bench import step as bench_step
+from squad.bench.layouts import (
+    expert_parameters,
+    format_layouts,
+    layout_table,
+    layouts_to_show,
+    rows_per_gpu,
+    state_bytes,
+)
 from squad.bench.step import StepSetup, device_name, measure_steps, step_macs, width_label
 from squad.config.run import RunConfig
+from squad.config.run import precision as run_precision
 from squad.data import build_dataset
 from squad.models.vit import SquadViT
 
@@ -34,21 +46,6 @@ TASKONOMY_IMAGES = 4_000_000  # the whole dataset (DESIGN.md)
 TASKONOMY_BUILDINGS = 537  # fullplus: 381 train + 75 val + 81 test (FACTS.md §5)
 TASKONOMY_TRAIN_BUILDINGS = {"tiny": 25, "medium": 98, "full": 344, "fullplus": 381}  # FACTS.md §5
 TRAIN_IMAGES = {"pascal_context": 4998, "nyud": 795}  # FACTS.md
-
-
-def _bytes_per_param(precision: str, zero_stage: int, devices: int) -> float:
-    """Model-state bytes per parameter per device (ZeRO paper accounting: 16 bytes for mixed precision with Adam —
-    2 weights, 2 gradients, 12 fp32 master weights and moments —; 16 in fp32: 4 + 4 + 8; ZeRO-1 partitions the
-    optimizer state over the devices, ZeRO-2 the gradients too)."""
-    if precision in ("bf16", "fp16"):
-        weights, grads, optim = 2.0, 2.0, 12.0
-    else:
-        weights, grads, optim = 4.0, 4.0, 8.0
-    if zero_stage >= 1:
-        optim /= devices
-    if zero_stage >= 2:
-        grads /= devices
-    return weights + grads + optim
 
 
 def dataset_images(cfg: RunConfig, images: int | None = None) -> tuple[int, str]:
@@ -122,7 +119,9 @@ def capacity_plan(config: str | Path, gpus: int, *, batch_per_gpu: int | None = 
     width = [] if cuda and not quick else (bench_step.QUICK_WIDTH if quick else bench_step.CPU_WIDTH)
     measured_batch = min(batch, 4) if quick else batch
     full_cfg = cfg.model
-    small = squad.load_config(config, [*overrides, *width]) if width else cfg
+    # the measured step runs in one process: its shrunken experts are not split over ranks
+    single = ["model.moe.expert_parallel=1", "model.moa.expert_parallel=1"]
+    small = squad.load_config(config, [*overrides, *width, *single]) if width else cfg
     setup = StepSetup(small.model, cfg.loss, measured_batch, device, dtype,
                       checkpointing=cfg.train.activation_checkpointing, checkpoint_every=cfg.train.checkpoint_every)
     (res,), rate = measure_steps([setup], repeats=2 if quick else 5, warmup=1, tasks=tasks, quick=quick)
@@ -137,10 +136,16 @@ def capacity_plan(config: str | Path, gpus: int, *, batch_per_gpu: int | None = 
     step_s = 6 * full_macs * batch / achieved
     precision = "bf16" if cuda else "fp32"
     params = sum(p.numel() for p in full_model.parameters())
-    state = params * _bytes_per_param(precision, cfg.train.zero_stage, gpus)
+    experts = expert_parameters(full_model)
+    run_ep = {"moe": full_cfg.moe.expert_parallel, "moa": full_cfg.moa.expert_parallel}
+    state = state_bytes(params, experts, precision, cfg.train.zero_stage, run_ep, gpus)
     scale = _activation_units(full_model, batch) / _activation_units(small_model, measured_batch) if width else 1.0
     activations = None if res.activation_bytes is None else res.activation_bytes * scale
     memory = None if activations is None else state + activations
+    gpu_precision = run_precision(cfg.train, True)  # what the config trains in on GPUs (auto: bf16)
+    layouts = layout_table(full_model, gpu_precision, gpus, rows_per_gpu(batch, cfg.train.tasks_per_image,
+                                                                          len(tasks)), activations,
+                           layouts_to_show(run_ep))
 
     steps_per_epoch = max(1, batches_per_epoch // accum)
     # as the trainer counts: optim.steps when set, else optim.epochs (--epochs wins over both)
@@ -153,6 +158,7 @@ def capacity_plan(config: str | Path, gpus: int, *, batch_per_gpu: int | None = 
     return {
         "config": str(config), "model": full_cfg.name, "tasks": len(tasks), "gpus": gpus, "batch_per_gpu": batch,
         "grad_accum": accum, "global_batch": gpus * batch * accum, "zero_stage": cfg.train.zero_stage,
+        "expert_parallel": run_ep, "layouts": layouts, "layout_precision": gpu_precision, "expert_params": experts,
         "activation_checkpointing": cfg.train.activation_checkpointing,
         "measured": {"device": device_name(device), "dtype": str(dtype).removeprefix("torch."),
                      "width": width_label(small.model, width), "images": measured_batch, "step_s": res.seconds,
@@ -171,9 +177,13 @@ def capacity_plan(config: str | Path, gpus: int, *, batch_per_gpu: int | None = 
             f"{res.mfu:.1%} of the measured {rate['dtype']} matmul rate {rate['flops'] / 1e12:.3g} TFLOP/s)",
             "step time at the config's size = 6 × its step MACs × batch / the FLOP rate the measured step reached"
             if width else "step time measured at the config's size",
-            f"memory = model state ({_bytes_per_param(precision, cfg.train.zero_stage, gpus):.2f} bytes/param, "
-            f"{precision}, ZeRO-{cfg.train.zero_stage} over {gpus}) + activations "
+            f"memory = model state ({state / params:.2f} bytes/param on average, {precision}, ZeRO-"
+            f"{cfg.train.zero_stage} over {gpus}, expert_parallel {run_ep['moe']} (MoE MLP) / {run_ep['moa']} (MoE "
+            f"attention): squad.bench.layouts) + activations "
             + ("measured" if not width else "measured at the shrunken width, scaled by rows × tokens × widths"),
+            f"layouts: model state in {gpu_precision} (the config's precision on GPUs) + the same activations, for "
+            f"each ZeRO stage and expert-parallel size; all-to-all bytes sent per GPU per step, forward and backward, "
+            f"routing spread evenly (squad.bench.layouts)",
             f"dataset: {n_images:,} images ({source})",
             "not included: gradient all-reduce across devices, loader stalls, validation, checkpoints",
         ],
@@ -216,6 +226,7 @@ def format_plan(plan: dict) -> str:
         f"  run:           {e['dataset_images']:,} training images, {e['steps_per_epoch']:,} steps per epoch, "
         f"{e['total_steps']:,} steps" + (f" ({e['epochs']:g} epochs)" if e["epochs"] else "")
         + f": {_duration(e['wall_s'])} of training",
+        *format_layouts(plan["layouts"], e["params"], plan["expert_params"]),
         "  basis:",
         *[f"    - {b}" for b in plan["basis"]],
     ]

@@ -6,7 +6,7 @@ and prices it from its operands' shapes and dtypes alone — nothing is timed, s
 every machine. Code runs on the ``meta`` device at full size (no memory, no arithmetic: a ViT-B block at 12 images ×
 13 tasks costs milliseconds to record) or on real tensors. With ``cuda_path=True`` (the default) what is recorded is
 the path a GPU takes (`squad.bench.cuda_path`): squad's routed layers take their CUDA algorithm (`force_cuda_path`:
-today `squad.layers.experts.FORCE_SYNC_FREE`), ``F.scaled_dot_product_attention`` is the one fused flash kernel CUDA
+the forced `squad.kernels.device` predicate), ``F.scaled_dot_product_attention`` is the one fused flash kernel CUDA
 runs (where the CPU and ``meta`` would form an N×N softmax), and on ``meta`` squad's Triton attention runs its real
 wrappers with each launch recorded from its operands.
 
@@ -16,9 +16,11 @@ What counts as what:
   nothing and move no bytes. squad's custom attention ops (``squad::triton_attention``...) count as one kernel each;
   `TrafficRecorder.launch` records a kernel that cannot run where the recording runs (a Triton launch on ``meta``).
 - **bytes**: every distinct input tensor read once at its logical size (a stride-0 expanded dimension counts once),
-  every output written once; an in-place op reads and writes its target. Real kernels may read an operand twice
-  (a matmul's tiles) or fuse two ops: this is the traffic the op graph implies, the quantity that decides
-  memory-bound kernels.
+  every output written once; an in-place op reads and writes its target. A gather (``gather``, ``index_select``,
+  ``index``, ``take``, ``embedding``) reads its source only where it indexes it: one output's worth of the source
+  (an indexed row once per index that reads it, as squad's own gathering GEMMs are priced), not the whole source.
+  Real kernels may read an operand twice (a matmul's tiles) or fuse two ops: this is the traffic the op graph
+  implies, the quantity that decides memory-bound kernels.
 - **FLOPs**: 2·m·n·k for matmuls (``mm``, ``addmm``, ``bmm``, ``baddbmm``, grouped matmuls), 4·B·H·Nq·Nk·d for an
   attention forward and 10·B·H·Nq·Nk·d for a flash backward (squad's two-kernel Triton backward: 14, see
   `_squad_attention`), convolution by its output; element-wise work is not counted as FLOPs (it is priced by its
@@ -70,6 +72,8 @@ _ATOMIC = {"index_add", "index_add_", "scatter_add", "scatter_add_", "scatter_re
            "_embedding_bag_dense_backward", "_embedding_bag_per_sample_weights_backward", "bincount", "histc",
            "_index_put_impl_"}
 _PIN = {"_pin_memory", "pin_memory"}
+_GATHER = {"gather": 0, "index_select": 0, "index": 0, "take": 0, "take_along_dim": 0, "embedding": 0}
+"""Gathers: the position of the argument they read only where indexed (the source)."""
 _MATMUL = {"mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "grouped_mm", "_scaled_grouped_mm", "addmv", "mv",
            "dot", "vdot", "_addmm_activation"}
 _CONV = {"convolution", "_convolution", "conv2d"}
@@ -392,16 +396,22 @@ class TrafficRecorder(TorchDispatchMode):
         written = written or outputs
         seen: set[int] = set()
         read = 0.0
+        source = args[_GATHER[name]] if name in _GATHER and outputs else None
         for t in inputs:  # an out= buffer is only written; an in-place target is read and written
             if id(t) in seen or (id(t) in written_ids and not in_place):
                 continue
             seen.add(id(t))
+            if t is source:  # a gather reads one output's worth of its source
+                read += _logical_bytes(outputs[0]) * t.element_size() / max(outputs[0].element_size(), 1)
+                continue
             read += _logical_bytes(t)
         kind = _kind(name)
         record = OpRecord(name, bytes_read=read, bytes_written=sum(map(_logical_bytes, written)), kind=kind,
                           dtype=str(outputs[0].dtype).removeprefix("torch.") if outputs else "")
         base = name.rstrip("_")  # in-place forms (addmm_) cost what their functional form does
-        if base in _MATMUL:
+        if func.namespace == "squad" and name in SQUAD_OPS:  # squad's grouped and nested GEMMs: their own prices
+            SQUAD_OPS[name](record, args)
+        elif base in _MATMUL:
             record.flops = _matmul_flops(base, args, outputs[0] if outputs else written[0])
         elif name in _CONV:
             record.flops = _conv_flops(args, outputs[0])
@@ -483,3 +493,141 @@ def record(fn: Callable[[], object], cuda_path: bool = True) -> Traffic:
     with TrafficRecorder(cuda_path=cuda_path) as rec:
         fn()
     return rec.summary()
+
+
+# ------------------------------------------------------------------------------ squad's own custom ops
+# The grouped GEMMs of the routed layers (`squad.kernels.grouped`) are one launch each: their FLOPs are the
+# multiply-adds of every sorted row (rows past the last group, zero-filled, counted too: an upper bound), and an
+# input read through a row index (a token's row gathered once per slot) is counted once per row that reads it, the
+# traffic a GPU pays when the gathered rows miss in cache.
+
+
+def _rows_read(t: torch.Tensor, rows: torch.Tensor | None) -> float:
+    """Bytes of ``t`` as read through ``rows`` (each indexed row once per index), or once when not indexed."""
+    if rows is None:
+        return _logical_bytes(t)
+    return float(rows.numel() * t.shape[1] * t.element_size())
+
+
+def _price_grouped_mm(record: OpRecord, args: Sequence) -> None:
+    a, a_rows, w, rows = args[0], args[1], args[2], args[8]
+    record.matmul = True
+    record.flops = 2.0 * rows * w.shape[1] * w.shape[2]
+    record.bytes_read += _rows_read(a, a_rows) - _logical_bytes(a)
+
+
+def _price_grouped_wgrad(record: OpRecord, args: Sequence) -> None:
+    a, a_rows, b, b_rows = args[0], args[1], args[2], args[3]
+    rows = (a_rows if a_rows is not None else a).shape[0]
+    record.matmul = True
+    record.flops = 2.0 * rows * a.shape[1] * b.shape[1]
+    record.bytes_read += _rows_read(a, a_rows) - _logical_bytes(a) + _rows_read(b, b_rows) - _logical_bytes(b)
+
+
+def _nested_groups(groups: Sequence[int]) -> list[tuple[int, int]]:
+    """(rows, width) of each group of a ``squad::nested_*`` op (its host ints [ends..., widths...])."""
+    g = len(groups) // 2
+    ends, widths = list(groups[:g]), list(groups[g:])
+    return [(end - first, w) for first, end, w in zip([0, *ends[:-1]], ends, widths, strict=True)]
+
+
+def _price_nested_linear(record: OpRecord, args: Sequence) -> None:
+    """A nested projection reads the first w features of a token's row (input projections) or computes only the
+    first w output features (output projections; with the residual read and written whole, or in place only there).
+    Its FLOPs are what the kernel's tiles execute: w rounded up to its K tile (input) or N tile (output)."""
+    from squad.kernels.nested import nested_config
+
+    a, w, groups = args[0], args[1], _nested_groups(args[4])
+    in_mode = len(args) == 11 and args[6] == "in"
+    item = a.element_size()
+    n_out, k = w.shape  # a may be [T, K], [T / R, R, K] or [T / R, R, H, K / H]
+    config = nested_config(k, n_out, a.dtype)
+    record.matmul = True
+    if in_mode:
+        tile = config["BLOCK_K"]
+        record.flops = sum(2.0 * n * -(-width // tile) * tile * n_out for n, width in groups)
+        record.bytes_read += sum(n * width for n, width in groups) * item - _logical_bytes(a)
+    else:
+        tile = config["BLOCK_N"]
+        record.flops = sum(2.0 * n * k * min(n_out, -(-width // tile) * tile) for n, width in groups)
+    if len(args) == 7:  # in place (nested_linear_): only each group's first w features of the residual
+        residual = args[5]
+        touched = sum(n * width for n, width in groups) * residual.element_size()
+        record.bytes_read += touched - _logical_bytes(residual)
+        record.bytes_written += touched - _logical_bytes(residual)
+
+
+def _price_nested_norm(record: OpRecord, args: Sequence) -> None:
+    """A nested layer norm reads every feature and writes each token's first w."""
+    x, groups = args[0], _nested_groups(args[6])
+    record.bytes_written = sum(n * width for n, width in groups) * x.element_size()
+
+
+def _price_nested_mlp(record: OpRecord, args: Sequence) -> None:
+    """MoNE's fused MLP sublayer: the FLOPs its tiles execute (`squad.kernels.nested.nested_mlp_flops`: each token's
+    width rounded up to the kernel's K tile and output chunk, every hidden feature); every row read whole (the layer
+    norm's statistics), only each token's first w features written."""
+    from squad.kernels.nested import nested_mlp_config, nested_mlp_flops
+
+    x, w1, groups = args[0], args[4], list(args[9])
+    config = nested_mlp_config(x.shape[1], w1.shape[0], x.dtype)
+    record.matmul = True
+    if config is None:  # the op runs its reference there: price the useful work
+        config = {"BLOCK_K": 1, "BLOCK_W": 1}
+    record.flops = nested_mlp_flops(groups, w1.shape[0], config)
+    record.bytes_written = sum(n * width for n, width in _nested_groups(groups)) * x.element_size()
+
+
+def _price_row_norm(record: OpRecord, args: Sequence) -> None:
+    """A layer norm of selected rows (`squad.kernels.rows`) reads only the rows its index names."""
+    x, index = args[0], args[1]
+    if index is not None:
+        record.bytes_read += index.numel() * x.shape[2] * x.element_size() - _logical_bytes(x)
+
+
+def _price_row_scatter_lerp(record: OpRecord, args: Sequence) -> None:
+    """A MoD block's write-back writes the indexed rows of x and never reads x."""
+    x, index = args[0], args[1]
+    record.bytes_read -= _logical_bytes(x)
+    record.bytes_written = index.numel() * x.shape[2] * x.element_size()
+
+
+def _price_head_select_mm(record: OpRecord, args: Sequence) -> None:
+    """MoE attention's all-head GEMM (`squad.kernels.heads`): every head's product is computed (2·M·K·E·d) and only
+    the selected heads written; each operand read once (the slot map, the gates and the compact rows too)."""
+    a, w = args[0], args[1]
+    record.matmul = True
+    record.flops = 2.0 * a.shape[0] * a.shape[1] * w.shape[0] * w.shape[2]
+
+
+def _price_head_gather_mm(record: OpRecord, args: Sequence) -> None:
+    """The GEMM over the virtual [M, E·d] operand (2·M·E·d·N, plus 2·M·K2·N for the dense second operand): the
+    compact [M, k, d] rows read once."""
+    c, w, a2 = args[0], args[3], args[4]
+    record.matmul = True
+    record.flops = 2.0 * c.shape[0] * w.shape[0] * w.shape[1] * w.shape[2]
+    if a2 is not None:
+        record.flops += 2.0 * a2.shape[0] * a2.shape[1] * w.shape[2]
+
+
+def _price_head_wgrad(record: OpRecord, args: Sequence) -> None:
+    """The weight gradient through the virtual operand: 2·M·E·d·N."""
+    c, b, heads = args[0], args[3], args[4]
+    record.matmul = True
+    record.flops = 2.0 * c.shape[0] * heads * c.shape[2] * b.shape[1]
+
+
+SQUAD_OPS: dict[str, Callable[[OpRecord, Sequence], None]] = {
+    "head_select_mm": _price_head_select_mm,
+    "head_gather_mm": _price_head_gather_mm,
+    "head_wgrad": _price_head_wgrad,
+    "grouped_mm": _price_grouped_mm,
+    "grouped_wgrad": _price_grouped_wgrad,
+    "nested_linear": _price_nested_linear,
+    "nested_linear_": _price_nested_linear,
+    "nested_norm": _price_nested_norm,
+    "nested_mlp_": _price_nested_mlp,
+    "row_norm": _price_row_norm,
+    "row_scatter_lerp_": _price_row_scatter_lerp,
+}
+"""Pricing of ``squad::`` custom ops by their name (the ops' schemas: `squad.kernels.grouped`)."""

@@ -12,10 +12,18 @@ Exit codes, the same for every tool (`run`):
 - 1: the tool ran but reports a failure of its own (a benchmark case errored, the demo did not learn);
 - 2: bad input: a wrong argument, config key, missing or unreadable file (``error: ...`` on stderr; argparse's
   usage errors exit 2 too);
-- 3: training stopped (`squad.train.objective.TrainingError`, e.g. too many non-finite losses in a row), or a file
+- 3: training stopped (`squad.train.stops.TrainingError`, e.g. too many non-finite losses in a row), or a file
   could not be written (`squad.io.files.WriteError`: a full disk; the message names the file and the free space,
   and no partial file is left);
-- 130: interrupted (Ctrl-C).
+- 75: training stopped on a signal (``train.save_on_signal``: SIGTERM, SIGUSR1) after a complete checkpoint
+  (`squad.train.stops.Preempted`); running the same command again resumes it. 75 is EX_TEMPFAIL, "try again later":
+  a requeue script requeues on 75 and treats 1–3 as failures;
+- 130: interrupted (Ctrl-C), one ``interrupted`` line per launch: a rank whose collective call failed because a peer
+  left on the same Ctrl-C exits 130 too, without a traceback; 128 + N: a second ``train.save_on_signal`` signal N
+  (143 for SIGTERM) ended the run at once.
+
+Nothing here imports torch: a tool checks its arguments, config and paths first, so bad input exits 2 in a fraction
+of a second (`squad.lazy`).
 
 `run` also prints, at the end of every tool, one line per dataset the tool read and did not report itself: the
 files it could not use (corrupt, wrong size, missing; `squad.data.accounting`). A multi-rank run's process group is
@@ -33,6 +41,7 @@ from collections.abc import Callable
 EXIT_BAD_INPUT = 2
 EXIT_TRAINING_FAILED = 3
 EXIT_WRITE_FAILED = 3  # the same code: the job stopped, and rerunning it once the cause is fixed goes on
+EXIT_PREEMPTED = 75  # squad.train.stops.EXIT_PREEMPTED
 EXIT_INTERRUPTED = 130
 
 # What a user can fix: a wrong value or config key (`squad.config.base.ConfigError` is a ValueError), a path that is
@@ -59,7 +68,13 @@ def run(body: Callable[[list[str] | None], int], argv: list[str] | None = None, 
     Returns:
         The exit status. Other exceptions propagate with their traceback: they are bugs, not bad input.
     """
-    code = _run(body, argv, bad_input)
+    from squad.runtime import watch_interrupts
+
+    watch_interrupts()
+    try:
+        code = _run(body, argv, bad_input)
+    except KeyboardInterrupt:  # Ctrl-C while an error was being reported
+        code = _interrupted()
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         _leave_rank(code)
     if "torch.distributed" in sys.modules:
@@ -71,9 +86,10 @@ def run(body: Callable[[list[str] | None], int], argv: list[str] | None = None, 
 
 def _run(body: Callable[[list[str] | None], int], argv: list[str] | None,
          bad_input: tuple[type[BaseException], ...]) -> int:
-    from squad.data.accounting import track
+    from squad.data.accounting import track  # these three import no torch
     from squad.io.files import WriteError
-    from squad.train.objective import TrainingError  # light: no deepspeed
+    from squad.runtime import interrupted
+    from squad.train.stops import Preempted, TrainingError
 
     try:
         with track() as tracked:
@@ -81,18 +97,33 @@ def _run(body: Callable[[list[str] | None], int], argv: list[str] | None,
         for line in dict.fromkeys(d.line() for d in tracked.pending()):  # datasets the tool read and did not report
             print(f"[squad] {line}", file=sys.stderr)  # (the same split read twice is one line)
         return code
-    except TrainingError as e:
-        _error(e)
-        return EXIT_TRAINING_FAILED
-    except WriteError as e:
-        _error(e)
-        return EXIT_WRITE_FAILED
-    except BAD_INPUT + bad_input as e:
-        _error(e)
-        return EXIT_BAD_INPUT
     except KeyboardInterrupt:
+        return _interrupted()
+    except Exception as e:
+        if interrupted():  # e.g. a collective whose peer left on the same Ctrl-C: not an error of its own
+            return _interrupted()
+        if isinstance(e, Preempted):
+            _error(e, "stopped")
+            return EXIT_PREEMPTED
+        if isinstance(e, TrainingError):
+            _error(e)
+            return EXIT_TRAINING_FAILED
+        if isinstance(e, WriteError):
+            _error(e)
+            return EXIT_WRITE_FAILED
+        if isinstance(e, BAD_INPUT + bad_input):
+            _error(e)
+            return EXIT_BAD_INPUT
+        raise
+
+
+def _interrupted() -> int:
+    """Ctrl-C: one ``interrupted`` line per launch (rank 0's, or the one process's)."""
+    from squad.runtime import launch_rank
+
+    if not launch_rank():
         print("interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+    return EXIT_INTERRUPTED
 
 
 def _group_started() -> bool:
@@ -103,7 +134,7 @@ def _group_started() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _error(e: BaseException) -> None:
+def _error(e: BaseException, what: str = "error") -> None:
     """Prints ``error: ...`` once per launch: on rank 0, and on another rank only when the error is its own — not
     one every rank raises alike (marked ``every_rank``: `squad.distributed.on_every_rank`), nor one met before the
     process group started (every rank parsed the same arguments and config), which rank 0 prints."""
@@ -113,9 +144,9 @@ def _error(e: BaseException) -> None:
     if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 and rank != 0:
         if getattr(e, "every_rank", False) or not _group_started():
             return
-        print(f"error (rank {rank}): {_message(e)}", file=sys.stderr)
+        print(f"{what} (rank {rank}): {_message(e)}", file=sys.stderr)
         return
-    print(f"error: {_message(e)}", file=sys.stderr)
+    print(f"{what}: {_message(e)}", file=sys.stderr)
 
 
 def _leave_rank(code: int) -> None:
@@ -137,10 +168,13 @@ def _leave_rank(code: int) -> None:
 
 def device_arg(name: str) -> str:
     """The ``type=`` of every tool's ``--device``: a device this machine has (else argparse's exit 2, naming it).
+    ``cpu`` is taken without importing torch; a GPU is asked about through torch.
 
     Returns:
         `name` unchanged (the tools pass the string on).
     """
+    if name == "cpu":
+        return name
     from squad.distributed import check_device
 
     try:
@@ -148,6 +182,36 @@ def device_arg(name: str) -> str:
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e).removeprefix("--device ")) from None  # argparse names the flag
     return name
+
+
+def require_paths(checkpoint: str | list[str] | None = None, data: str | None = None) -> None:
+    """Refuses a ``--checkpoint`` or ``--data`` that does not exist before the tool imports anything heavy (exit 2
+    at once; `squad.load` and the data readers say the same after loading torch).
+
+    Raises:
+        FileNotFoundError: naming the path.
+    """
+    from pathlib import Path
+
+    for path in [checkpoint] if isinstance(checkpoint, str) else checkpoint or []:
+        if not Path(path).exists():
+            raise FileNotFoundError(f"model file not found: {path}")
+    if data is not None:
+        missing_data(data)
+
+
+def missing_data(root: str, dataset: str | None = None) -> None:
+    """Refuses a data root that does not exist, saying how to make one (torch-free: `require_paths`, the train tool).
+
+    Raises:
+        FileNotFoundError: naming the folder.
+    """
+    from pathlib import Path
+
+    if not Path(root).exists():
+        kind = f" --dataset {dataset}" if dataset not in (None, "taskonomy") else ""
+        raise FileNotFoundError(f"data root {root} does not exist. Make a small synthetic one with: python "
+                                f"tools/make_data.py synthetic{kind} --out {root} (or point it at the real data)")
 
 
 def rerun_with_passive_omp(module: str) -> None:

@@ -25,7 +25,7 @@ import logging
 import sys
 from pathlib import Path
 
-from squad.cli import device_arg, run
+from squad.cli import device_arg, require_paths, run
 from squad.config.tools import EvaluateConfig, defaults, from_namespace
 
 
@@ -56,8 +56,8 @@ def add_inference_arguments(p: argparse.ArgumentParser) -> None:
 def add_precision_argument(p: argparse.ArgumentParser, default: str = "bf16 on CUDA, fp32 on the CPU") -> None:
     """``--precision``, shared by evaluate, predict, extract and export (`squad.models.precision`)."""
     p.add_argument("--precision", choices=["bf16", "fp32"], default=None,
-                   help=f"dtype the model runs in (default: {default}; bf16 keeps the routed layers on their "
-                        "sync-free grouped matmuls on CUDA)")
+                   help=f"dtype the model runs in (default: {default}; on CUDA the routed layers' grouped GEMMs "
+                        "run in either without a host sync, bf16 the faster)")
 
 
 def add_compile_argument(p: argparse.ArgumentParser) -> None:
@@ -116,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _evaluate(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
+    require_paths(args.checkpoint, args.data)  # before anything heavy is imported
     logging.basicConfig(level=logging.INFO, format="[squad] %(message)s")
 
     from squad.eval.evaluate import delta_against, evaluate_run, format_results, load_baseline

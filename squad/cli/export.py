@@ -30,6 +30,9 @@ holds go to the model.pt's extra.task_log_vars):
 
     python runs/x/checkpoints/zero_to_fp32.py runs/x/checkpoints runs/x/fp32      # the latest tag (-t TAG: another)
     python tools/export.py --checkpoint runs/x/checkpoints --format model.pt --weights runs/x/fp32 --out fp32.pt
+
+An expert-parallel run's experts are not in DeepSpeed's files (zero_to_fp32.py writes the other weights): they come
+from the tag's expert shard files, float32 master weights, put back together whatever expert-parallel size wrote them.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from squad.cli import run
+from squad.cli import require_paths, run
 from squad.cli.evaluate import add_inference_arguments, add_precision_argument
 from squad.config.tools import InferenceOptions, from_namespace
 
@@ -71,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _export(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
+    require_paths(args.checkpoint)  # before anything heavy is imported
 
     import torch
 
@@ -197,6 +201,11 @@ def _with_weights(model, source: Path):
             log_vars = objective["weighting.log_vars"].detach().float().cpu()
     state = {k.removeprefix("model."): v.detach().to(torch.float32) if v.is_floating_point() else v.detach()
              for k, v in state.items()}
+    if model.meta.get("format") == "deepspeed-checkpoint":  # an expert-parallel run's experts are in its shard files
+        from squad.io.expert_files import whole_experts
+
+        for name, weight in whole_experts(model.meta["path"]).items():  # float32 master weights
+            state.setdefault(name, weight)
     fresh = load_assigned(build_on_meta(model.cfg), state, str(source)).eval()
     fresh.usage, fresh.meta = model.usage, model.meta
     return fresh, log_vars

@@ -23,7 +23,7 @@ import logging
 import sys
 from pathlib import Path
 
-from squad.cli import device_arg, run
+from squad.cli import device_arg, require_paths, run
 from squad.cli.evaluate import add_inference_arguments, add_precision_argument
 from squad.config.tools import ExtractConfig, defaults, from_namespace
 
@@ -68,12 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _extract(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
+    cfg = from_namespace(ExtractConfig, args)  # the tool's options, checked, in one place
+    require_paths(args.checkpoint, args.data)  # both before anything heavy is imported
     logging.basicConfig(level=logging.INFO, format="[squad] %(message)s")
 
     from squad.io import load_model
     from squad.posttrain.extract import extract_to_file, format_report
 
-    cfg = from_namespace(ExtractConfig, args)  # the tool's options, checked, in one place
     out = args.out or _default_out(args.checkpoint, args.task, cfg.theta, cfg.keep_top)
     report = extract_to_file(load_model(args.checkpoint), args.task, out, cfg)
     print(format_report(report))

@@ -31,7 +31,7 @@ import os
 import sys
 from pathlib import Path
 
-from squad.cli import device_arg, run
+from squad.cli import device_arg, require_paths, run
 from squad.config.tools import FinetuneConfig, defaults, from_namespace
 
 
@@ -88,6 +88,7 @@ def _finetune(argv: list[str] | None) -> int:
     if rank != 0:
         return 0  # one process does the work; a launcher's other ranks have nothing to do
     logging.basicConfig(level=logging.INFO, format="[squad] %(message)s")
+    require_paths(data=args.data)  # before anything heavy is imported (a missing --checkpoint: its own hint below)
 
     from squad.io import load_model
     from squad.posttrain.finetune import MODES, check_request, finetune_table, format_table, train_without_hint

@@ -33,7 +33,7 @@ import argparse
 import logging
 import sys
 
-from squad.cli import device_arg, run
+from squad.cli import device_arg, require_paths, run
 from squad.cli.evaluate import add_compile_argument, add_inference_arguments, add_precision_argument
 from squad.config.tools import PredictConfig, defaults, from_namespace
 
@@ -78,6 +78,7 @@ def _predict(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[squad] %(message)s")
     cfg = from_namespace(PredictConfig, args)  # the tool's options, checked, in one place
+    require_paths(args.checkpoint)  # before anything heavy is imported
 
     from tqdm.contrib.logging import logging_redirect_tqdm
 

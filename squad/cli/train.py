@@ -17,9 +17,16 @@ error saying so. The engine is DeepSpeed's under every launcher, and the precisi
 
 The run folder is locked while a run uses it (run.lock names the holder; a second run into it exits 2). A resume
 may change only the keys that keep it exact: optim.steps/epochs/min_lr/clip, train.log_every/eval_every/
-ckpt_every/keep_checkpoints/stop_at/max_nonfinite/progress/activation_checkpointing/checkpoint_every, data.root/
-workers/val_split/val_batches (recorded in train.log, config.prev.yaml and run_history.jsonl); any other change is
-refused — start a new run for it.
+ckpt_every/keep_checkpoints/stop_at/max_nonfinite/progress/activation_checkpointing/checkpoint_every/save_on_signal,
+data.root/workers/val_split/val_batches, model.moe.expert_parallel and model.moa.expert_parallel (recorded in
+train.log, config.prev.yaml and run_history.jsonl), and optim.batch_per_rank/grad_accum when the global batch stays
+the same; any other change is refused — start a new run for it. A run resumes on any number of ranks that keeps
+its global batch (batch_per_rank × grad_accum × ranks), for every ZeRO stage.
+
+SIGTERM and SIGUSR1 (train.save_on_signal) make every rank checkpoint at the next step boundary and exit 75: run the
+same command again to resume. A second signal exits at once (128 + its number). Under the deepspeed runner, signal
+the ranks (pkill -USR1 -f "tools/train.py --local_rank"): the runner passes nothing on. Ctrl-C exits 130.
+Arguments, config, paths and the run folder are checked before torch is imported: bad input exits 2 at once.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from squad.cli import rerun_with_passive_omp, run
+from squad.cli import missing_data, rerun_with_passive_omp, run
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,20 +56,45 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def preflight(args: argparse.Namespace):
+    """Everything that can refuse the run before torch is imported: the config (keys, types, values), the data
+    folder, ``train.init``, the run folder's lock (rank 0) and the resume against the folder (every rank reads it:
+    `squad.train.run_folder.assess`). A refusal exits 2 in a fraction of a second.
+
+    Returns:
+        (config, run folder, the lock or None).
+    """
+    from squad.config.loading import load_config
+    from squad.config.run import RunConfig
+    from squad.runtime import launch_world
+    from squad.train.run_folder import assess, init_file, lock_before_start
+
+    cfg = load_config(args.config, args.set, cls=RunConfig)
+    out = Path(args.out or Path("runs") / Path(args.config).stem)
+    missing_data(cfg.data.root, cfg.data.dataset)
+    init_file(cfg, out, args.resume, args.overwrite)
+    lock = lock_before_start(out)
+    try:
+        assess(out, cfg, args.resume, launch_world() or 1, overwrite=args.overwrite,
+               allow_world_size_change=args.allow_world_size_change)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    return cfg, out, lock
+
+
 def _train(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
+    cfg, out, lock = preflight(args)  # nothing heavy imported yet
 
     from squad.distributed import prepare_environment
 
     prepare_environment()  # before deepspeed is imported anywhere
-    from squad.config.loading import load_config
-    from squad.config.run import RunConfig
     from squad.train.engine import train
 
-    cfg = load_config(args.config, args.set, cls=RunConfig)
-    out = Path(args.out or Path("runs") / Path(args.config).stem)
     path = train(cfg, out, args.resume, overwrite=args.overwrite,
-                 allow_world_size_change=args.allow_world_size_change)
+                 allow_world_size_change=args.allow_world_size_change, lock=lock)
     from squad.runtime import launch_rank
 
     if not launch_rank():  # once per launch, not once per rank (None: one plain process)

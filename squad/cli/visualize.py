@@ -26,7 +26,7 @@ import logging
 import sys
 from pathlib import Path
 
-from squad.cli import device_arg, run
+from squad.cli import device_arg, require_paths, run
 from squad.cli.evaluate import add_inference_arguments
 from squad.config.tools import VisualizeConfig, defaults, from_namespace
 
@@ -52,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _visualize(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
+    require_paths(args.checkpoint, args.data)  # before anything heavy is imported
     logging.basicConfig(level=logging.INFO, format="[squad] %(message)s")
 
     from squad.analysis.figures import draw_figures

@@ -85,6 +85,10 @@ class MoEConfig:
     bias: bool = True
     noop_experts: int = 0  # MoDE (integrated): extra experts that return nothing (the token skips the MLP)
     capacity_factor: float = 0.0  # > 0: at most ceil(cf · tokens·k / E) tokens per expert (drops the rest)
+    # expert parallelism: training spreads the E experts over groups of this many ranks (E/P each; tokens exchanged
+    # with all-to-all); it must divide num_experts and the number of ranks. 1: every rank holds every expert. Only
+    # how a run is laid out: the model, its checkpoints and exported files are the same for every value.
+    expert_parallel: int = 1
     router: RouterConfig = dataclasses.field(default_factory=RouterConfig)
 
     def check(self, path: str) -> None:
@@ -99,6 +103,7 @@ class MoEConfig:
             raise ConfigError(f"{path}.hidden must be >= 1, got {self.hidden}")
         if self.capacity_factor < 0:
             raise ConfigError(f"{path}.capacity_factor must be >= 0 (0 = no dropping), got {self.capacity_factor}")
+        check_expert_parallel(self.expert_parallel, self.num_experts, path)
 
 
 @dataclasses.dataclass
@@ -108,6 +113,7 @@ class MoAConfig:
     num_experts: int = 24
     top_k: int = 12
     head_dim: int = 64
+    expert_parallel: int = 1  # heads spread over groups of this many ranks (as MoEConfig.expert_parallel)
     router: RouterConfig = dataclasses.field(default_factory=RouterConfig)
 
     def check(self, path: str) -> None:
@@ -119,6 +125,17 @@ class MoAConfig:
             )
         if self.head_dim < 1:
             raise ConfigError(f"{path}.head_dim must be >= 1, got {self.head_dim}")
+        check_expert_parallel(self.expert_parallel, self.num_experts, path)
+
+
+def check_expert_parallel(size: int, num_experts: int, path: str) -> None:
+    """``{path}.expert_parallel`` is >= 1 and divides ``{path}.num_experts`` (the world size is checked when a run
+    starts: `squad.train.expert_shards.check_layout`)."""
+    if size < 1:
+        raise ConfigError(f"{path}.expert_parallel must be >= 1, got {size}")
+    if num_experts % size:
+        raise ConfigError(f"{path}.expert_parallel={size} does not divide {path}.num_experts={num_experts} (each rank "
+                          f"of an expert-parallel group holds num_experts / expert_parallel experts)")
 
 
 @dataclasses.dataclass

@@ -86,12 +86,19 @@ class OptimConfig:
                               f"decay must not exceed the peak)")
 
 
+# the signals train.save_on_signal may name (SIGINT stays Ctrl-C: interrupt at once, exit 130)
+SAVE_SIGNALS = ("TERM", "USR1", "USR2", "HUP", "XCPU")
+
+
 @dataclasses.dataclass
 class TrainConfig:
     """The loop: precision, ZeRO, task sampling, intervals, safety limits."""
 
     seed: int = 0
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: bf16 on GPUs, fp32 on CPUs
+    # ZeRO: 1 partitions the optimizer state over the data-parallel ranks, 2 the gradients too, 3 the parameters too
+    # (gathered per module as the forward and backward reach it). Expert shards (model.moe/moa.expert_parallel) are
+    # squad's own at every stage (squad.train.expert_shards).
     zero_stage: int = 0
     # torch.compile the training step's forward (model and losses; DeepSpeed's engine.compile, inductor): the module
     # keeps its parameters and names, so checkpoints, resume and ZeRO are unchanged. The first steps pay the
@@ -104,6 +111,10 @@ class TrainConfig:
     keep_checkpoints: int = 2
     max_nonfinite: int = 5  # consecutive non-finite losses before the run stops
     stop_at: int = 0  # checkpoint and stop at this step (resume later, e.g. within a cluster's time limit)
+    # signals that make every rank checkpoint at the next step boundary and exit 75 (preemption: SLURM sends TERM at
+    # the time limit and on scancel, and USR1 before it with --signal=USR1@120); [] leaves them to their default
+    # action. A second one exits at once. squad.train.checkpointer documents the protocol.
+    save_on_signal: list[str] = dataclasses.field(default_factory=lambda: ["TERM", "USR1"])
     progress: bool = True
     # start from this model file instead of the fresh init: what tools/upcycle.py writes (or any squad model of the
     # same architecture and tasks), or a dense ViT (timm state dict, dense squad model) upcycled on the spot
@@ -124,8 +135,8 @@ class TrainConfig:
                               f"blocks 0, n, 2n, ...), got {self.checkpoint_every}")
         if self.init is not None and not self.init.strip():
             raise ConfigError(f"{path}.init must be a file path or null, got an empty string")
-        if self.zero_stage not in (0, 1, 2):
-            raise ConfigError(f"{path}.zero_stage must be 0, 1 or 2 (ZeRO-3 is not supported with MoE layers)")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError(f"{path}.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
         for key in ("seed", "tasks_per_image", "log_every", "eval_every", "ckpt_every", "stop_at"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{path}.{key} must be >= 0, got {getattr(self, key)}")
@@ -133,6 +144,10 @@ class TrainConfig:
             raise ConfigError(f"{path}.log_every must be >= 1")
         if self.keep_checkpoints < 1 or self.max_nonfinite < 1:
             raise ConfigError(f"{path}.keep_checkpoints and {path}.max_nonfinite must be >= 1")
+        for name in self.save_on_signal:
+            if name.upper().removeprefix("SIG") not in SAVE_SIGNALS:
+                raise ConfigError(f"{path}.save_on_signal: {name!r} is not one of {', '.join(SAVE_SIGNALS)} (SIGINT, "
+                                  f"Ctrl-C, always interrupts without saving)")
 
 
 @dataclasses.dataclass

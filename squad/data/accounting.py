@@ -32,8 +32,6 @@ from typing import Any
 
 import numpy as np
 
-from squad.distributed import is_distributed
-
 logger = logging.getLogger("squad.data")
 
 KINDS = ("corrupt", "wrong_size")  # found while reading; "missing" is found while indexing
@@ -174,6 +172,8 @@ def report(dataset, name: str, images: int | None = None) -> DataReport:
     """
     issues: FileIssues = dataset.issues
     counts = {k: issues.count(k) for k in KINDS}
+    from squad.distributed import is_distributed
+
     if is_distributed():
         import torch.distributed as dist
 
@@ -222,6 +222,8 @@ def register(dataset) -> None:
 
 
 def _safe_collective() -> bool:
+    from squad.distributed import is_distributed
+
     return not is_distributed()  # at a tool's exit, ranks may not all be here: never start a collective then
 
 

@@ -76,8 +76,8 @@ def build_dataset(root: str | Path, tasks: str | Sequence[str], split: str | Seq
 
 
 def build_loader(dataset: SampleDataset, batch_size: int, *, seed: int = 0, num_workers: int = 0, rank: int = 0,
-                 world: int = 1, pin_memory: bool = False) -> DataLoader:
-    """The training loader: this rank's share of a seeded permutation per epoch, full batches only, resumable
+                 world: int = 1, grad_accum: int = 1, pin_memory: bool = False) -> DataLoader:
+    """The training loader: this rank's share of a seeded permutation per epoch, full global batches only, resumable
     mid-epoch (`squad.data.samplers.ResumableSampler`).
 
     Call `set_epoch(loader, epoch)` before each epoch: it sets the order, the augmentation draws and, after a resume,
@@ -91,10 +91,12 @@ def build_loader(dataset: SampleDataset, batch_size: int, *, seed: int = 0, num_
             that a training step reseeds, so where an epoch starts does not shift anything else.
         num_workers: worker processes (each opens its own files).
         rank: this rank's index among ``world`` data-parallel ranks.
-        world: data-parallel ranks (each gets every ``world``-th sample of the permutation).
+        world: data-parallel ranks (each gets every ``world``-th micro-batch of the permutation).
+        grad_accum: micro-batches per optimiser step: with ``world`` and ``batch_size``, the global batch the sampler
+            lays out the same way however it is split (so a run can move to another number of ranks).
         pin_memory: pin batches (useful with GPUs).
     """
-    sampler = ResumableSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed, drop_last=True)
+    sampler = ResumableSampler(len(dataset), batch_size, world, rank, grad_accum, seed=seed)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers, collate_fn=collate,
                       drop_last=True, pin_memory=pin_memory, generator=torch.Generator().manual_seed(seed))
 
@@ -103,7 +105,7 @@ def set_epoch(loader: DataLoader, epoch: int, skip_batches: int = 0) -> None:
     """Sets a `build_loader` loader's epoch: its order and its dataset's augmentation draws; the first
     ``skip_batches`` batches of the epoch are left out (a resume mid-epoch continues where the run stopped)."""
     loader.sampler.set_epoch(epoch)
-    loader.sampler.skip = skip_batches * loader.batch_size
+    loader.sampler.skip = skip_batches
     loader.dataset.set_epoch(epoch)
 
 

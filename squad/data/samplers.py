@@ -1,25 +1,62 @@
-"""Samplers: the training sampler that resumes mid-epoch (`ResumableSampler`: a `DistributedSampler` whose first epoch
-after a resume starts ``skip`` batches in, so the data order continues exactly), and in-order evaluation batches
-(`InOrderBatches`: this rank's share of a dataset, every sample at most once, unusable samples left out rather than
-replaced; `squad.data.eval_loader` wraps it).
+"""Samplers: the training sampler (`ResumableSampler`: the same global batches however they are split over ranks and
+micro-batches, resumable mid-epoch), and in-order evaluation batches (`InOrderBatches`: this rank's share of a
+dataset, every sample at most once, unusable samples left out rather than replaced; `squad.data.eval_loader` wraps
+it).
 """
 
 from __future__ import annotations
 
-from torch.utils.data import DistributedSampler, IterableDataset, Sampler, get_worker_info
+import torch
+from torch.utils.data import IterableDataset, Sampler, get_worker_info
 
 
-class ResumableSampler(DistributedSampler):
-    """DistributedSampler whose first epoch after a resume starts ``skip`` batches in."""
+class ResumableSampler(Sampler[int]):
+    """This rank's share of each shuffled epoch, laid out so that how a global batch is split does not change it.
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    An epoch is a permutation of the dataset (drawn from ``seed + epoch``, as `DistributedSampler` draws it) cut into
+    micro-batch slots of ``batch_size``; global batch ``s`` is slots ``s·S`` to ``s·S + S − 1`` with ``S = ranks ×
+    grad_accum``, and rank ``r``'s micro-batch ``j`` is slot ``j·ranks + r``. So 2 ranks × 1 micro-batch and 1 rank ×
+    2 micro-batches see the same images in the same micro-batches, and a run moved to another number of ranks with the
+    same global batch goes on exactly (`squad.train.run_folder`). The epoch holds the whole global batches the dataset
+    has. The first epoch after a resume starts ``skip`` micro-batches in.
+
+    Args:
+        length: samples in the dataset.
+        batch_size: samples per micro-batch (per rank).
+        num_replicas, rank: the ranks and this one.
+        grad_accum: micro-batches per optimiser step.
+        seed: the permutation's seed (with the epoch); ``shuffle=False`` keeps the dataset order.
+    """
+
+    def __init__(self, length: int, batch_size: int, num_replicas: int = 1, rank: int = 0, grad_accum: int = 1,
+                 seed: int = 0, shuffle: bool = True):
+        self.length, self.batch_size = int(length), int(batch_size)
+        self.num_replicas, self.rank, self.grad_accum = int(num_replicas), int(rank), int(grad_accum)
+        self.seed, self.shuffle = int(seed), shuffle
+        self.epoch = 0
         self.skip = 0
 
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def batches_per_epoch(self) -> int:
+        """This rank's micro-batches in an epoch."""
+        return self.length // (self.batch_size * self.num_replicas * self.grad_accum) * self.grad_accum
+
     def __iter__(self):
-        indices = list(super().__iter__())
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.length, generator=g).tolist()
+        else:
+            order = list(range(self.length))
         skip, self.skip = self.skip, 0
-        return iter(indices[skip:])
+        b, w = self.batch_size, self.num_replicas
+        for j in range(skip, self.batches_per_epoch()):
+            slot = j * w + self.rank
+            yield from order[slot * b:(slot + 1) * b]
+
+    def __len__(self) -> int:
+        return self.batches_per_epoch() * self.batch_size
 
 
 class ShardSampler(Sampler[int]):

@@ -42,6 +42,7 @@ from squad.analysis.flops import mod_shares, mone_shares, profile
 from squad.config.tools import EvaluateConfig
 from squad.data import build_dataset, eval_loader, report
 from squad.eval.metrics import MetricAccumulator, delta_t
+from squad.layers.parallel import is_sharded
 from squad.models.compile import compile_model
 from squad.models.inference import inference_settings, set_inference
 from squad.models.precision import cast_model, precision_name
@@ -82,10 +83,17 @@ def evaluate(model, loader, tasks: Sequence[str], device: torch.device | str = "
     specs = {t: task_of(t) for t in tasks}
     acc = MetricAccumulator(list(specs.values()))
     scored = 0
+    # expert-parallel layers exchange tokens, ZeRO-3 gathers each layer's weights: every rank runs every pass
+    lockstep = is_sharded(model) or any(hasattr(p, "ds_id") for p in model.parameters())
     try:
-        for i, batch in enumerate(loader):
+        for i, batch in enumerate(_batches(loader, lockstep, device)):
             if max_batches and i >= max_batches:
                 break
+            if batch is None:  # this rank is out of batches, others are not: a pass whose results nobody reads
+                cfg = model.cfg
+                model(torch.zeros(1, cfg.in_chans, cfg.img_size, cfg.img_size, device=device, dtype=dtype),
+                      list(tasks))
+                continue
             scored += batch["rgb"].shape[0]
             images = batch["rgb"].to(device)
             if dtype is not None:
@@ -106,6 +114,23 @@ def evaluate(model, loader, tasks: Sequence[str], device: torch.device | str = "
             dist.all_reduce(total)
         counts["images"] = int(total.item())
     return {t: final.get(specs[t].name, {}) for t in tasks}
+
+
+def _batches(loader, lockstep: bool, device):
+    """The loader's batches; with ``lockstep`` (an expert-parallel model, whose layers exchange tokens with the other
+    ranks of their group, or a ZeRO-3 one, whose layers gather their weights from them) the ranks agree before each
+    batch whether any still has one, and a rank that has none gets None until none has."""
+    if not lockstep or not (dist.is_initialized() and dist.get_world_size() > 1):
+        yield from loader
+        return
+    it = iter(loader)
+    while True:
+        batch = next(it, None)
+        flag = torch.tensor([float(batch is not None)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if not flag.item():
+            return
+        yield batch
 
 
 # ------------------------------------------------------------------------------------------------------- models

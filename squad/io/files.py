@@ -32,8 +32,6 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-import torch
-
 # errno values that mean the user pointed the tool at a place it may not write (bad input, exit 2), as opposed to a
 # write that failed on the way (a full disk, an I/O error: exit 3)
 PERMISSION_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS)
@@ -229,6 +227,8 @@ def atomic_torch_save(obj: Any, path: str | Path, what: str | None = None) -> Pa
     Raises:
         WriteError: the write failed.
     """
+    import torch  # only here: the text writes load without it
+
     return atomic_save(path, lambda f: torch.save(obj, f), what)
 
 

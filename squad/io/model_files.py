@@ -19,8 +19,9 @@ extracted single-task model (``<task>_theta<θ>.pt``) — format ``"squad.extrac
     ``exact``, ``mone_capacity``, ``state_dict``, ``report``; the report also sits beside it as ``<name>.json``. Loads
     with `load` or `load_extracted` → `SingleTaskModel`.
 ``<run>/checkpoints/<tag>/`` — DeepSpeed checkpoints
-    DeepSpeed's own files plus squad's ``COMPLETE`` marker, and ``checkpoints/latest`` naming the newest tag (layout
-    in `squad.io.checkpoints`). tools/train.py resumes from them. `load` reads a complete tag's
+    DeepSpeed's own files plus squad's ``COMPLETE`` marker, and ``checkpoints/latest`` naming the newest tag (the
+    layout is `squad.io.checkpoints`', which this module asks which tag a path names). tools/train.py resumes
+    from them. `load` reads a complete tag's
     ``mp_rank_00_model_states.pt`` (its ``module`` weights, the expert usage and the loop counters) and takes the
     model config from the run's ``config.yaml``; ``checkpoints/`` itself means its latest complete tag.
 Other files of a run folder
@@ -40,8 +41,18 @@ import torch
 from squad.config.base import ConfigError, to_dict
 from squad.config.loading import load_config
 from squad.config.run import RunConfig
-from squad.io.checkpoints import COMPLETE, MODEL_STATES, find_resume_tag, load_checkpoint_file, refusal_reason
+from squad.io.checkpoints import (
+    COMPLETE,
+    MODEL_STATES,
+    checkpoint_tag,
+    load_checkpoint_file,
+    marked_step,
+    model_states_file,
+    refusal_reason,
+)
+from squad.io.expert_files import whole_experts
 from squad.io.files import atomic_torch_save
+from squad.io.zero3 import fp32_state_dict, is_zero3_tag
 from squad.models.single_task import SingleTaskModel
 from squad.models.surgery import build_on_meta, keep_experts, load_assigned
 from squad.models.usage import ExpertUsage
@@ -65,7 +76,11 @@ def load(path: str | Path) -> SquadViT | SingleTaskModel:
       ``mp_rank_00_model_states.pt``) → a `SquadViT` built from the run's ``config.yaml``; the run's
       ``checkpoints/`` folder means its latest complete tag. Tags without the ``COMPLETE`` marker (a save that was
       interrupted) are refused. Under bf16/fp16 training DeepSpeed saves the module's half-precision weights; they
-      are cast to the model's fp32 (the fp32 master copy lives in optimizer shards, which are not read).
+      are cast to the model's fp32 (the fp32 master copy lives in optimizer shards, which are not read). A ZeRO-3
+      tag's weights are partitioned over its ranks' optimizer files and are put back together in fp32
+      (`squad.io.zero3`). The tag of
+      an expert-parallel run holds its experts in shard files (`squad.io.expert_files`): they are put back
+      together, so the model is the whole single-process one whatever expert-parallel size wrote it.
 
     Returns:
         The model in eval mode, with two attributes beside its weights:
@@ -88,11 +103,11 @@ def load(path: str | Path) -> SquadViT | SingleTaskModel:
     path = Path(path)
     tag = _checkpoint_tag(path)
     if tag is not None:
-        return _load_checkpoint(tag)
+        return _load_checkpoint(tag).eval()
     payload = read_payload(path)
     if payload["format"] == EXTRACTED_FORMAT:
-        return _extracted_from_payload(payload)
-    return _full_from_payload(payload)
+        return _extracted_from_payload(payload).eval()
+    return _full_from_payload(payload).eval()
 
 
 def load_model(path: str | Path) -> SquadViT:
@@ -127,7 +142,7 @@ def load_extracted(path: str | Path) -> SingleTaskModel:
     if payload["format"] != EXTRACTED_FORMAT:
         raise ValueError(f"{payload['path']} is a full multi-task model file, not an extracted one; load it with "
                          f"squad.load, or extract a task with tools/extract.py")
-    return _extracted_from_payload(payload)
+    return _extracted_from_payload(payload).eval()
 
 
 def read_payload(path: str | Path) -> dict:
@@ -152,6 +167,10 @@ def read_payload(path: str | Path) -> dict:
         path = path / "model.pt"
     if not path.is_file():
         raise FileNotFoundError(f"model file not found: {path}")
+    if _is_export(path):
+        raise ValueError(f"{path} is a torch.export program (tools/export.py), not a squad model file: load it with "
+                         f"torch.export.load(path).module(), which needs no squad (README: Export a model); "
+                         f"squad.load opens model.pt, extracted models and checkpoints")
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unpickling problem means: not one of our files
@@ -163,6 +182,20 @@ def read_payload(path: str | Path) -> dict:
                          f"tools/train.py or {EXTRACTED_FORMAT!r} from tools/extract.py)")
     payload["path"] = str(path)
     return payload
+
+
+def _is_export(path: Path) -> bool:
+    """Whether ``path`` is a ``torch.export.save`` archive (a zip whose ``archive_format`` entry says ``pt2``)."""
+    import zipfile
+
+    if not zipfile.is_zipfile(path):
+        return False
+    try:
+        with zipfile.ZipFile(path) as z:
+            marks = [n for n in z.namelist() if n.rsplit("/", 1)[-1] == "archive_format"]
+            return any(z.read(n).strip() == b"pt2" for n in marks)
+    except (OSError, zipfile.BadZipFile):
+        return False
 
 
 def _model_config(payload: dict, source: str):
@@ -216,27 +249,17 @@ def _extracted_from_payload(payload: dict) -> SingleTaskModel:
 def _checkpoint_tag(path: Path) -> Path | None:
     """The checkpoint tag folder ``path`` names (a tag, its model-states file, or a ``checkpoints/`` folder), else
     None (a run folder or a squad file)."""
-    if path.is_file():
-        return path.parent if path.name == MODEL_STATES else None
-    if not path.is_dir() or (path / "model.pt").is_file():
+    if path.is_dir() and (path / "model.pt").is_file():
         return None
-    if (path / COMPLETE).is_file() or (path / MODEL_STATES).is_file():
-        return path
-    if (path / "latest").is_file() or any((p / COMPLETE).is_file() for p in path.iterdir() if p.is_dir()):
-        tag = find_resume_tag(path)
-        if tag is None:
-            raise FileNotFoundError(f"{path}: no complete checkpoint (tags without a {COMPLETE} marker were "
-                                    f"interrupted while saving and are never loaded)")
-        return path / tag
-    return None
+    return checkpoint_tag(path)
 
 
 def _load_checkpoint(tag: Path) -> SquadViT:
     """The `SquadViT` of a complete DeepSpeed checkpoint tag, configured by its run's ``config.yaml``."""
-    if not (tag / COMPLETE).is_file():
+    if marked_step(tag) is None:
         raise ValueError(f"{tag}: incomplete checkpoint (no {COMPLETE} marker: the save was interrupted); load an "
                          f"earlier tag, or {tag.parent} for the latest complete one")
-    file = tag / MODEL_STATES
+    file = model_states_file(tag)
     if not file.is_file():
         raise FileNotFoundError(f"{tag}: no {MODEL_STATES} in this checkpoint")
     cfg_file = tag.parent.parent / "config.yaml"
@@ -250,6 +273,8 @@ def _load_checkpoint(tag: Path) -> SquadViT:
     module = states.get("module") if isinstance(states, dict) else None
     if not isinstance(module, dict):
         raise ValueError(f"{file}: no module weights in this DeepSpeed checkpoint")
+    if is_zero3_tag(tag):  # the weights are partitioned over the ranks' optimizer files: put them back together
+        module = fp32_state_dict(tag)
     model = build_on_meta(run_cfg.model)
     own = model.state_dict()
     state = {}
@@ -259,6 +284,7 @@ def _load_checkpoint(tag: Path) -> SquadViT:
             if key in own and value.is_floating_point() and own[key].is_floating_point():
                 value = value.to(own[key].dtype)  # bf16/fp16 training saves half-precision module weights
             state[key] = value
+    state.update(whole_experts(tag))  # an expert-parallel run's experts, from its shard files
     load_assigned(model, state, str(file)).eval()
     loop = states.get("loop") or {}
     log_vars = module.get("weighting.log_vars")  # the objective's learned task weights (uncertainty weighting)
@@ -283,7 +309,8 @@ def _why(error: Exception) -> str:
 
 
 # ------------------------------------------------------------------------------------------------------ saving
-def export_model(path: str | Path, model: SquadViT, usage: ExpertUsage | None, extra: dict | None = None) -> Path:
+def export_model(path: str | Path, model: SquadViT, usage: ExpertUsage | None, extra: dict | None = None,
+                 state: dict | None = None) -> Path:
     """Writes a ``model.pt`` (format ``squad.model/1``): config, tasks, weights, expert usage, ``extra``.
 
     Args:
@@ -291,13 +318,15 @@ def export_model(path: str | Path, model: SquadViT, usage: ExpertUsage | None, e
         model: the model to save (its weights are copied to the CPU).
         usage: expert-usage statistics to save with it, or None.
         extra: plain data (numbers, strings, lists, dicts, tensors) stored under ``extra``.
+        state: the weights to write (default ``model.state_dict()``; an expert-parallel run passes its experts
+            gathered, `squad.layers.parallel.full_state_dict`).
 
     Returns:
         ``path``; the file loads with `load` (or ``torch.load(weights_only=True)``).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    state = {k: v.detach().cpu().contiguous() for k, v in (model.state_dict() if state is None else state).items()}
     payload = {
         "format": MODEL_FORMAT,
         "config": to_dict(model.cfg),

@@ -8,8 +8,10 @@
 - base:          the routed-layer contract: `RoutedLayer` (``kind``, ``layer_name``, `report`, ``macs(tokens,
                  capacity=None)``), `ExpertLayer` (`keep_experts`) and `EXPERT_KINDS`.
 - routing:       per-task routers: `TaskLinear` (per-task weight bank) and `TaskRouter` (noisy top-k gate, `Routing`).
-- experts:       grouped expert matmuls and token dispatch/combine ops (`plan_dispatch`, `dispatch_matmul`, ...),
-                 a CPU algorithm and a sync-free one for CUDA.
+- experts:       grouped expert matmuls and token dispatch/combine (a package: the dispatch plan, the CPU algorithm,
+                 the kernel path of grouped GEMMs for CUDA, dense all-head projections, the ops layers call).
+- parallel:      expert parallelism (a package): DeepSpeed's expert(-data)-parallel groups, the token exchange
+                 (all_to_all_single, uneven splits, autograd), the routed layers across a group, expert shards.
 - moe_mlp:       `MoEMlp`, the mixture-of-experts MLP (`ExpertMLP`, no-op experts, capacity dropping).
 - moe_attention: `MoEAttention`, mixture of attention heads (MoA) over one shared key/value head.
 - mod:           `MoDBlock`, Mixture-of-Depths around any block (learned or attention routing).

@@ -54,8 +54,9 @@ class RoutedLayer(nn.Module):
 
     def report(self, ctx: ForwardContext, tokens_per_row: int, counts: torch.Tensor, mass: torch.Tensor | None = None,
                top_k: int = 1, aux_loss: torch.Tensor | None = None,
-               experts: torch.Tensor | None = None) -> RouterStats:
-        """Appends this layer's `RouterStats` for this pass to ``ctx.stats`` (and returns it).
+               experts: torch.Tensor | None = None) -> RouterStats | None:
+        """Appends this layer's `RouterStats` for this pass to ``ctx.stats`` (and returns it); nothing (None) when the
+        pass collects no statistics (``ctx.collect_stats`` off: callers may skip making the counts too).
 
         Args:
             ctx: the pass's context (its task ids say which task each row belongs to).
@@ -67,8 +68,9 @@ class RoutedLayer(nn.Module):
             experts: [R·N, k] every token's selections (the counts' columns); kept only when ``ctx.record_routing``
                 ([B·N, k] of image rows shared by the task rows are recorded per task row, [R·N, k]).
         """
-        rows = ctx.task_ids.numel()
-        tokens = ctx.per_task_sum(torch.full((rows,), float(tokens_per_row), device=counts.device))
+        if not ctx.collect_stats:
+            return None
+        tokens = ctx.rows_per_task() * tokens_per_row
         recorded = None
         if experts is not None and ctx.record_routing:
             recorded = experts.detach()
@@ -106,8 +108,9 @@ class ExpertLayer(RoutedLayer):
     def route(self, x: torch.Tensor, ctx: ForwardContext) -> Routing:
         """Routes x [R, N, D] with this layer's router and reports the decision (`RoutedLayer.report`)."""
         routing = self.router(x, ctx)
-        mass, counts = routing.row_sums(x.shape[0])
-        self.report(ctx, x.shape[1], counts, mass, self.top_k, experts=routing.experts)
+        if ctx.collect_stats:
+            mass, counts = routing.row_sums(x.shape[0])
+            self.report(ctx, x.shape[1], counts, mass, self.top_k, experts=routing.experts)
         return routing
 
     def keep_experts(self, kept: Sequence[int], exact: bool = True) -> None:
@@ -138,6 +141,17 @@ class ExpertLayer(RoutedLayer):
     def _select_experts(self, index: torch.Tensor) -> None:
         """Replaces the stacked expert weights by their rows ``index`` [K] (new parameters, same requires_grad)."""
         raise NotImplementedError
+
+
+def observed(module: nn.Module | None) -> bool:
+    """Whether a forward hook or pre-hook can see ``module``'s inputs or outputs (on it or any submodule, or a
+    global one): fused inference paths that skip a submodule's call or write into a block's input are off then."""
+    if module is None:
+        return False
+    hooks = torch.nn.modules.module
+    if hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks for m in module.modules())
 
 
 def select_rows(p: torch.Tensor | None, index: torch.Tensor) -> nn.Parameter | None:

@@ -56,6 +56,14 @@ class ForwardContext:
         shared_rows: [R] the image row each task row reads while the blocks still run once per image (the blocks
             before the first task-specific one, `SquadViT.forward_tokens`): those blocks see the B image rows,
             ``task_ids`` and ``segments`` describe the R task rows they fan out to; None once the rows are per task.
+        pending_embed: [R, D] a per-row embedding the next block's input still lacks, which the block adds itself in
+            passes it makes anyway (MoNE blocks always; on the CUDA path in inference dense blocks and Mixture-of-Depths
+            blocks too, `squad.kernels.rows`) instead of the model adding it before the block. A block that takes it
+            clears it, or leaves what its output still lacks (a MoD block writing into its own input).
+        collect_stats: routed layers report their statistics (`RoutedLayer.report`); off where nothing reads them
+            (`SquadViT.forward_features`), so inference launches nothing for them.
+        owns_input: the next block may write into its input (inference on the CUDA path, the input made in this pass
+            and seen by no hook); set by the model before each block.
     """
 
     task_ids: torch.Tensor
@@ -68,6 +76,18 @@ class ForwardContext:
     record_routing: bool = False
     segments: list[tuple[int, int, int]] | None = None
     shared_rows: torch.Tensor | None = None
+    pending_embed: torch.Tensor | None = None
+    collect_stats: bool = True
+    owns_input: bool = False
+    _rows_per_task: torch.Tensor | None = dataclasses.field(default=None, repr=False)
+
+    def rows_per_task(self) -> torch.Tensor:
+        """[T] float32 task rows of each task (computed once per pass: every routed layer's token counts are it
+        times the tokens it routed per row)."""
+        if self._rows_per_task is None:
+            ones = torch.ones(self.task_ids.shape, device=self.task_ids.device)
+            self._rows_per_task = ones.new_zeros(self.num_tasks).index_add(0, self.task_ids, ones)
+        return self._rows_per_task
 
     def per_task_sum(self, values: torch.Tensor) -> torch.Tensor:
         """Sums row-level values [R, ...] into [T, ...] by task (values [B, ...] of the image rows while the rows

@@ -4,6 +4,8 @@
 Expert weights are stacked ([E, D, H] and [E, H, D]) and applied with grouped matmuls over tokens grouped by
 expert once per layer (squad.layers.experts): the first projection gathers each expert's tokens itself
 (`dispatch_matmul`), the second folds the gates in and sums the outputs back to the tokens (`matmul_combine`).
+With ``expert_parallel`` P > 1 a training run shards the experts over P ranks (`squad.layers.parallel`): each rank
+holds E/P of them and tokens travel to their experts' ranks and back (`squad.layers.parallel.routed.expert_mlp`).
 """
 
 from __future__ import annotations
@@ -12,12 +14,12 @@ import math
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from squad.config.model import MoEConfig
 from squad.layers.base import ExpertLayer, select_rows
 from squad.layers.context import ForwardContext
-from squad.layers.experts import dispatch_matmul, matmul_combine, plan_dispatch
+from squad.layers.experts import expert_mlp, plan_dispatch
+from squad.layers.parallel import SINGLE, routed
 from squad.layers.routing import Routing, TaskRouter
 
 
@@ -29,11 +31,21 @@ class ExpertMLP(nn.Module):
         dim: token width D.
         hidden: hidden width per expert.
         bias: biases on both layers.
+        expert_parallel: P, the ranks a training run spreads the experts over (`squad.layers.parallel.shard_model`;
+            the layer is built whole and sharded then).
+
+    Attributes:
+        ep: the expert-parallel layout once sharded (`SINGLE` before): ``w1`` ... then hold this rank's E/P experts.
     """
 
-    def __init__(self, num_experts: int, dim: int, hidden: int, bias: bool = True):
+    expert_params = ("w1", "w2", "b1", "b2")  # stacked [E, ...] expert weights (what expert parallelism shards)
+    expert_parallel_key = "model.moe.expert_parallel"
+
+    def __init__(self, num_experts: int, dim: int, hidden: int, bias: bool = True, expert_parallel: int = 1):
         super().__init__()
         self.num_experts = num_experts
+        self.expert_parallel = expert_parallel
+        self.ep = SINGLE
         self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, dim))
         self.b1 = nn.Parameter(torch.zeros(num_experts, hidden)) if bias else None
@@ -43,16 +55,29 @@ class ExpertMLP(nn.Module):
 
     def select(self, index: torch.Tensor) -> None:
         """Keeps experts ``index`` [K] only, in that order (new parameters; real or meta tensors)."""
+        if self.ep.size > 1:
+            raise ValueError("a sharded MoE MLP cannot drop experts: load the run as one single-process model "
+                             "(squad.load) first")
         for name in ("w1", "w2", "b1", "b2"):
             setattr(self, name, select_rows(getattr(self, name), index))
         self.num_experts = index.numel()
 
     def forward(self, x: torch.Tensor, gates: torch.Tensor, experts: torch.Tensor, noop: bool = True) -> torch.Tensor:
         """x [M, D], gates/experts [M, k] → [M, D] = Σ_slots gate · expert(x); ``noop=False`` promises that no slot
-        names a no-op expert (the sync-free path then skips masking their rows)."""
+        names a no-op expert.
+
+        Three separable steps, the seam expert parallelism cuts at: the plan (`plan_dispatch`: the (token, slot)
+        pairs grouped by expert, ``plan.counts`` rows per expert), the experts on grouped rows, and the combine (each
+        token's k outputs, gated and summed). `expert_mlp` runs them fused on one device (the gather inside the first
+        grouped GEMM, the gate and the way back to (token, slot) order inside the second). With the experts sharded
+        over ``self.ep`` the same steps run apart (`squad.layers.parallel.routed.expert_mlp`): the rows go to their
+        experts' ranks by the plan's counts, the local experts run `expert_mlp` on what arrived, the outputs come
+        back and are combined here."""
+        if self.ep.size > 1:  # float32 master shards, used in the tokens' dtype
+            w = [None if t is None else t.to(x.dtype) for t in (self.w1, self.b1, self.w2, self.b2)]
+            return routed.expert_mlp(x, gates, experts, *w, self.ep, noop)
         plan = plan_dispatch(experts, self.num_experts, host_sizes=False, noop=noop)
-        h = F.gelu(dispatch_matmul(x, self.w1, plan, self.b1))  # [M·k, H], rows grouped by expert
-        return matmul_combine(h, self.w2, gates, plan, self.b2)  # [M, D]
+        return expert_mlp(x, self.w1, self.b1, self.w2, self.b2, gates, plan)  # [M, D]
 
 
 def apply_capacity(routing: Routing, num_experts: int, capacity_factor: float) -> Routing:
@@ -90,7 +115,7 @@ class MoEMlp(ExpertLayer):
         super().__init__()
         self.cfg = cfg
         self.router = TaskRouter(num_tasks, dim, cfg.num_experts + cfg.noop_experts, cfg.top_k, cfg.router)
-        self.experts = ExpertMLP(cfg.num_experts, dim, hidden, cfg.bias)
+        self.experts = ExpertMLP(cfg.num_experts, dim, hidden, cfg.bias, cfg.expert_parallel)
 
     @property
     def num_experts(self) -> int:
@@ -111,5 +136,5 @@ class MoEMlp(ExpertLayer):
     def macs(self, tokens: int, capacity: float | None = None) -> int:
         """Multiply-accumulates per sequence of ``tokens`` tokens: the router plus k experts per token (no-op slots
         and capacity drops counted as computed). ``capacity`` is unused (the layer has no token budget)."""
-        d, h = self.experts.w1.shape[1:]
+        d, h = self.experts.w1.shape[1:]  # a shard's too
         return self.router.macs(tokens) + tokens * self.top_k * 2 * d * h

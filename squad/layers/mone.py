@@ -24,15 +24,18 @@ Update (paper Eq. 1): ``z = x + SA_j(x)``, ``x' = z + (α · r_ij + 1) · FFN_j(
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from squad.config.model import MoNEConfig
+from squad.kernels.nested import nested_linear, nested_linear_, nested_mlp_, nested_mlp_config, nested_norm
 from squad.layers.attention import attend
 from squad.layers.base import RoutedLayer
 from squad.layers.context import ForwardContext
+from squad.layers.experts import host_ints, takes_kernel_path
 from squad.layers.mone_capacity import capacity_distribution, expert_preferred_routing, group_sizes
 from squad.layers.nested import nested_linear_in, nested_linear_out
 from squad.layers.routing import TaskLinear
@@ -51,17 +54,31 @@ class MoNEState:
     order: torch.Tensor
     slices: list[tuple[int, int, int]]
     gate: torch.Tensor
+    _inverse: torch.Tensor | None = dataclasses.field(default=None, repr=False)
 
     def unpermute(self, x: torch.Tensor) -> torch.Tensor:
-        """[R, N, ...] in routed order → original token order."""
-        idx = self.order.view(*self.order.shape, *([1] * (x.dim() - 2))).expand_as(x)
-        return torch.empty_like(x).scatter_(1, idx, x)  # one pass: written straight into the new tensor
+        """[R, N, ...] in routed order → original token order: one gather by the inverse permutation, written
+        straight into the new tensor."""
+        if self._inverse is None:  # position in routed order of each original token, once per pass
+            positions = torch.arange(self.order.shape[1], device=self.order.device).expand_as(self.order)
+            self._inverse = torch.empty_like(self.order).scatter_(1, self.order, positions)
+        idx = self._inverse.view(*self.order.shape, *([1] * (x.dim() - 2))).expand_as(x)
+        return torch.gather(x, 1, idx)
 
     def permute(self, x: torch.Tensor) -> torch.Tensor:
         """[R, N, D] in original token order → routed order, token-major in memory (as the MoNE blocks want)."""
         r, n, d = x.shape
         xt = x.transpose(0, 1)  # [N, R, D] view
         return torch.gather(xt, 0, self.order.t().unsqueeze(-1).expand(n, r, d)).transpose(0, 1)
+
+
+@functools.lru_cache(maxsize=16)
+def nested_layout(blocks: tuple[tuple[int, int, int], ...], device: torch.device) -> torch.Tensor:
+    """[2, G] int32 on ``device``: the end row and the width of each token group (`squad.kernels.nested`'s layout).
+    Cached: every MoNE block of a pass, and every pass at one batch size, share it (compiled code calls
+    ``nested_layout.__wrapped__``)."""
+    with torch.inference_mode(False):  # a cached tensor outlives the call (see `segment_groups`)
+        return host_ints([e for _, e, _ in blocks] + [w for _, _, w in blocks], device).to(torch.int32).view(2, -1)
 
 
 def _alpha_as_saved_now(value):
@@ -106,11 +123,12 @@ class MoNERouter(RoutedLayer):
         p_sorted = probs.gather(1, order.unsqueeze(-1).expand(r, n, e))  # [R, N, E] in routed order
         gate = p_sorted.gather(2, expert.view(1, n, 1).expand(r, n, 1)).squeeze(-1)  # [R, N]
         ctx.mone = MoNEState(order, slices, gate.to(x.dtype))
-        hard = F.one_hot(expert, e).float().sum(0).expand(r, e)  # [R, E] tokens per expert
-        chosen = None
-        if ctx.record_routing:  # [R·N, 1] every token's nested expert, in original token order
-            chosen = torch.empty_like(order).scatter_(1, order, expert.expand(r, n)).reshape(r * n, 1)
-        self.report(ctx, n, hard, probs.sum(1), experts=chosen)
+        if ctx.collect_stats:
+            hard = F.one_hot(expert, e).float().sum(0).expand(r, e)  # [R, E] tokens per expert
+            chosen = None
+            if ctx.record_routing:  # [R·N, 1] every token's nested expert, in original token order
+                chosen = torch.empty_like(order).scatter_(1, order, expert.expand(r, n)).reshape(r * n, 1)
+            self.report(ctx, n, hard, probs.sum(1), experts=chosen)
         return ctx.mone.permute(x)  # [R, N, D] in routed order, [N, R, D] token-major memory
 
     def macs(self, tokens: int, capacity: float | None = None) -> int:
@@ -159,8 +177,12 @@ class MoNEBlock(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, key_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """x [R, N, D] in routed order → [R, N, D], laid out token-major in memory (see the module docstring)."""
+        """x [R, N, D] in routed order → [R, N, D], laid out token-major in memory (see the module docstring).
+        ``ctx.pending_embed`` [R, D], when the model set it, is added to x first (and cleared)."""
+        emb, ctx.pending_embed = ctx.pending_embed, None
         if self.router is not None:
+            if emb is not None:  # the router scores the embedded tokens
+                x, emb = x + emb[:, None, :], None
             x = self.router(x, ctx)
         st: MoNEState = ctx.mone
         if st is None:
@@ -171,6 +193,10 @@ class MoNEBlock(nn.Module):
             xt = xt.contiguous()
         x2 = xt.view(n * r, d)  # [T, D], T = N·R token-major
         blocks = [(s * r, e * r, w) for s, e, w in st.slices if e > s]
+        if not torch.is_grad_enabled() and takes_kernel_path(x.device):
+            return self._forward_kernels(x2, blocks, st, ctx, key_mask, emb).view(n, r, d).transpose(0, 1)
+        if emb is not None:
+            x2 = (x2.view(n, r, d) + emb).view(n * r, d)
         h = self.norm1(x2)
         qkv = nested_linear_in(h, self.attn.qkv.weight, self.attn.qkv.bias, blocks)  # [T, 3D]
         q, k, v = qkv.view(n, r, 3, self.num_heads, d // self.num_heads).permute(2, 1, 3, 0, 4).unbind(0)
@@ -187,6 +213,41 @@ class MoNEBlock(nn.Module):
         y = nested_linear_out(hidden, self.mlp.fc2.weight, self.mlp.fc2.bias, blocks, residual=z, scale=scale,
                               inplace=not torch.is_grad_enabled())
         return y.view(n, r, d).transpose(0, 1)
+
+    def _forward_kernels(self, x2: torch.Tensor, blocks: list[tuple[int, int, int]], st: MoNEState,
+                         ctx: ForwardContext, key_mask: torch.Tensor | None, emb: torch.Tensor | None) -> torch.Tensor:
+        """Inference on the kernel path (`squad.kernels.nested`): x2 [T, D] token-major (+ emb [R, D] per row) →
+        [T, D], in four launches besides the attention — the first norm writes only each token's width, the
+        attention's output projection adds into the residual in its epilogue (and the embedding) and reads the
+        attention output where SDPA wrote it, and the whole MLP sublayer (norm, both projections, GELU, the scaled
+        residual add) is one launch into the block's own tensor that never writes the hidden layer (where D fits the
+        fused kernel; else a norm, the first projection with GELU inside and the second adding in place)."""
+        t, d = x2.shape
+        r = st.order.shape[0]
+        n = t // r
+        layout = (nested_layout.__wrapped__ if torch.compiler.is_compiling() else nested_layout)(tuple(blocks),
+                                                                                                 x2.device)
+        groups = [e for _, e, _ in blocks] + [w for _, _, w in blocks]  # the layout as host ints
+        h = nested_norm(x2, emb, self.norm1.weight, self.norm1.bias, self.norm1.eps, layout, groups, r)
+        qkv = nested_linear(h, self.attn.qkv.weight, self.attn.qkv.bias, layout, groups, r, "in", False, None, None,
+                            None)
+        q, k, v = qkv.view(n, r, 3, self.num_heads, d // self.num_heads).permute(2, 1, 3, 0, 4).unbind(0)
+        out, scores = attend(q, k, v, want_scores=self.want_scores, key_mask=key_mask)  # [R, H, N, d/H]
+        if self.want_scores:
+            ctx.attn_scores = scores
+        rows = out.permute(2, 0, 1, 3)  # [N, R, H, d/H]: token-major rows of D features, a view of SDPA's output
+        z = nested_linear(rows, self.attn.proj.weight, self.attn.proj.bias, layout, groups, r, "out", False, x2, emb,
+                          None)  # x2 + emb + the projection: the block's own residual tensor
+        fc1, fc2 = self.mlp.fc1, self.mlp.fc2
+        if nested_mlp_config(d, fc1.out_features, z.dtype) is not None:
+            nested_mlp_(z, self.norm2.weight, self.norm2.bias, self.norm2.eps, fc1.weight, fc1.bias, fc2.weight,
+                        fc2.bias, layout, groups, st.gate, self.alpha)
+            return z
+        h = nested_norm(z, None, self.norm2.weight, self.norm2.bias, self.norm2.eps, layout, groups, r)
+        hidden = nested_linear(h, fc1.weight, fc1.bias, layout, groups, r, "in", True, None, None, None)
+        scale = torch.addcmul(torch.ones_like(self.alpha), self.alpha, st.gate.t().reshape(t))  # [T] = α · r + 1
+        nested_linear_(hidden, fc2.weight, fc2.bias, layout, groups, z, scale)
+        return z
 
     def macs(self, tokens: int, capacity: float | None = None) -> int:
         """Multiply-accumulates per sequence of ``tokens`` tokens: each nested width at its group size (the

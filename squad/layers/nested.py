@@ -4,7 +4,8 @@ Tokens arrive as 2-D token-major rows in which each expert group's rows are cont
 features of a projection. `nested_linear_in` reads the first w_g input features, `nested_linear_out` writes the
 first w_g output features, added (scaled per row) to a residual or zero-padded without one. Each group is one matmul
 that reads its feature slice in place and writes into one preallocated output (or adds into the residual's first
-w_g features): no concatenation, padding or slicing copies, forward or backward.
+w_g features): no concatenation or padding copies. Writes into a column slice are assignments (``t[:, :w] = ...``)
+rather than ``mm(out=...)``, which compiled code cannot take for a strided output.
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ class _NestedLinearIn(torch.autograd.Function):
         dx = torch.empty_like(x) if need_x else None
         dw = torch.zeros_like(w) if need_w else None
         for s, e, k in ctx.blocks:
-            if dx is not None:
-                torch.mm(grad[s:e], w[:, :k], out=dx[s:e, :k])
+            if dx is not None:  # into a column slice: assigned, not mm(out=) (compiled code takes no strided out=)
+                dx[s:e, :k] = grad[s:e] @ w[:, :k]
                 if k < x.shape[1]:
                     dx[s:e, k:].zero_()
             if dw is not None:
@@ -58,17 +59,14 @@ def _nested_out(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, blocks
     if out is None:
         out = x.new_empty(x.shape[0], full)  # [T, Dout]
         for s, e, k in blocks:
-            if b is None:
-                torch.mm(x[s:e], w[:k].t(), out=out[s:e, :k])
-            else:
-                torch.addmm(b[:k], x[s:e], w[:k].t(), out=out[s:e, :k])
+            out[s:e, :k] = x[s:e] @ w[:k].t() if b is None else torch.addmm(b[:k], x[s:e], w[:k].t())
             if k < full:
                 out[s:e, k:].zero_()
         return out
     for s, e, k in blocks:  # only the first k features of a group's rows change: nothing full-width for slices
         y = torch.mm(x[s:e], w[:k].t()) if b is None else torch.addmm(b[:k], x[s:e], w[:k].t())  # [n_g, k]
         if scale is None:
-            out[s:e, :k] += y
+            out[s:e, :k].add_(y)
         else:
             out[s:e, :k].addcmul_(y, scale[s:e])
         if keep is not None:

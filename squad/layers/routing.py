@@ -8,7 +8,7 @@ MoNE all plug into the same expert code.
 
 from __future__ import annotations
 
-import dataclasses
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -93,7 +93,12 @@ class TaskLinear(nn.Module):
         # compiled: the uncached function (dynamo traces through a cache, which it warns could be stale)
         layout = segment_groups.__wrapped__ if torch.compiler.is_compiling() else segment_groups
         groups, tasks = layout(tuple(segments), n, x.device)
-        if [t for t, _, _ in segments] != list(range(weight.shape[0])):
+        order = [t for t, _, _ in segments]
+        if order == list(range(weight.shape[0])):
+            pass
+        elif order == list(range(order[0], order[0] + len(order))):  # consecutive tasks: a view of the bank
+            weight = weight.narrow(0, order[0], len(order))
+        else:
             weight = weight.index_select(0, tasks)  # [S, D, O]: the runs' tasks in run order
         y = grouped_matmul(x.reshape(r * n, d), weight, groups).view(r, n, -1)
         if bias is not None:
@@ -159,9 +164,11 @@ class TaskLinear(nn.Module):
                 self.register_parameter(name, nn.Parameter(p.index_select(dim, columns).clone(), p.requires_grad))
 
 
-@dataclasses.dataclass
-class Routing:
+class Routing(NamedTuple):
     """A token-choice routing decision for M tokens.
+
+    A named tuple, so that module hooks that look for the tensors of a module's output (DeepSpeed ZeRO-3 gathers a
+    router's weights again for its backward through them) find them.
 
     Attributes:
         gates: [M, k] weight of each selected expert.

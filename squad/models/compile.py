@@ -11,18 +11,15 @@ What the compiler sees of squad:
 - attention: SDPA, or one opaque custom op per call (``squad::triton_attention`` / ``squad::chunked_attention``,
   `squad.kernels.library`) with a fake implementation and a registered backward — never a graph break;
 - MoE attention and MoE MLP: data-dependent routing with static shapes (the sort, the group offsets by binary
-  search, `grouped_mm` with device-side offsets, masks instead of host-sized slices);
-- MoNE's capacity distribution (an SLSQP solve on constants) runs while tracing and becomes a constant.
+  search) and the expert matmuls as opaque grouped-GEMM custom ops (``squad::grouped_mm`` / ``squad::grouped_wgrad``,
+  `squad.kernels.grouped`: Triton on CUDA, their PyTorch reference elsewhere) in every dtype; compiled code takes
+  them on any device (`squad.layers.experts.takes_kernel_path`), nothing in it pins memory or reads the device;
+- MoNE's capacity distribution (an SLSQP solve on constants) runs while tracing and becomes a constant; its nested
+  projections trace whole (no strided ``out=``).
 
-Graph breaks that remain (`graph_breaks` on every shipped config at the tests' widths, torch 2.14; the tests keep
-this list honest):
-- float32 MoE attention / MoE MLP (a CPU run's default precision): `grouped_mm`'s fake kernel takes bf16/fp16 only,
-  so the grouped matmuls fall back to per-expert matmuls sized on the host (``Dispatch.host_sizes``): two breaks per
-  routed layer, the dispatch running eagerly. In bf16 (GPUs' default, or ``train.precision=bf16``) every shipped
-  config but MoNE compiles to one graph.
-- MoNE (``mone_vit_s``): the nested projections (`squad.layers.nested`) write each token group's output through
-  ``out=`` into a strided slice, which dynamo does not trace: the nested linears run eagerly (about ten breaks).
-- MoD threshold inference (``--mod-inference threshold``) reads the widest row's token count on the host.
+Every shipped config's training step is one graph (`graph_breaks` at the tests' widths, torch 2.14; with the CUDA
+path forced on a CPU too, tests/test_compile.py). The graph break that remains: MoD threshold inference
+(``--mod-inference threshold``) reads the widest row's token count on the host.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Inference precision: the dtype evaluate, predict, extract and export run a model in (``--precision``).
 
-``bf16`` is the default on CUDA — the dtype squad trains in there, and the one whose routed layers take the
-sync-free path (grouped matmuls in bf16; fp32 MoE on CUDA falls back to a per-expert loop with a host sync per
-layer) — and ``fp32`` everywhere else (the CPU has no fast bf16 matmul on most machines, and fp32 is exact there).
+``bf16`` is the default on CUDA — the dtype squad trains in there, and the faster one for the routed layers' grouped
+GEMM kernels (which take fp32 too, with no host sync either way) — and ``fp32`` everywhere else (the CPU has no fast
+bf16 matmul on most machines, and fp32 is exact there).
 
 Example::
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -28,9 +29,11 @@ from torch.utils.checkpoint import checkpoint
 
 from squad.config.loading import load_config
 from squad.config.model import ModelConfig, SquadConfig
-from squad.layers.base import RoutedLayer
+from squad.kernels.rows import row_norm
+from squad.layers.base import RoutedLayer, observed
 from squad.layers.block import Block
 from squad.layers.context import ForwardContext, RouterStats
+from squad.layers.experts import takes_kernel_path
 from squad.layers.heads import build_head
 from squad.layers.mod import MoDBlock
 from squad.layers.mone import MoNEBlock
@@ -38,9 +41,9 @@ from squad.layers.routing import TaskLinear
 from squad.tasks import Task, canonical_name, get_task
 
 
-@dataclasses.dataclass
-class SquadOutput:
-    """What one forward pass returns.
+class SquadOutput(NamedTuple):
+    """What one forward pass returns (a named tuple: module hooks that look for the tensors of a module's output find
+    them, as DeepSpeed ZeRO-3 does to gather the model's own weights again for its backward).
 
     Attributes:
         preds: task → prediction ([B_t, C, H, W] for dense heads, [B_t, C] logits for class heads).
@@ -265,7 +268,8 @@ class SquadViT(nn.Module):
 
     def forward_tokens(self, x: torch.Tensor, task_ids: torch.Tensor,
                        segments: list[tuple[int, int, int]] | None = None,
-                       rows: torch.Tensor | None = None) -> tuple[torch.Tensor, ForwardContext]:
+                       rows: torch.Tensor | None = None, collect_stats: bool = True
+                       ) -> tuple[torch.Tensor, ForwardContext]:
         """Runs the blocks on x tagged with ``task_ids`` [R]; returns normed tokens and the context.
 
         Args:
@@ -275,6 +279,7 @@ class SquadViT(nn.Module):
                 one matmul per task.
             rows: [R] the image (row of x) each task row reads. The blocks before the first task-specific one
                 (`first_task_block`) then run once on x's B rows, and the rows fan out (``x[rows]``) at that block.
+            collect_stats: the routed layers report statistics into ``ctx.stats`` (False: none are made).
 
         Returns:
             (tokens, ctx). Tokens have one row per task row, except when ``rows`` was given and no block is
@@ -283,7 +288,7 @@ class SquadViT(nn.Module):
         """
         ctx = ForwardContext(task_ids=task_ids, num_tasks=len(self.task_names),
                              mone_capacity=self._capacity_for_step(), record_routing=self.record_routing,
-                             segments=segments, shared_rows=rows)
+                             segments=segments, shared_rows=rows, collect_stats=collect_stats)
         emb = None
         if self.task_embed is not None:
             emb = self.task_embeddings().index_select(0, task_ids).to(x.dtype)  # [R, D]
@@ -292,25 +297,44 @@ class SquadViT(nn.Module):
         fan_out = self.first_task_block() if rows is not None else 0
         graph = self.training and torch.is_grad_enabled()
         recompute = set(self.checkpointed_blocks()) if graph else set()
+        every = emb is not None and self.cfg.task_embed == "every_block"
+        # inference on the CUDA path: dense and MoD blocks add the embedding in passes they make anyway
+        # (`squad.kernels.rows`), and a MoD block may write into an input made in this pass that no hook sees
+        fused = every and not torch.is_grad_enabled() and takes_kernel_path(x.device)
+        pending: torch.Tensor | None = None  # [R, D] the embedding x still lacks
+        given, made, prev = x, None, None  # the caller's tensor, the last block's output, the last block
         # `routed`: the MoNE block x just came from while x is in MoNE's routed token order, else None. Only MoNE
         # blocks see that order (squad.layers.mone): it is undone before any other block and redone after it.
         routed: MoNEBlock | None = None
         for i, block in enumerate(self.blocks):
             if i == fan_out and ctx.shared_rows is not None:
                 x = self._fan_out(x, ctx)
-            if emb is not None and self.cfg.task_embed == "every_block":
-                x = x + emb[:, None, :]
             is_mone = isinstance(block, MoNEBlock)
+            if every:
+                pending = emb if pending is None else pending + emb
+                takes = is_mone or (fused and isinstance(block, Block | MoDBlock) and block.takes_pending_embed()
+                                    and not observed(block))
+                if takes:  # MoNE blocks always add it themselves, fused into their kernels where those run
+                    ctx.pending_embed = pending
+                else:
+                    x = x + pending[:, None, :]
+                pending = None
             if ctx.mone is not None and is_mone and routed is None:
                 x = ctx.mone.permute(x)
             elif routed is not None and not is_mone:
                 x = ctx.mone.unpermute(x)
                 scores = ctx.attn_scores if routed.want_scores else None  # A-MoD scores for this block, if any
                 ctx.attn_scores = ctx.mone.unpermute(scores) if scores is not None else None
-            x = self._run_block(block, x, ctx, i in recompute)
-            routed = block if is_mone else None
+            ctx.owns_input = fused and x is not given and not (x is made and observed(prev)) and not observed(block)
+            x = made = self._run_block(block, x, ctx, i in recompute)
+            prev, routed = block, (block if is_mone else None)
+            pending, ctx.pending_embed, ctx.owns_input = ctx.pending_embed, None, False  # what x still lacks
         if routed is not None:
             x = ctx.mone.unpermute(x)
+        if pending is not None:  # left by the last block: added in the final norm's pass
+            if isinstance(self.norm, nn.LayerNorm):
+                return row_norm(x, None, pending, self.norm.weight, self.norm.bias, self.norm.eps)[0], ctx
+            x = x + pending[:, None, :]
         return self.norm(x), ctx
 
     @staticmethod
@@ -394,7 +418,7 @@ class SquadViT(nn.Module):
         (t,) = self.task_index([task])
         x = self.embed(images)
         ids = torch.full((x.shape[0],), t, device=x.device, dtype=torch.long)
-        tokens, _ = self.forward_tokens(x, ids, [(t, 0, x.shape[0])])
+        tokens, _ = self.forward_tokens(x, ids, [(t, 0, x.shape[0])], collect_stats=False)
         return tokens
 
     def has_task_specific_layers(self) -> bool:

@@ -228,15 +228,17 @@ def extract_to_file(model: SquadViT, task: str, out: str | Path, cfg: ExtractCon
                           f"task embedding")
     if data is not None and cfg.eval_split:
         try:
-            loader, n_eval = _loader(model, data, name, cfg.eval_split, cfg)
+            loader, _ = _loader(model, data, name, cfg.eval_split, cfg)
         except (EmptyDatasetError, ValueError) as e:
             log.warning("no held-out metrics: %s", e)
         else:
-            before = evaluate(runner, loader, [name], device, cfg.eval_batches, dtype=dtype)[name]
+            scored: dict = {}  # the images actually scored (--eval-batches N: N batches, not the whole split)
+            before = evaluate(runner, loader, [name], device, cfg.eval_batches, dtype=dtype, counts=scored)[name]
             usage_after = ExpertUsage(ext.model.task_names)
             after = evaluate(cast_copy(ext.model, dtype), loader, [name], device, cfg.eval_batches, dtype=dtype,
                              usage=usage_after)[name]
-            report["metrics"] = {"split": cfg.eval_split, "images": n_eval, "full": before, "extracted": after}
+            report["metrics"] = {"split": cfg.eval_split, "images": scored["images"], "full": before,
+                                 "extracted": after}
             report["compute"] = compute_summary(ext.model, [name], usage_after)
     out = Path(out)
     save_extracted(out, ext, report)

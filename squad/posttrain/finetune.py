@@ -47,6 +47,7 @@ from squad.tasks import TASK_NAMES, get_task
 
 log = logging.getLogger(__name__)
 MODES = ("router", "head", "full", "linear-probe")
+FEW_IMAGES = 10  # fine-tuning on fewer images warns
 
 
 # ------------------------------------------------------------------------------------------------ linear probe
@@ -328,15 +329,20 @@ def finetune_table(full: SquadViT, task: str, data: str | Path, modes: Sequence[
     eval_set = model_dataset(base, data, [name], eval_split)
     loader = eval_loader(eval_set, cfg.batch_size, cfg.workers)
     labels = class_labels(train_set, name) if shots is not None else None
+    scored: dict = {}  # the images actually scored: --eval-batches N scores N batches, not the whole split
     untrained = evaluate(with_new_task(base, name, cfg.init, cfg.seed).to(cfg.device), loader, [name], cfg.device,
-                         cfg.eval_batches)[name]
+                         cfg.eval_batches, counts=scored)[name]
     result = {"task": name, "checkpoint": meta["path"], "base_tasks": base.task_names, "note": note,
               "metric": spec.primary_metric, "lower_is_better": spec.lower_is_better, "train_split": train_split,
-              "train_images_total": len(train_set), "eval_split": eval_split, "eval_images": len(eval_set),
+              "train_images_total": len(train_set), "eval_split": eval_split, "eval_images": scored["images"],
               "config": dataclasses.asdict(cfg), "untrained": untrained, "runs": [], "table": {}}
     for kind, value in sizes:
         idx = subset_indices(len(train_set), **{kind: value}, labels=labels, seed=cfg.seed)
         label = f"{value:g}" if kind == "fraction" else f"{value}-shot"
+        if len(idx) < FEW_IMAGES:
+            log.warning("fine-tuning %s on %d image%s (%s %s): metrics from so few are noisy and the fit may not "
+                        "generalise; use a larger --fraction or --shots for a result to rely on", name, len(idx),
+                        "s" if len(idx) != 1 else "", kind, value)
         for mode in modes:
             log.info("fine-tuning %s: mode %s, %s %s (%d images)", name, mode, kind, value, len(idx))
             row, model = finetune_once(base, name, mode, train_set, idx, loader, cfg)

@@ -1,9 +1,14 @@
 """The DeepSpeed training loop: one fused multi-task pass per step, uncertainty-weighted task losses, the MI loss
 across ranks, periodic validation, TensorBoard logs, checkpoints that resume exactly, and the exported model.
 
+The loop reads step → log → validate → checkpoint (`squad.train.checkpointer.Checkpointer.save`, which also stops
+the run at ``train.stop_at`` and on the signals of ``train.save_on_signal``).
+
 Exact resumption: the data order is the sampler's (seed, epoch) permutation with the consumed batches skipped,
 augmentation draws come from (seed, epoch, index), and the torch RNG (router noise, task sampling) is reseeded from
-(seed, step, rank) every step — so nothing but the step counters needs saving beside DeepSpeed's own state.
+(seed, step, slot) every micro-batch, the slot being the micro-batch's place in the global batch — so nothing but the
+step counters needs saving beside DeepSpeed's own state, and a run resumed on another number of ranks with the same
+global batch (`squad.data.samplers.ResumableSampler`) draws the same noise for the same images.
 """
 
 from __future__ import annotations
@@ -11,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import shutil
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -19,7 +23,6 @@ from pathlib import Path
 import torch
 
 from squad.analysis.figures import usage_figure
-from squad.config.base import ConfigError
 from squad.config.run import RunConfig, deepspeed_config, precision
 from squad.data import build_dataset, build_loader, eval_loader, report, set_epoch
 from squad.distributed import (
@@ -31,18 +34,22 @@ from squad.distributed import (
 )
 from squad.eval.evaluate import evaluate
 from squad.io import export_model
-from squad.io.checkpoints import COMPLETE, find_resume_tag, resume_candidates, tag_for
 from squad.io.files import atomic_write_text, write_failure
 from squad.io.weights import read_init_source
+from squad.layers.parallel import full_state_dict, shard_model
 from squad.models import compile as squad_compile
 from squad.models.transfer import initialize_from
 from squad.models.usage import ExpertUsage
 from squad.models.vit import SquadViT, build_model
 from squad.tasks import get_task
-from squad.train import checkpoint as ckpt
-from squad.train.objective import MultiTaskObjective, TrainingError, nonfinite_stop
+from squad.train.checkpointer import Checkpointer
+from squad.train.expert_layout import ExpertLayout, whole_params
+from squad.train.expert_shards import ExpertShards, check_layout, expert_parallel_sizes
+from squad.train.objective import MultiTaskObjective, nonfinite_stop
 from squad.train.optim import lr_lambda, param_groups, warmup_note
-from squad.train.run_folder import RunFolder, ShmSegments, lock_before_start, resume_source
+from squad.train.run_folder import RunFolder, RunLock, init_file, lock_before_start
+from squad.train.shm import ShmSegments
+from squad.train.stops import Preempted, TrainingError
 
 log = logging.getLogger("squad.train")
 
@@ -51,8 +58,20 @@ log = logging.getLogger("squad.train")
 class LoopState:
     step: int = 0  # optimiser steps done
     epoch: int = 0
-    batch_in_epoch: int = 0  # micro-batches consumed in this epoch
+    batch_in_epoch: int = 0  # micro-batches consumed in this epoch, per rank
     nonfinite: int = 0  # consecutive non-finite losses
+    world: int = 0  # the ranks and micro-batch size batch_in_epoch counts in (0: written before they were saved)
+    batch_per_rank: int = 0
+
+    def rescaled(self, world: int, batch_per_rank: int) -> LoopState:
+        """The same data position for a run with ``world`` ranks of ``batch_per_rank`` images: the images consumed in
+        the epoch, in this run's micro-batches (rounded up to a whole one: only a resume that changes the global
+        batch can leave a remainder)."""
+        state = dataclasses.replace(self, world=world, batch_per_rank=batch_per_rank)
+        if self.world and (self.world, self.batch_per_rank) != (world, batch_per_rank):
+            images = self.batch_in_epoch * self.world * self.batch_per_rank
+            state.batch_in_epoch = -(-images // (world * batch_per_rank))
+        return state
 
 
 class Trainer:
@@ -63,15 +82,17 @@ class Trainer:
         run_dir: the run folder (locked while the run lasts).
         resume: ``"auto"`` (the folder's last complete checkpoint, if any), ``"none"``, or a run/checkpoint folder.
         overwrite: delete the outputs of a run already in ``run_dir`` and start over.
-        allow_world_size_change: resume on another number of ranks than the checkpoint was written by.
+        allow_world_size_change: resume on another number of ranks than the checkpoint was written by, with another
+            global batch (the same global batch needs no flag).
         init_state: weights for the freshly built model (a state dict of the same model, names and shapes
             checked), loaded before DeepSpeed takes the model; a run that resumes loads its checkpoint over them.
             ``train.init`` does the same from a file.
+        lock: the run folder's lock when the caller took it already (`squad.cli.train`, before importing torch).
     """
 
     def __init__(self, cfg: RunConfig, run_dir: str | Path, resume: str | None = "auto", *,
                  overwrite: bool = False, allow_world_size_change: bool = False,
-                 init_state: Mapping[str, torch.Tensor] | None = None):
+                 init_state: Mapping[str, torch.Tensor] | None = None, lock: RunLock | None = None):
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.resume = resume
@@ -79,7 +100,8 @@ class Trainer:
         self.allow_world_size_change = allow_world_size_change
         self.init_state = init_state
         prepare_environment()
-        lock = lock_before_start(self.run_dir)  # a folder in use is refused before the heavy start-up below
+        if lock is None:
+            lock = lock_before_start(self.run_dir)  # a folder in use is refused before the heavy start-up below
         try:
             shm = ShmSegments.from_env()
             shm.record(self.run_dir)  # before DeepSpeed creates them, so a crash at any point leaves a record
@@ -92,17 +114,15 @@ class Trainer:
         self.cuda = cuda_available()
         self.prec = precision(cfg.train, self.cuda)
         self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.prec)
+        self.checkpointer = Checkpointer(self.run_dir, self.rank, self.world, cfg.train,
+                                         partitioned=cfg.train.zero_stage > 0 or self.prec == "bf16")
+        self.checkpointer.signals.at_exit(self.folder.release_lock)
+        self.checkpointer.signals.install()
         self.tasks = cfg.train_tasks()
         self.writer = None
         self.log_handler: logging.Handler | None = None
 
     # ------------------------------------------------------------------------------------------------ set-up
-    def _prepare_run_dir(self) -> None:
-        """Rank 0 creates, locks and checks the run folder (`squad.train.run_folder`); every rank learns whether
-        that worked (no rank is left waiting)."""
-        self.folder.prepare(self.cfg, self.resume, overwrite=self.overwrite,
-                            allow_world_size_change=self.allow_world_size_change)
-
     def _datasets(self):
         d = self.cfg.data
         common = dict(image_size=self.cfg.model.img_size, resize=d.resize, missing=d.missing, seed=self.cfg.train.seed,
@@ -130,34 +150,24 @@ class Trainer:
             console = logging.StreamHandler()
             console.setFormatter(logging.Formatter("[squad] %(message)s"))
             root.addHandler(console)
+
+    def _open_writer(self, resumed_at: int | None) -> None:
+        """Rank 0's TensorBoard writer, once the run has started; a resumed run hides the stopped run's events after
+        its checkpoint (``purge_step``), since those steps run again."""
+        if self.rank != 0:
+            return
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(str(self.run_dir / "tensorboard"))
-
-    def _init_file(self) -> str | None:
-        """``train.init`` when this run starts at step 0, else None: a run that resumes loads its checkpoint, which
-        takes precedence (the file need not exist any more then).
-
-        Raises:
-            ConfigError: the file is missing (naming the key and the path).
-        """
-        init = self.cfg.train.init
-        if not init:
-            return None
-
-        starts_over = self.overwrite and self.resume == "auto"  # --overwrite deletes the folder's checkpoints
-        if not starts_over and resume_source(self.run_dir, self.resume) is not None:
-            return None
-        if not Path(init).exists():
-            raise ConfigError(f"train.init: {init} not found (a model file from tools/upcycle.py, a squad model or "
-                              f"run folder, or a timm ViT state dict)")
-        return init
+        purge = {} if resumed_at is None else {"purge_step": resumed_at + 1}
+        self.writer = SummaryWriter(str(self.run_dir / "tensorboard"), **purge)
 
     def setup(self) -> None:
         import deepspeed
 
-        init = self._init_file()  # checked before the run folder is touched
-        self._prepare_run_dir()
+        init = init_file(self.cfg, self.run_dir, self.resume, self.overwrite)  # before the run folder is touched
+        check_layout(self.cfg.model, self.world, self.prec)
+        source = self.folder.prepare(self.cfg, self.resume, overwrite=self.overwrite,
+                                     allow_world_size_change=self.allow_world_size_change)
         self._setup_logging()
         for note in self.folder.notes:
             log.warning(note)
@@ -168,11 +178,12 @@ class Trainer:
         # step reseeds (router noise), so where an epoch starts does not shift the noise
         self.loader = build_loader(self.train_set, o.batch_per_rank, seed=self.cfg.train.seed,
                                    num_workers=self.cfg.data.workers, rank=self.rank, world=self.world,
-                                   pin_memory=self.cuda)
+                                   grad_accum=o.grad_accum, pin_memory=self.cuda)
         self.batches_per_epoch = len(self.loader)
         if self.batches_per_epoch == 0:
             raise ValueError(f"data.root={self.cfg.data.root}: {len(self.train_set)} training images are fewer than "
-                             f"one batch per rank ({o.batch_per_rank} × {self.world} ranks)")
+                             f"one global batch ({o.batch_per_rank} × {o.grad_accum} micro-batches × {self.world} "
+                             f"ranks)")
         steps_per_epoch = max(1, self.batches_per_epoch // o.grad_accum)
         self.total_steps = o.steps if o.steps > 0 else max(1, math.ceil(o.epochs * steps_per_epoch))
         warmup = o.warmup_steps or int(o.warmup_epochs * steps_per_epoch)
@@ -189,71 +200,58 @@ class Trainer:
             log.info("train.init=%s not loaded: the run resumes from its checkpoint", self.cfg.train.init)
         if self.init_state is not None:  # a run that resumes loads its checkpoint over these
             model.load_state_dict(self.init_state)
+        # expert parallelism: each rank keeps its share of the experts, which DeepSpeed never sees (ExpertShards)
+        shards = shard_model(model) if expert_parallel_sizes(self.cfg.model) else []
+        names = {s.name for s in shards}
+        self.checkpointer.expert_shards(names, ExpertLayout(names, lambda: whole_params(
+            lambda: MultiTaskObjective(build_model(self.cfg.model), self.tasks, self.cfg))))
         model.set_activation_checkpointing(self.cfg.train.activation_checkpointing, self.cfg.train.checkpoint_every)
         self.objective = MultiTaskObjective(model, self.tasks, self.cfg)
         optimizer = torch.optim.AdamW(param_groups(self.objective, o.weight_decay), lr=o.lr, betas=tuple(o.betas),
                                       eps=o.eps)
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda s: lr_lambda(s, warmup, self.total_steps, o.lr, o.min_lr))
-        ds_cfg = deepspeed_config(self.cfg, self.cuda)
+        plan = self.checkpointer.plan_resume(source)  # every rank reads the tag it loads (damaged: passed over)
+        ds_cfg = {**deepspeed_config(self.cfg, self.cuda), **self.checkpointer.ds_config()}
+        self.engine, _, _, _ = deepspeed.initialize(model=self.objective, optimizer=optimizer,
+                                                    lr_scheduler=scheduler, config=ds_cfg)
+        if self.world == 1 and self.cfg.train.zero_stage == 0:  # one rank: nothing to reduce (DeepSpeed would
+            self.engine.enable_backward_allreduce = False  # flatten, all-reduce and copy back every gradient at every
+            # step: ~4 % of a small CPU step). ZeRO's optimizers do their own bookkeeping in that call: kept.
+        if self.cfg.train.compile:  # the objective compiled in place: same parameters, names and checkpoints
+            self.engine.compile(backend=squad_compile.BACKEND)
+        self.experts = ExpertShards(shards, o, self.device, prefix="model.") if shards else None
+        if self.experts is not None:
+            self.experts.attach(self.engine)
+            self.checkpointer.also_save(self.experts.save)  # the shard files, in every tag
+            self.checkpointer.also_load(self.experts.load)
+        self.checkpointer.attach(self.engine, self.total_steps)  # weights_only reads; failed writes reach every rank
+        self.model: SquadViT = self.engine.module.model
+        self.usage = ExpertUsage(model.task_names)
+        self.state = LoopState(world=self.world, batch_per_rank=o.batch_per_rank)
+        client = self.checkpointer.load()
+        if client is not None:
+            self.state = LoopState(**client["loop"]).rescaled(self.world, o.batch_per_rank)
+            if client.get("usage"):  # every rank holds the layers; rank 0 the sums (already over every rank)
+                self.usage = ExpertUsage.from_state_dict(client["usage"], zeroed=self.rank != 0)
+            log.info("resumed from %s at step %d", plan.tag_dir, self.state.step)
+        # the resume has succeeded: from here on the run writes into its folder
+        self.folder.record_start(self.cfg, plan.tag_dir if plan else None, self.state.step,
+                                 plan.skipped if plan else None)
         if self.rank == 0:
             import json
 
             atomic_write_text(self.run_dir / "ds_config.json", json.dumps(ds_cfg, indent=2), "the DeepSpeed config")
-        self.engine, _, _, _ = deepspeed.initialize(model=self.objective, optimizer=optimizer,
-                                                    lr_scheduler=scheduler, config=ds_cfg)
-        if self.world == 1:  # one rank: nothing to reduce (DeepSpeed would flatten, all-reduce and copy back every
-            self.engine.enable_backward_allreduce = False  # gradient at every step: ~4 % of a small CPU step)
-        if self.cfg.train.compile:  # the objective compiled in place: same parameters, names and checkpoints
-            self.engine.compile(backend=squad_compile.BACKEND)
-        self.guard = ckpt.guard_engine(self.engine)  # weights_only reads; failed writes reach every rank
-        self.model: SquadViT = self.engine.module.model
-        self.usage = ExpertUsage(model.task_names)
-        self.state = LoopState()
-        self.resumed_from: Path | None = None
-        self.skipped_tags: list[Path] = []
-        self._maybe_resume()
-        self.folder.record_start(self.resumed_from, self.state.step, self.skipped_tags)  # what was loaded
+        self._open_writer(self.state.step if plan else None)
+        if plan is not None:
+            self._forget_after(self.state.step)
         log.info("run %s: %d ranks on %s (%s), %d tasks, %d images/epoch, %d steps of %d images",
                  self.run_dir, self.world, self.device.type, self.prec, len(self.tasks), len(self.train_set),
                  self.total_steps, o.batch_per_rank * o.grad_accum * self.world)
 
-    def _maybe_resume(self) -> None:
-        """Restores the newest complete checkpoint whose every file loads with ``weights_only``
-        (`ckpt.select_resume_tag`: a damaged one is skipped with a warning, one that would need arbitrary unpickling
-        stops the run)."""
-        ckpt_dir = self.run_dir / "checkpoints"
-        if self.resume in (None, "none", "no"):
-            return
-        if self.resume == "auto":
-            load_dir, tags = ckpt_dir, resume_candidates(ckpt_dir)
-            if not tags:
-                return
-        else:
-            path = Path(self.resume)
-            if (path / "checkpoints").is_dir():
-                path = path / "checkpoints"
-            if (path / COMPLETE).is_file():
-                load_dir, tags = path.parent, [path.name]
-            else:
-                load_dir, tags = path, resume_candidates(path)
-            if not tags:
-                raise FileNotFoundError(f"--resume {self.resume}: no complete checkpoint there")
-        tag = ckpt.select_resume_tag(load_dir, tags, self.rank, self.world, log.warning if self.rank == 0 else None)
-        self.skipped_tags = [load_dir / t for t in tags[: tags.index(tag)]]  # damaged, passed over
-        _, client = self.engine.load_checkpoint(str(load_dir), tag=tag)
-        if client is None:
-            raise RuntimeError(f"checkpoint {load_dir / tag} could not be loaded")
-        self.state = LoopState(**client["loop"])
-        if client.get("usage"):  # every rank holds the layers; rank 0 the sums (already over every rank)
-            self.usage = ExpertUsage.from_state_dict(client["usage"], zeroed=self.rank != 0)
-        self._forget_after(self.state.step)
-        self.resumed_from = load_dir / tag
-        log.info("resumed from %s at step %d", load_dir / tag, self.state.step)
-
     def _forget_after(self, step: int) -> None:
-        """Rank 0, on resuming at ``step``: drops what was logged after that checkpoint by the run that stopped
-        (``metrics.jsonl`` rows, TensorBoard events), since those steps run again."""
+        """Rank 0, on resuming at ``step``: drops the ``metrics.jsonl`` rows the stopped run logged after that
+        checkpoint, since those steps run again (its TensorBoard events: `_open_writer`)."""
         if self.rank != 0:
             return
         import json
@@ -273,19 +271,13 @@ class Trainer:
                 atomic_write_text(metrics, "".join(kept))
                 log.info("dropped %d rows of %s logged after step %d (those steps run again)", len(lines) - len(kept),
                          metrics.name, step)
-        if self.writer is not None:  # TensorBoard hides the stopped run's events from step + 1 on
-            from torch.utils.tensorboard import SummaryWriter
-
-            log_dir = self.writer.log_dir
-            self.writer.close()
-            self.writer = SummaryWriter(log_dir, purge_step=step + 1)
 
     # --------------------------------------------------------------------------------------------- the loop
-    def _assignment(self, batch_size: int, step: int) -> torch.Tensor | None:
+    def _assignment(self, batch_size: int, step: int, slot: int) -> torch.Tensor | None:
         k = self.cfg.train.tasks_per_image
         if k == 0:
             return None
-        g = torch.Generator().manual_seed(hash((self.cfg.train.seed, step, self.rank, 17)) % (2**62))
+        g = torch.Generator().manual_seed(hash((self.cfg.train.seed, step, slot, 17)) % (2**62))
         scores = torch.rand(batch_size, len(self.tasks), generator=g)
         top = scores.topk(k, dim=1).indices
         return torch.zeros(batch_size, len(self.tasks), dtype=torch.bool).scatter_(1, top, True)
@@ -310,70 +302,100 @@ class Trainer:
 
     def train(self) -> Path:
         """Trains to the configured number of steps; returns the path of the exported model (or of the
-        checkpoints when the run stops early at ``train.stop_at``)."""
+        checkpoints when the run stops early at ``train.stop_at``).
+
+        Raises:
+            Preempted: a signal stopped the run after a checkpoint (`squad.train.checkpointer`).
+        """
         self.setup()
         if self.state.step >= self.total_steps:  # resumed from the final checkpoint: a rerun, or killed before export
             return self._finish_again()
         if self.state.step == 0:
             self.validate()
+        self.checkpointer.stop_before_training()
         from tqdm import tqdm
 
         bar = tqdm(total=self.total_steps, initial=self.state.step, disable=not (self.rank == 0 and
                    self.cfg.train.progress), desc="train", dynamic_ncols=True, mininterval=2.0)
-        accum = self.cfg.optim.grad_accum
-        logs: dict[str, float] = {}
-        t_last, images_since = time.perf_counter(), 0
+        self._window = {"logs": {}, "since": time.perf_counter(), "images": 0}
         batches = self._batches()
         while self.state.step < self.total_steps:
-            torch.manual_seed(hash((self.cfg.train.seed, self.state.step, self.rank)) % (2**62))
-            micro = 0
-            while micro < accum:
-                batch = next(batches)
-                images, targets, masks = self._to_device(batch)
-                assignment = self._assignment(images.shape[0], self.state.step)
-                total, losses, weights, parts, stats = self.engine(images, targets, masks, assignment)
-                finite = bool(torch.isfinite(total)) if self.world == 1 else \
-                    all_reduce_sum(torch.tensor([float(torch.isfinite(total))]))[0] == self.world
-                if not finite:
-                    self.state.nonfinite += 1
-                    log.warning("step %d: non-finite loss (%s); micro-batch skipped", self.state.step,
-                                {t: float(v) for t, v in losses.items()})
-                    if self.writer:
-                        self.writer.add_scalar("train/nonfinite_skipped", self.state.nonfinite, self.state.step)
-                    if self.state.nonfinite >= self.cfg.train.max_nonfinite:
-                        raise nonfinite_stop(self.state.nonfinite, self.state.step, self.run_dir)
-                    continue
-                self.state.nonfinite = 0
-                self.engine.backward(total)
-                self.engine.step()
-                micro += 1
-                images_since += images.shape[0] * self.world
-                self.usage.update(stats)
-                self._accumulate(logs, total, losses, weights, parts)
-            self.state.step += 1
+            stop = self._step(batches)
             bar.update(1)
-            if self.state.step % self.cfg.train.log_every == 0 or self.state.step == self.total_steps:
-                dt = time.perf_counter() - t_last
-                self._log(logs, images_since / max(dt, 1e-9), bar)
-                logs, t_last, images_since = {}, time.perf_counter(), 0
-            every = self.cfg.train.eval_every
-            if every and self.state.step % every == 0 and self.state.step < self.total_steps:
+            self._log_if_due(bar)
+            if self._validation_due():
                 self.validate()
-            every = self.cfg.train.ckpt_every
-            if every and self.state.step % every == 0 and self.state.step < self.total_steps:
-                self.save()
-            if self.state.step == self.cfg.train.stop_at and self.state.step < self.total_steps:
+            if self.checkpointer.save(self.state.step, self._client_state, stop) == "stop_at":
                 bar.close()
-                if not (every and self.state.step % every == 0):
-                    self.save()
                 log.info("stopped at step %d (train.stop_at); resume with --resume auto", self.state.step)
                 self._report_data()
                 return self.run_dir / "checkpoints"
         bar.close()
         final = self.validate()
-        self.save()
+        self.checkpointer.save_final(self.state.step, self._client_state)
         self._report_data()
         return self.export(final)
+
+    def _step(self, batches) -> bool:
+        """One optimiser step over ``grad_accum`` micro-batches (a non-finite loss on any rank skips the micro-batch
+        on every rank). Returns whether a signal asked some rank to stop: the flag rides on each micro-batch's
+        all-reduced loss check, so every rank agrees at this step boundary without another collective."""
+        accum = self.cfg.optim.grad_accum
+        stop = False
+        micro = 0
+        while micro < accum:
+            slot = micro * self.world + self.rank  # the micro-batch's place in the global batch (ResumableSampler)
+            torch.manual_seed(hash((self.cfg.train.seed, self.state.step, slot)) % (2**62))
+            images, targets, masks = self._to_device(next(batches))
+            assignment = self._assignment(images.shape[0], self.state.step, slot)
+            total, losses, weights, parts, stats = self.engine(images, targets, masks, assignment)
+            flags = torch.tensor([float(torch.isfinite(total.detach())), float(self.checkpointer.stop_requested())])
+            if self.world > 1:  # one rank has nothing to agree with (the all-reduce was ~2 % of a small CPU step)
+                flags = all_reduce_sum(flags)
+            stop = stop or bool(flags[1] > 0)
+            if flags[0] != self.world:
+                self._skip_nonfinite(losses)
+                continue
+            self.state.nonfinite = 0
+            self.engine.backward(total)
+            if self.experts is not None:
+                self.experts.before_step()
+            self.engine.step()
+            if self.experts is not None:
+                self.experts.after_step()
+            micro += 1
+            self._window["images"] += images.shape[0] * self.world
+            self.usage.update(stats)
+            self._accumulate(self._window["logs"], total, losses, weights, parts)
+        self.state.step += 1
+        return stop
+
+    def _skip_nonfinite(self, losses: dict) -> None:
+        self.state.nonfinite += 1
+        log.warning("step %d: non-finite loss (%s); micro-batch skipped", self.state.step,
+                    {t: v.detach().item() for t, v in losses.items()})
+        if self.writer:
+            self.writer.add_scalar("train/nonfinite_skipped", self.state.nonfinite, self.state.step)
+        if self.state.nonfinite >= self.cfg.train.max_nonfinite:
+            raise nonfinite_stop(self.state.nonfinite, self.state.step, self.run_dir)
+
+    def _log_if_due(self, bar) -> None:
+        if self.state.step % self.cfg.train.log_every == 0 or self.state.step == self.total_steps:
+            w = self._window
+            dt = time.perf_counter() - w["since"]
+            self._log(w["logs"], w["images"] / max(dt, 1e-9), bar)
+            self._window = {"logs": {}, "since": time.perf_counter(), "images": 0}
+
+    def _validation_due(self) -> bool:
+        every = self.cfg.train.eval_every
+        return bool(every) and self.state.step % every == 0 and self.state.step < self.total_steps
+
+    def _client_state(self) -> dict:
+        """squad's state saved beside DeepSpeed's: the loop counters and the expert usage summed over every rank (a
+        collective: the checkpointer calls it on every rank)."""
+        global_usage = ExpertUsage.from_state_dict(self.usage.state_dict())
+        global_usage.all_reduce()
+        return {"loop": dataclasses.asdict(self.state), "usage": global_usage.state_dict() if self.rank == 0 else None}
 
     def _report_data(self) -> None:
         """One line per dataset in train.log and ``data/<split>/<kind>`` TensorBoard scalars: the files it could not
@@ -446,53 +468,6 @@ class Trainer:
         for layer, share in self.usage.selection_share().items():
             self.writer.add_figure(f"usage/{layer}", usage_figure(share.numpy(), self.usage.tasks, layer), step)
 
-    def save(self) -> None:
-        """A checkpoint of every rank's state, marked complete only once all of it is on disk.
-
-        A write that fails on any rank (a full disk) stops the run on every rank with a `TrainingError` naming the
-        file and the space left; the tag's partial files are removed and the previous checkpoint stays the latest.
-        """
-        ckpt_dir = self.run_dir / "checkpoints"
-        tag = tag_for(self.state.step)
-        global_usage = ExpertUsage.from_state_dict(self.usage.state_dict())
-        global_usage.all_reduce()
-        client = {"loop": dataclasses.asdict(self.state),
-                  "usage": global_usage.state_dict() if self.rank == 0 else None}
-        what = f"checkpoint {tag}"
-        error = None
-        if self.rank == 0:  # DeepSpeed's own mkdir failing on rank 0 alone would leave the others in its barrier
-            try:
-                if (ckpt_dir / tag).exists():  # left by an earlier attempt at this step: replaced whole, never mixed
-                    shutil.rmtree(ckpt_dir / tag)
-                (ckpt_dir / tag).mkdir(parents=True, exist_ok=True)
-            except OSError as e:
-                error = write_failure(what, ckpt_dir / tag, e)
-        if not broadcast_object(error):
-            self.guard.take()
-            self.engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client, save_latest=False)
-            failed = self.guard.take()  # recorded by the guard, so that every rank got through DeepSpeed's barriers
-            errors = ckpt.gather_objects(write_failure(what, *failed) if failed else None)
-            error = next((e for e in errors if e), None)
-            if error is None and self.rank == 0:
-                try:
-                    ckpt.mark_complete(ckpt_dir, tag, self.state.step, self.cfg.train.keep_checkpoints)
-                except OSError as e:
-                    error = write_failure(what, ckpt_dir / tag / COMPLETE, e)
-        if self.rank == 0:
-            if error:
-                shutil.rmtree(ckpt_dir / tag, ignore_errors=True)  # never complete; frees what it held
-                previous = find_resume_tag(ckpt_dir)
-                error += (f"; {what} was not saved (its partial files are removed). The previous checkpoint "
-                          f"{ckpt_dir / previous} is intact: make room and rerun the same command to resume from it"
-                          if previous else f"; {what} was not saved (its partial files are removed) and the run has "
-                          f"no earlier checkpoint")
-                log.error(error)
-            else:
-                log.info("checkpoint %s", ckpt_dir / tag)
-        error = broadcast_object(error)
-        if error:
-            raise TrainingError(error)
-
     def _finish_again(self) -> Path:
         """A run resumed from its final checkpoint (run again after it finished, or killed before ``model.pt`` was
         written): nothing is trained, validated, saved or logged again; ``model.pt`` is written if it is missing."""
@@ -534,13 +509,14 @@ class Trainer:
         self.usage.all_reduce()
         path = self.run_dir / "model.pt"
         error = None
+        state = self._whole_state()  # every rank: partitioned weights and expert shards gathered
         if self.rank == 0:
             log_vars = self.objective.weighting.log_vars
             extra = {"step": self.state.step, "metrics": final_metrics, "trained_tasks": self.tasks,
                      "init": self.cfg.train.init,
                      "task_log_vars": log_vars.detach().float().cpu() if log_vars is not None else None}
             try:
-                export_model(path, self.model, self.usage, extra)
+                export_model(path, self.model, self.usage, extra, state=state)
                 log.info("exported %s", path)
             except (OSError, RuntimeError) as e:  # torch reports a full disk as a RuntimeError
                 error = (write_failure("the exported model", path, e) + "; the final checkpoint is complete: "
@@ -554,8 +530,24 @@ class Trainer:
         return path
 
 
+    def _whole_state(self) -> dict | None:
+        """The single-process model's state dict when the engine's module does not hold it (a collective: every
+        rank calls it): ZeRO-3 partitions are gathered one parameter at a time in float32 (DeepSpeed's
+        ``safe_get_full_fp32_param``), expert shards whole; None when ``self.model.state_dict()`` is complete."""
+        if self.cfg.train.zero_stage != 3 and self.experts is None:
+            return None
+        state = full_state_dict(self.model)  # expert shards gathered (every rank)
+        if self.cfg.train.zero_stage == 3:
+            from deepspeed.utils import safe_get_full_fp32_param
+
+            for name, p in self.model.named_parameters():
+                state[name] = safe_get_full_fp32_param(p).detach().cpu()
+        return state
+
+
 def train(cfg: RunConfig, run_dir: str | Path, resume: str | None = "auto", *, overwrite: bool = False,
-          allow_world_size_change: bool = False, init_state: Mapping[str, torch.Tensor] | None = None) -> Path:
+          allow_world_size_change: bool = False, init_state: Mapping[str, torch.Tensor] | None = None,
+          lock: RunLock | None = None) -> Path:
     """Trains a run and returns the exported model's path.
 
     Args:
@@ -564,15 +556,25 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: str | None = "auto", *, o
         resume: ``"auto"`` (the folder's last complete checkpoint, if any), ``"none"``, or a run/checkpoint folder.
         overwrite: delete the outputs of a run already in ``run_dir`` and start over (else such a folder is refused
             unless the run resumes it).
-        allow_world_size_change: resume on another number of ranks than the checkpoint was written by.
+        allow_world_size_change: resume on another number of ranks with another global batch (`Trainer`).
         init_state: weights the fresh model starts from (`Trainer`).
+        lock: the run folder's lock, if the caller took it (`Trainer`).
+
+    Raises:
+        Preempted: a signal (``train.save_on_signal``) stopped the run after a complete checkpoint (exit 75).
+        TrainingError: the run cannot go on (exit 3).
     """
     trainer = Trainer(cfg, run_dir, resume, overwrite=overwrite, allow_world_size_change=allow_world_size_change,
-                      init_state=init_state)
+                      init_state=init_state, lock=lock)
+    stopped = False
     try:
         return trainer.train()
+    except (KeyboardInterrupt, Preempted):
+        stopped = True  # on its way out, a launcher may signal this rank again: ignored then, not fatal
+        raise
     finally:
-        trainer.folder.close()
+        trainer.folder.close()  # the lock first: nothing may stop this rank before it is released
+        trainer.checkpointer.close(finished=not stopped)  # a save in progress discarded; the handlers restored
         if trainer.log_handler is not None:
             logging.getLogger("squad").removeHandler(trainer.log_handler)
             trainer.log_handler.close()

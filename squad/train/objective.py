@@ -13,12 +13,7 @@ from squad.config.run import RunConfig
 from squad.io.checkpoints import find_resume_tag
 from squad.models.vit import SquadViT
 from squad.train.losses import TaskWeighting, auxiliary_loss
-
-
-class TrainingError(RuntimeError):
-    """The run cannot go on (e.g. too many non-finite losses in a row); the message says why and what to try."""
-
-    every_rank = True  # raised on every rank alike (losses are reduced, failed saves broadcast): printed once
+from squad.train.stops import TrainingError
 
 
 def nonfinite_stop(count: int, step: int, run_dir: Path) -> TrainingError:

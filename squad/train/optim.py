@@ -1,6 +1,6 @@
-"""The optimiser's side of a run: AdamW parameter groups (`param_groups`: no weight decay on norms, biases,
-embeddings, task weights; expert weights in groups of their own) and the learning-rate schedule (`lr_lambda`: linear
-warm-up, then cosine to a floor; `warmup_note` when the warm-up outlasts the run).
+"""The optimiser's side of a run: AdamW parameter groups (`param_groups`, `named_param_groups`: no weight decay on
+norms, biases, embeddings, task weights; expert weights in groups of their own) and the learning-rate schedule
+(`lr_lambda`: linear warm-up, then cosine to a floor; `warmup_note` when the warm-up outlasts the run).
 """
 
 from __future__ import annotations
@@ -11,21 +11,33 @@ from squad.train.objective import MultiTaskObjective
 
 
 def param_groups(objective: MultiTaskObjective, weight_decay: float) -> list[dict]:
-    """AdamW groups: no decay on norms, biases, embeddings, routers' biases and task log-variances; expert
-    weights in groups of their own (named, so expert-parallel setups can split them)."""
+    """AdamW groups of the objective's parameters (`named_param_groups`); an expert-parallel model's expert shards
+    are not among them (`squad.train.expert_shards` trains those by the same rules)."""
+    return named_param_groups(objective.named_parameters(), weight_decay)
+
+
+def named_param_groups(named, weight_decay: float) -> list[dict]:
+    """AdamW groups of ``(name, parameter)`` pairs: no decay on norms, biases, embeddings, routers' biases and task
+    log-variances; expert weights in groups of their own (named ``experts_decay`` etc.)."""
     groups: dict[tuple[bool, bool], list] = {}
-    for name, p in objective.named_parameters():
-        if not p.requires_grad:
-            continue
-        no_decay = (p.dim() <= 1 or name.endswith(".bias") or "pos_embed" in name or "cls_token" in name
-                    or "task_embed" in name or "log_vars" in name or ".alpha" in name)
-        expert = ".experts." in name or name.endswith((".q", ".o"))
-        groups.setdefault((no_decay, expert), []).append(p)
-    out = []
-    for (no_decay, expert), params in sorted(groups.items()):
-        out.append({"params": params, "weight_decay": 0.0 if no_decay else weight_decay,
-                    "name": f"{'experts' if expert else 'dense'}_{'no_decay' if no_decay else 'decay'}"})
-    return out
+    for name, p in named:
+        if p.requires_grad:
+            groups.setdefault(group_key(name, p.dim()), []).append(p)
+    return [{"params": params, "weight_decay": 0.0 if key[0] else weight_decay, "name": group_name(key)}
+            for key, params in sorted(groups.items())]
+
+
+def group_key(name: str, dim: int) -> tuple[bool, bool]:
+    """(no weight decay, expert weight) of the parameter ``name`` with ``dim`` dimensions; groups sort by it."""
+    no_decay = (dim <= 1 or name.endswith(".bias") or "pos_embed" in name or "cls_token" in name
+                or "task_embed" in name or "log_vars" in name or ".alpha" in name)
+    return no_decay, ".experts." in name or name.endswith((".q", ".o"))
+
+
+def group_name(key: tuple[bool, bool]) -> str:
+    """The name of a `group_key`'s group: ``dense_decay``, ``experts_no_decay``, ..."""
+    no_decay, expert = key
+    return f"{'experts' if expert else 'dense'}_{'no_decay' if no_decay else 'decay'}"
 
 
 def warmup_note(warmup: int, total: int, lr: float) -> str | None:

@@ -1,8 +1,11 @@
 """The run folder as one run's property: a lock, a config that may change on resume only where exactness allows it,
 the world size the checkpoints were written with, and no shared memory left behind.
 
-Rank 0 opens the folder (`RunFolder.prepare`) before anything is written into it, and every rank learns the
-outcome, so a refusal exits every rank with the same message (exit 2):
+Every check is made before anything is written into the folder, first by every rank before torch is imported
+(`assess`, from `squad.cli.train`: a refusal exits 2 in a fraction of a second), then by rank 0 with the lock held
+(`RunFolder.prepare`), and every rank learns the outcome, so a refusal exits every rank with the same message (exit 2).
+What the run writes — ``config.yaml``, ``config.prev.yaml``, ``run_history.jsonl`` — is written only once its
+checkpoint has loaded (`RunFolder.record_start`): a resume that fails changes nothing.
 
 - **Lock.** ``run.lock`` holds an exclusive ``fcntl`` lock for the whole run and says who holds it (host, pid, start,
   command). A second run into the same ``--out`` is refused with the holder named. The kernel drops the lock when its
@@ -10,25 +13,22 @@ outcome, so a refusal exits every rank with the same message (exit 2):
   lock the next run takes over, saying whose it was. Only global rank 0 locks: the other ranks of a run, on any node,
   share it. Where the file system has no ``fcntl`` locks, the holder's host and pid decide (a dead pid on this host is
   taken over; a holder on another host is respected).
-- **Config on resume.** The resolved config is compared with the ``config.yaml`` of the run being resumed before
-  ``config.yaml`` is written: a change to any key outside `RESUMABLE_KEYS` would break exact resumption (or load
-  wrongly sized weights) and is refused, listing each key as old → new and how to start afresh. Changes to the keys
-  in `RESUMABLE_KEYS` are applied; they are logged in ``train.log``, the previous config is kept as
-  ``config.prev.yaml``, and ``run_history.jsonl`` gets one line per start of the run (host, pid, world size, the
-  checkpoint actually loaded and the step it started from, damaged checkpoints passed over, what changed),
-  written once the checkpoint has loaded (`RunFolder.record_start`).
-- **World size.** Resuming on another number of ranks changes the global batch (and the per-rank data position), so
-  it is refused unless ``--allow-world-size-change``.
+- **Config on resume.** The resolved config is compared with the ``config.yaml`` of the run being resumed: a change
+  to any key outside `RESUMABLE_KEYS` would break exact resumption (or load wrongly sized weights) and is refused,
+  listing each key as old → new and how to start afresh. Changes to the keys in `RESUMABLE_KEYS` are applied; they
+  are logged in ``train.log``, the previous config is kept as ``config.prev.yaml``, and ``run_history.jsonl`` gets
+  one line per start of the run (host, pid, world size, the checkpoint actually loaded and the step it started from,
+  damaged checkpoints passed over, what changed).
+- **World size.** A run may resume on another number of ranks when its global batch (batch_per_rank × grad_accum ×
+  ranks) stays the same — ``optim.batch_per_rank`` and ``optim.grad_accum`` (`BATCH_KEYS`) may change for that — and
+  then goes on as if on one world size (the checkpointer converts ZeRO's partitioned optimizer state:
+  `squad.train.checkpointer`). Any other change of the global batch is refused unless ``--allow-world-size-change``.
 - **Fresh starts.** ``--resume none`` into a folder that holds a run (a complete checkpoint or ``model.pt``), or
   ``--resume PATH`` into such a folder when PATH belongs to another run, is refused unless ``--overwrite``, which
   deletes the run's outputs (`OUTPUTS`; other files stay) first. A restart with nothing to resume (a run killed
   before its first checkpoint) drops that attempt's ``metrics.jsonl`` and TensorBoard events, so histories never mix.
-- **Shared memory.** Under the deepspeed launcher on one node, DeepSpeed's CPU communication op creates one ~66 MB
-  POSIX shared-memory segment per rank
-  (``/dev/shm/deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>``) and never unlinks it.
-  Each rank unlinks its own once every rank has mapped them all (the mappings stay valid), and rank 0 records the
-  names (``.shm-<host>-<pid>.json``) before the process group starts, so the segments of a run that crashed even
-  earlier are removed by the next run of the same folder.
+- **Shared memory.** DeepSpeed's CPU communication op leaves ``/dev/shm`` segments behind: `squad.train.shm`
+  frees them, and a crashed earlier run's.
 """
 
 from __future__ import annotations
@@ -51,17 +51,16 @@ import yaml
 from squad.config.base import ConfigError, to_dict
 from squad.config.loading import load_config
 from squad.config.run import RunConfig
-from squad.distributed import barrier, broadcast_object, on_every_rank
-from squad.io.checkpoints import COMPLETE, complete_tags, find_resume_tag
+from squad.io.checkpoints import complete_tags, read_marker
 from squad.io.files import atomic_write_text, fail
-from squad.runtime import launch_rank
+from squad.runtime import launch_rank, pid_alive
+from squad.train.checkpointer import ResumeSource, remove_interrupted_saves, resolve_resume
+from squad.train.shm import ShmSegments, remove_stale_shm
 
 log = logging.getLogger("squad.train")
 
 LOCK_FILE = "run.lock"
 HISTORY_FILE = "run_history.jsonl"
-SHM_DIR = Path("/dev/shm")
-SHM_PREFIX = "deepspeed_allreduce_buffer"  # deepspeed/ops/csrc/cpu/comm/shm.cpp: SHM_BUFFER_NAME
 
 # Keys that may change when a run resumes: its length and lr floor, clipping, cadences, safety limits, where the
 # (same) data lives, how it is read, and validation. Any other change breaks exact resumption and is refused.
@@ -71,8 +70,13 @@ RESUMABLE_KEYS = (
     "train.log_every", "train.eval_every", "train.ckpt_every", "train.keep_checkpoints", "train.stop_at",
     "train.max_nonfinite", "train.progress", "train.init",  # init is read only by a fresh start
     "train.activation_checkpointing", "train.checkpoint_every",  # memory only: same losses and gradients
-    "data.root", "data.workers", "data.val_split", "data.val_batches",
+    "data.root", "data.workers", "data.val_split", "data.val_batches", "train.save_on_signal",
+    "model.moe.expert_parallel", "model.moa.expert_parallel",  # where experts live, not what they compute
 )
+# May change on resume when the global batch (batch_per_rank × grad_accum × ranks) stays the same: a run moved to
+# another number of ranks keeps its batches by changing grad_accum (the sampler splits every global batch the same way
+# whatever the ranks and micro-batches: squad.data.samplers).
+BATCH_KEYS = ("optim.batch_per_rank", "optim.grad_accum")
 
 # What a run writes into its folder (what ``--overwrite`` deletes); the lock and shared-memory records stay.
 OUTPUTS = ("config.yaml", "config.prev.yaml", "ds_config.json", "train.log", "metrics.jsonl", "tensorboard",
@@ -90,16 +94,6 @@ class RunFolderLocked(RunFolderError):
 
 
 # ------------------------------------------------------------------------------------------------------ lock
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's live process
-        return True
-    return True
-
-
 def _describe(holder: dict) -> str:
     started = holder.get("started")
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)) if isinstance(started, int | float) else "?"
@@ -149,7 +143,7 @@ class RunLock:
                 if e.errno not in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
                     raise
                 # no fcntl locks on this file system: the holder record decides
-                if holder and (holder.get("host") != socket.gethostname() or _pid_alive(int(holder.get("pid", 0)))):
+                if holder and (holder.get("host") != socket.gethostname() or pid_alive(int(holder.get("pid", 0)))):
                     raise RunFolderLocked(_locked_message(run_dir, holder)) from None
             record = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(),
                       "command": " ".join(sys.argv)[:300], **(info or {})}
@@ -222,124 +216,6 @@ def lock_before_start(run_dir: str | Path) -> RunLock | None:
         raise PermissionError(f"run folder {d} is not writable: {e.strerror or e}") from e
 
 
-# ------------------------------------------------------------------------------------------- shared memory
-@dataclasses.dataclass
-class ShmSegments:
-    """The ``/dev/shm`` segments DeepSpeed's CPU communication op creates for this run (none when it creates none).
-
-    DeepSpeed creates them (deepspeed/comm/torch.py → ``shm_comm_op.initialize``) when every rank runs on this node
-    (the launcher's ``LOCAL_SIZE`` equals the world size), named from the user id, ``MASTER_ADDR``, ``MASTER_PORT``
-    and the rank.
-    """
-
-    names: list[str]
-    rank: int
-    addr: str = ""
-    port: str = ""
-
-    @classmethod
-    def from_env(cls) -> ShmSegments:
-        """The names this process's run will create, from the launcher's variables (before the group starts)."""
-        env = os.environ
-        world, local = env.get("WORLD_SIZE", "1"), env.get("LOCAL_SIZE", "0")
-        rank = int(env.get("RANK", "0") or 0)
-        addr, port = env.get("MASTER_ADDR", ""), env.get("MASTER_PORT", "")
-        if not (local.isdigit() and world.isdigit() and int(local) >= 1 and local == world):
-            return cls([], rank, addr, port)
-        return cls([shm_name(addr, port, r) for r in range(int(world))], rank, addr, port)
-
-    def record(self, run_dir: Path) -> None:
-        """Rank 0: writes the names into the run folder before they exist (best effort; a failure to write is
-        reported later by the run folder's own checks)."""
-        if self.rank != 0 or not self.names:
-            return
-        try:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(self._record_path(run_dir), json.dumps(
-                {"host": socket.gethostname(), "pid": os.getpid(), "addr": self.addr, "port": self.port,
-                 "names": self.names}))
-        except OSError:
-            pass
-
-    @staticmethod
-    def _record_path(run_dir: Path) -> Path:
-        return run_dir / f".shm-{socket.gethostname()}-{os.getpid()}.json"
-
-    def unlink_own(self) -> None:
-        """Unlinks this rank's segment; call once every rank has mapped every segment (after a barrier)."""
-        if self.names:
-            _unlink(self.names[self.rank])
-
-    def close(self, run_dir: Path) -> None:
-        """At the end of the run: unlinks whatever of this run's segments is left, and rank 0 drops its record."""
-        self.unlink_own()
-        if self.rank == 0:
-            for name in self.names:
-                _unlink(name)
-        if self.names:
-            try:
-                self._record_path(run_dir).unlink(missing_ok=True)
-            except OSError:
-                pass
-
-
-def shm_name(addr: str, port: str | int, rank: int) -> str:
-    """The file name DeepSpeed gives rank ``rank``'s segment (``/dev/shm/<name>``)."""
-    return f"{SHM_PREFIX}_{os.getuid()}_{addr}_{port}_{rank}"
-
-
-def _unlink(name: str) -> int:
-    """Removes ``/dev/shm/<name>``; returns the bytes freed (0 if it was not there)."""
-    path = SHM_DIR / name
-    try:
-        size = path.stat().st_size
-        path.unlink()
-        return size
-    except OSError:
-        return 0
-
-
-def _port_in_use(addr: str, port: str) -> bool:
-    """Whether a live process listens on ``addr:port`` (a live run's rendezvous: its segments are not stale)."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind((addr or "127.0.0.1", int(port)))
-    except (OSError, ValueError):
-        return True
-    return False
-
-
-def remove_stale_shm(run_dir: Path) -> list[str]:
-    """Removes the segments recorded in ``run_dir`` by earlier runs on this host whose process is gone.
-
-    Call with the run folder's lock held. A record whose process still runs, which was written on another host, or
-    whose rendezvous port is in use again is left alone.
-
-    Returns:
-        Notes on what was removed (for ``train.log``).
-    """
-    notes = []
-    host = socket.gethostname()
-    for path in sorted(run_dir.glob(".shm-*.json")):
-        try:
-            rec = json.loads(path.read_text())
-            pid = int(rec["pid"])
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-        if rec.get("host") != host or pid == os.getpid() or _pid_alive(pid):
-            continue
-        if _port_in_use(rec.get("addr", ""), rec.get("port", "")):
-            continue
-        freed = [(n, _unlink(n)) for n in rec.get("names", []) if isinstance(n, str) and n.startswith(SHM_PREFIX)]
-        path.unlink(missing_ok=True)
-        gone = [n for n, size in freed if size]
-        if gone:
-            notes.append(f"removed {len(gone)} shared-memory files ({sum(s for _, s in freed) / 2**20:.0f} MB) that "
-                         f"an earlier run of this folder (pid {pid}) left in {SHM_DIR}: {', '.join(gone)}")
-    return notes
-
-
 # ------------------------------------------------------------------------------------------ config on resume
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     if isinstance(tree, dict):
@@ -409,33 +285,6 @@ def clear_outputs(run_dir: Path, names: tuple[str, ...] = OUTPUTS) -> list[str]:
     return gone
 
 
-def _tag_step(tag_dir: Path) -> int:
-    try:
-        return int(json.loads((tag_dir / COMPLETE).read_text())["step"])
-    except (OSError, ValueError, KeyError, TypeError):
-        digits = "".join(c for c in tag_dir.name if c.isdigit())
-        return int(digits) if digits else 0
-
-
-def resume_source(run_dir: Path, resume: str | None) -> tuple[Path, Path] | None:
-    """The run folder and complete tag ``--resume`` will load, or None when the run starts at step 0.
-
-    Mirrors `squad.train.engine.Trainer._maybe_resume` (a PATH with no complete checkpoint is left to it to report).
-    """
-    if resume in (None, "none", "no"):
-        return None
-    if resume == "auto":
-        tag = find_resume_tag(run_dir / "checkpoints")
-        return (run_dir, run_dir / "checkpoints" / tag) if tag else None
-    path = Path(resume)
-    if (path / "checkpoints").is_dir():
-        path = path / "checkpoints"
-    if (path / COMPLETE).is_file():
-        return path.parent.parent, path
-    tag = find_resume_tag(path)
-    return (path.parent, path / tag) if tag else None
-
-
 def _history(run_dir: Path) -> list[dict]:
     try:
         lines = (run_dir / HISTORY_FILE).read_text().splitlines()
@@ -451,9 +300,166 @@ def _history(run_dir: Path) -> list[dict]:
 
 
 def world_size_of(source_dir: Path, step: int) -> int | None:
-    """The world size the checkpoint at ``step`` was written with (the last start before it), if recorded."""
+    """The world size the checkpoint at ``step`` was written with (the last start before it), if recorded (the
+    checkpointer records it in the tag's COMPLETE marker too; this is for tags written before it did)."""
     starts = [h for h in _history(source_dir) if isinstance(h.get("world_size"), int) and h.get("start_step", 0) < step]
     return starts[-1]["world_size"] if starts else None
+
+
+def _global_batch(cfg: dict, world: int) -> int | None:
+    """batch_per_rank × grad_accum × ranks of a resolved run config (as a plain dict), or None if unreadable."""
+    optim = cfg.get("optim") if isinstance(cfg.get("optim"), dict) else {}
+    try:
+        return int(optim.get("batch_per_rank")) * int(optim.get("grad_accum", 1)) * world
+    except (TypeError, ValueError):
+        return None
+
+
+@dataclasses.dataclass
+class Assessment:
+    """What opening a run folder would do, decided without changing anything (`assess`)."""
+
+    source: ResumeSource | None  # what the run resumes from (None: step 0)
+    same_run: bool  # the checkpoint belongs to this folder's own run
+    changes: dict  # allowed config changes, key → (old, new)
+    notes: list[str]  # for train.log
+    clear: tuple[str, ...] = ()  # outputs to delete before the start (--overwrite; a restart without a checkpoint)
+
+
+def assess(run_dir: str | Path, cfg, resume: str | None, world: int, *, overwrite: bool = False,
+           allow_world_size_change: bool = False) -> Assessment:
+    """Checks a run against its folder without writing anything: the resume source, the config changes a resume
+    may make, the world size, a fresh start over an existing run. Torch-free: `squad.cli.train` calls it on every rank
+    before torch is imported, and `RunFolder.prepare` again (rank 0, with the lock held) before the run writes.
+
+    Args:
+        run_dir: the run folder (``--out``; it need not exist).
+        cfg: the resolved `RunConfig`.
+        resume, overwrite, allow_world_size_change: as for `squad.train.engine.train`.
+        world: the number of ranks this run has.
+
+    Raises:
+        RunFolderError: the resume would change what must not change, or start over a run (the message says what to
+            do instead).
+        FileNotFoundError: ``--resume PATH`` without a complete checkpoint there.
+    """
+    d = Path(run_dir)
+    source = resolve_resume(d, resume)
+    same_run = source is not None and source.run_dir.resolve() == d.resolve()
+    notes: list[str] = []
+    clear: tuple[str, ...] = ()
+    if overwrite:
+        if same_run:
+            raise RunFolderError(f"--overwrite would delete the checkpoint --resume {resume} loads "
+                                 f"({source.tag_dir}); resume without --overwrite, or pass another --out")
+        clear = OUTPUTS
+    elif has_run(d) and not same_run:
+        if source is not None:
+            what = f"--resume {resume} loads another run's checkpoint, but"
+        elif resume == "auto":
+            what = f"--resume auto: {d / 'checkpoints'} holds no complete checkpoint to resume, but"
+        else:
+            what = "--resume none:"
+        raise RunFolderError(
+            f"{what} run folder {d} already holds a run ({_holdings(d)}); starting another one in it would mix the "
+            f"two. Pass another --out, resume it (--resume auto), or add --overwrite to delete its outputs and "
+            f"start over")
+    elif source is None and (d / "config.yaml").exists():  # an attempt killed before its first checkpoint
+        clear = ("metrics.jsonl", "tensorboard", "ds_config.json")
+        notes.append(f"no complete checkpoint in {d / 'checkpoints'}: starting at step 0")
+    changes: dict = {}
+    if source is not None:
+        old = _source_config(source, notes)
+        changes = _check_config(cfg, old, source, world, d, notes) if old is not None else {}
+        _check_world_size(cfg, old, source, world, allow_world_size_change, notes)
+    return Assessment(source, same_run, changes, notes, clear)
+
+
+def init_file(cfg, run_dir: str | Path, resume: str | None, overwrite: bool = False) -> str | None:
+    """``train.init`` when the run starts at step 0, else None: a run that resumes loads its checkpoint, which takes
+    precedence (the file need not exist any more then).
+
+    Raises:
+        ConfigError: the file is missing (naming the key and the path).
+    """
+    init = cfg.train.init
+    if not init:
+        return None
+    starts_over = overwrite and resume == "auto"  # --overwrite deletes the folder's checkpoints
+    if not starts_over and resolve_resume(run_dir, resume) is not None:
+        return None
+    if not Path(init).exists():
+        raise ConfigError(f"train.init: {init} not found (a model file from tools/upcycle.py, a squad model or run "
+                          f"folder, or a timm ViT state dict)")
+    return init
+
+
+def _holdings(run_dir: Path) -> str:
+    tags = complete_tags(run_dir / "checkpoints")
+    parts = [f"checkpoint {tags[-1]}"] if tags else []
+    if (run_dir / "model.pt").exists():
+        parts.append("model.pt")
+    return ", ".join(parts)
+
+
+def _source_config(source: ResumeSource, notes: list[str]) -> dict | None:
+    old_file = source.run_dir / "config.yaml"
+    if not old_file.is_file():
+        notes.append(f"{old_file} is missing: the config could not be compared with the checkpoint's")
+        return None
+    return read_run_config(old_file)
+
+
+def _saved_world(source: ResumeSource) -> int | None:
+    record = read_marker(source.tag_dir) or {}
+    if isinstance(record.get("world_size"), int):
+        return record["world_size"]
+    return world_size_of(source.run_dir, source.step)
+
+
+def _check_config(cfg, old: dict, source: ResumeSource, world: int, run_dir: Path, notes: list[str]) -> dict:
+    """The allowed changes; refuses any other (listing each key as old → new). The per-rank batch and gradient
+    accumulation may change when the global batch stays the same on this run's number of ranks."""
+    new = to_dict(cfg)
+    refused, allowed = config_changes(old, new)
+    saved = _saved_world(source)
+    if saved is not None and set(refused) <= set(BATCH_KEYS) and refused:
+        if _global_batch(old, saved) == _global_batch(new, world):
+            allowed.update(refused)
+            refused = {}
+    if refused:
+        fresh = (f"pass another --out (or --resume none --overwrite to delete the run in {run_dir} and start over "
+                 f"there)")
+        raise RunFolderError(
+            f"cannot resume {source.tag_dir} with a changed config: these keys would break exact resumption\n"
+            f"{_fmt(refused)}\nTo train with the new values, start a new run: {fresh}. Keys that may change on "
+            f"resume: {', '.join(RESUMABLE_KEYS)}; {' and '.join(BATCH_KEYS)} when the global batch (batch_per_rank × "
+            f"grad_accum × ranks) stays the same")
+    if allowed:
+        notes.append(f"config changed on resume from {source.tag_dir}:\n{_fmt(allowed)}")
+    return allowed
+
+
+def _check_world_size(cfg, old: dict | None, source: ResumeSource, world: int, allow: bool, notes: list[str]) -> None:
+    before = _saved_world(source)
+    if before is None:
+        notes.append(f"the world size {source.tag_dir} was written with is not recorded: not checked")
+        return
+    if before == world:
+        return
+    new_batch = _global_batch(to_dict(cfg), world)
+    if old is not None and _global_batch(old, before) == new_batch:
+        notes.append(f"world size changed on resume: {source.tag_dir} was written by {before} ranks, this run has "
+                     f"{world}; the global batch stays {new_batch} images, split the same way (the run goes on as if "
+                     f"on one world size, but for the MI loss, which sums over each micro-step's images)")
+        return
+    what = (f"{source.tag_dir} was written by {before} ranks, this run has {world}: the global batch "
+            f"(batch_per_rank × grad_accum × ranks) and each rank's share of the data would change")
+    if not allow:
+        raise RunFolderError(f"{what}. Resume on {before} ranks, keep the global batch (e.g. --set "
+                             f"optim.grad_accum=N), or pass --allow-world-size-change to go on (the run is then no "
+                             f"longer equal to one trained on a fixed world size)")
+    notes.append(f"world size changed on resume (--allow-world-size-change): {what}")
 
 
 class RunFolder:
@@ -464,6 +470,7 @@ class RunFolder:
         rank: this process's global rank.
         world: the number of ranks.
         shm: this run's shared-memory segments (`ShmSegments.from_env`, recorded before the process group started).
+        lock: the lock, if already taken (`lock_before_start`).
     """
 
     def __init__(self, run_dir: Path, rank: int, world: int, shm: ShmSegments | None = None,
@@ -475,38 +482,47 @@ class RunFolder:
         self.shm.rank = rank  # the launcher's RANK may be unset before the group starts (MPI launchers)
         self.lock: RunLock | None = lock
         self.notes: list[str] = []  # rank 0: what to log once train.log is open
-        self._start: dict | None = None  # rank 0: this start's history entry, recorded once the checkpoint loads
+        self.assessment: Assessment | None = None  # rank 0: recorded once the checkpoint loads
 
     def prepare(self, cfg, resume: str | None, *, overwrite: bool = False,
-                allow_world_size_change: bool = False) -> None:
-        """Every rank: rank 0 creates and locks the folder, checks the resume against the folder's run, writes
-        ``config.yaml``; every rank then frees its shared-memory name and learns the outcome.
+                allow_world_size_change: bool = False) -> ResumeSource | None:
+        """Every rank: rank 0 creates and locks the folder, checks the run against it (`assess`) and deletes what
+        ``--overwrite`` (or a restart without a checkpoint) asks; every rank then frees its shared-memory name and
+        learns the outcome. Nothing of the run's is written here: ``config.yaml`` and the history wait until the
+        checkpoint has loaded (`record_start`).
+
+        Returns:
+            What the run resumes from (the same on every rank), or None.
 
         Raises:
             PermissionError: the folder cannot be created or written.
             RunFolderError: the folder is locked, or the resume would change what must not change (the message says
                 what and how to proceed).
         """
-        error = None
+        from squad.distributed import barrier, broadcast_object, on_every_rank
+
+        outcome: tuple = ("ok", None)
         if self.rank == 0:
             try:
-                self._open(cfg, resume, overwrite, allow_world_size_change)
+                outcome = ("ok", self._open(cfg, resume, overwrite, allow_world_size_change))
             except OSError as e:
-                error = ("permission", f"run folder {self.run_dir} is not writable: {e.strerror or e}")
+                outcome = ("permission", f"run folder {self.run_dir} is not writable: {e.strerror or e}")
             except RunFolderError as e:
-                error = ("run_folder", str(e))
+                outcome = ("run_folder", str(e))
             except Exception as e:  # the other ranks must not be left waiting in the broadcast
-                error = ("other", f"opening run folder {self.run_dir} failed: {type(e).__name__}: {e}")
-        error = broadcast_object(error)
+                outcome = ("other", f"opening run folder {self.run_dir} failed: {type(e).__name__}: {e}")
+        outcome = broadcast_object(outcome)
         barrier()  # every rank has mapped every shared-memory segment: the names can go
         self.shm.unlink_own()
         if self.rank == 0 and self.lock is not None:
             self.notes += remove_stale_shm(self.run_dir)
-        if error:
-            kind = {"permission": PermissionError, "run_folder": RunFolderError}.get(error[0], RuntimeError)
-            raise on_every_rank(kind(error[1]))
+        kind, value = outcome
+        if kind != "ok":
+            error = {"permission": PermissionError, "run_folder": RunFolderError}.get(kind, RuntimeError)
+            raise on_every_rank(error(value))
+        return value
 
-    def _open(self, cfg, resume: str | None, overwrite: bool, allow_world_size_change: bool) -> None:
+    def _open(self, cfg, resume: str | None, overwrite: bool, allow_world_size_change: bool) -> ResumeSource | None:
         d = self.run_dir
         d.mkdir(parents=True, exist_ok=True)
         probe = d / ".write_test"
@@ -516,118 +532,58 @@ class RunFolder:
             self.lock = RunLock.acquire(d, {"world_size": self.world})
         if self.lock.previous:
             self.notes.append(f"took over the lock of a run that is no longer running: {_describe(self.lock.previous)}")
+        found = assess(d, cfg, resume, self.world, overwrite=overwrite,
+                       allow_world_size_change=allow_world_size_change)
+        self.notes += remove_interrupted_saves(d / "checkpoints")
+        gone = clear_outputs(d, found.clear)
+        if gone and overwrite:
+            self.notes.append(f"--overwrite: deleted the earlier run's {', '.join(gone)} from {d}")
+        elif gone:
+            self.notes.append(f"deleted the earlier attempt's {', '.join(gone)}")
+        self.notes += found.notes
+        self.assessment = found
+        return found.source
 
-        source = resume_source(d, resume)
-        if source is None and resume not in (None, "none", "no", "auto"):
-            raise RunFolderError(f"--resume {resume}: no complete checkpoint there")
-        same_run = source is not None and source[0].resolve() == d.resolve()
-        if overwrite:
-            if same_run:
-                raise RunFolderError(f"--overwrite would delete the checkpoint --resume {resume} loads "
-                                     f"({source[1]}); resume without --overwrite, or pass another --out")
-            if resume == "auto":
-                source = None
-            gone = clear_outputs(d)
-            if gone:
-                self.notes.append(f"--overwrite: deleted the earlier run's {', '.join(gone)} from {d}")
-        elif has_run(d) and not same_run:
-            if source is not None:
-                what = f"--resume {resume} loads another run's checkpoint, but"
-            elif resume == "auto":
-                what = f"--resume auto: {d / 'checkpoints'} holds no complete checkpoint to resume, but"
-            else:
-                what = "--resume none:"
-            raise RunFolderError(
-                f"{what} run folder {d} already holds a run ({self._holdings()}); starting another one in it "
-                f"would mix the two. Pass another --out, resume it (--resume auto), or add --overwrite to delete "
-                f"its outputs and start over")
-        elif source is None and (d / "config.yaml").exists():
-            # an attempt killed before its first checkpoint: start again, without its logged history
-            gone = clear_outputs(d, ("metrics.jsonl", "tensorboard", "ds_config.json"))
-            self.notes.append(f"no complete checkpoint in {d / 'checkpoints'}: starting at step 0"
-                              + (f" (deleted the earlier attempt's {', '.join(gone)})" if gone else ""))
-
-        changes: dict = {}
-        start_step = 0
-        if source is not None:
-            src_dir, tag_dir = source
-            start_step = _tag_step(tag_dir)
-            changes = self._check_config(cfg, src_dir, tag_dir)
-            self._check_world_size(src_dir, tag_dir, start_step, allow_world_size_change)
-        self._write(cfg, changes, source, start_step, same_run)
-
-    def _holdings(self) -> str:
-        tags = complete_tags(self.run_dir / "checkpoints")
-        parts = [f"checkpoint {tags[-1]}"] if tags else []
-        if (self.run_dir / "model.pt").exists():
-            parts.append("model.pt")
-        return ", ".join(parts)
-
-    def _check_config(self, cfg, src_dir: Path, tag_dir: Path) -> dict:
-        old_file = src_dir / "config.yaml"
-        if not old_file.is_file():
-            self.notes.append(f"{old_file} is missing: the config could not be compared with the checkpoint's")
-            return {}
-        refused, allowed = config_changes(read_run_config(old_file), to_dict(cfg))
-        if refused:
-            fresh = (f"pass another --out (or --resume none --overwrite to delete the run in {self.run_dir} and "
-                     f"start over there)")
-            raise RunFolderError(
-                f"cannot resume {tag_dir} with a changed config: these keys would break exact resumption\n"
-                f"{_fmt(refused)}\nTo train with the new values, start a new run: {fresh}. Keys that may change on "
-                f"resume: {', '.join(RESUMABLE_KEYS)}")
-        if allowed:
-            self.notes.append(f"config changed on resume from {tag_dir}:\n{_fmt(allowed)}")
-        return allowed
-
-    def _check_world_size(self, src_dir: Path, tag_dir: Path, step: int, allow: bool) -> None:
-        before = world_size_of(src_dir, step)
-        if before is None:
-            self.notes.append(f"the world size {tag_dir} was written with is not recorded: not checked")
-            return
-        if before == self.world:
-            return
-        what = (f"{tag_dir} was written by {before} ranks, this run has {self.world}: the global batch "
-                f"(batch_per_rank × grad_accum × ranks) and each rank's share of the data would change")
-        if not allow:
-            raise RunFolderError(f"{what}. Resume on {before} ranks, or pass --allow-world-size-change to go on "
-                                 f"(the run is then no longer equal to one trained on a fixed world size)")
-        self.notes.append(f"world size changed on resume (--allow-world-size-change): {what}")
-
-    def _write(self, cfg, changes: dict, source, start_step: int, same_run: bool) -> None:
-        d = self.run_dir
-        if changes and same_run and (d / "config.yaml").is_file():
-            shutil.copyfile(d / "config.yaml", d / "config.prev.yaml")
-        atomic_write_text(d / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False), "the run's config")
-        self._start = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "host": socket.gethostname(),
-                       "pid": os.getpid(), "world_size": self.world,
-                       "config_changes": {k: [old, new] for k, (old, new) in changes.items()}}
-
-    def record_start(self, loaded: Path | None, step: int, skipped: list[Path] | None = None) -> None:
-        """Rank 0, once the checkpoint is loaded: appends this start to ``run_history.jsonl`` with what was actually
-        loaded (a damaged latest checkpoint is skipped for the one before it: `squad.train.checkpoint`).
+    def record_start(self, cfg, loaded: Path | None, step: int, skipped: list[Path] | None = None) -> None:
+        """Rank 0, once the checkpoint has loaded (or the fresh model is built): writes ``config.yaml`` (keeping the
+        previous one as ``config.prev.yaml`` when a resume changed it) and appends this start to
+        ``run_history.jsonl`` with what was actually loaded (a damaged latest checkpoint is skipped for the one
+        before it: `squad.train.checkpointer`).
 
         Args:
+            cfg: the resolved run config.
             loaded: the checkpoint tag loaded, or None for a start at step 0.
             step: the step the run starts from.
             skipped: damaged tags passed over before ``loaded``.
         """
-        if self.rank != 0 or self._start is None:
+        found = self.assessment
+        if self.rank != 0 or found is None:
             return
-        entry = {**self._start, "start_step": int(step), "resumed_from": str(loaded) if loaded else None}
+        d = self.run_dir
+        if found.changes and found.same_run and (d / "config.yaml").is_file():
+            shutil.copyfile(d / "config.yaml", d / "config.prev.yaml")
+        atomic_write_text(d / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False), "the run's config")
+        entry = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "host": socket.gethostname(), "pid": os.getpid(),
+                 "world_size": self.world,
+                 "config_changes": {k: [old, new] for k, (old, new) in found.changes.items()},
+                 "start_step": int(step), "resumed_from": str(loaded) if loaded else None}
         if skipped:
             entry["skipped_damaged"] = [str(p) for p in skipped]
-        path = self.run_dir / HISTORY_FILE
+        path = d / HISTORY_FILE
         try:
             with open(path, "a") as f:  # appended: the earlier lines stay whatever happens to this one
                 f.write(json.dumps(entry) + "\n")
         except OSError as e:
             raise fail("the run history", path, e) from e
-        self._start = None
+        self.assessment = None
+
+    def release_lock(self) -> None:
+        """Drops the lock (also from a signal handler on the way out: `squad.train.signals`)."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
     def close(self) -> None:
         """Frees what the run holds: its shared-memory segments, its record of them, the lock."""
         self.shm.close(self.run_dir)
-        if self.lock is not None:
-            self.lock.release()
-            self.lock = None
+        self.release_lock()

@@ -1,0 +1,239 @@
+"""Triton head-select GEMMs for MoE attention: the dense all-head projections with the [M, E·d] operand virtual.
+
+A token selects k of E attention heads; ``SLOTS`` [M, E] int32 says which slot j of token m took head e (−1: m
+did not select e), and the selected heads live compact, [M, k, d] (``C``/``AUX``/``OUT`` with any strides). Each
+kernel treats the all-head operand of width E·d as E column blocks of width d and maps a block to a compact row
+through the slot map, so the all-head GEMM reads each token once and nothing of width E·d is written or read:
+
+- `_head_select_kernel`: one program per (row tile, head e): ``acc = A[rows] @ W[e]`` (W [E, K, d]), stored at
+  ``OUT[m, slots[m, e]]`` for the rows that selected e (a tile no row of which selected e returns before its
+  GEMM). GATED: ``OUT = g · acc`` and ``GATE_GRAD[m, j] = Σ_i acc · AUX[m, j]`` — the backward of a gated output
+  projection, whose gate gradient is complete in the one program that owns (m, j).
+- `_head_gather_kernel`: one program per (row tile, N tile): ``out = Σ_e V[rows, e] @ W[e] (+ A2 @ W2) + bias``
+  with ``V[m, e] = g[m, j] · C[m, j]`` for j = slots[m, e], loaded as zero where −1; the K loop steps one head at a
+  time.
+- `_head_wgrad_kernel`: one program per (head e, N tile), looping over the rows: ``dW[e] = Σ_m V[m, e]ᵀ B[m]`` and,
+  with HAS_DB, the head-0 programs also sum ``DB = Σ_m B[m]``.
+
+fp16/bf16 operands go to `tl.dot` with fp32 accumulation; fp32 operands use IEEE precision; element-wise math in
+fp32; bf16 tiles upcast in Triton's CPU interpreter (``UPCAST``), which computes bf16 dots wrongly. Block sizes are
+powers of two >= 16.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_common import device_function, interpreter_enabled, wrap_kernels
+
+
+@device_function
+def _mma(acc, A, rows, mask_m, stride_am, stride_ak, W, offs_n, mask_n, stride_wk, stride_wn, K,
+         UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc += A[rows, :K] @ W[:K, offs_n], K stepped BLOCK_K at a time (masked past K, the rows and the columns)."""
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        a = tl.load(A + rows[:, None] * stride_am + offs_k[None, :] * stride_ak,
+                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        w = tl.load(W + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn,
+                    mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+    return acc
+
+
+def _head_select_kernel(A, W, SLOTS, GATES, AUX, OUT, GATE_GRAD,
+                        M, K, DH,
+                        stride_am, stride_ak, stride_we, stride_wk, stride_wd, stride_sm, stride_se,
+                        stride_gm, stride_gj, stride_xm, stride_xj, stride_xd, stride_om, stride_oj, stride_od,
+                        stride_qm, stride_qj,
+                        GATED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr):
+    head = tl.program_id(1)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < M
+    rows = offs_m.to(tl.int64)
+    slot = tl.load(SLOTS + rows * stride_sm + head * stride_se, mask=mask_m, other=-1)
+    if tl.max(slot, axis=0) < 0:
+        return  # no row of this tile selected the head
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < DH
+    acc = _mma(tl.zeros([BLOCK_M, BLOCK_D], tl.float32), A, rows, mask_m, stride_am, stride_ak,
+               W + head.to(tl.int64) * stride_we, offs_d, mask_d, stride_wk, stride_wd, K, UPCAST, PRECISION, BLOCK_K)
+    picked = mask_m & (slot >= 0)
+    slot = tl.maximum(slot, 0).to(tl.int64)
+    mask_md = picked[:, None] & mask_d[None, :]
+    if GATED:
+        aux = tl.load(AUX + rows[:, None] * stride_xm + slot[:, None] * stride_xj + offs_d[None, :] * stride_xd,
+                      mask=mask_md, other=0.0).to(tl.float32)
+        tl.store(GATE_GRAD + rows * stride_qm + slot * stride_qj, tl.sum(acc * aux, axis=1), mask=picked)
+        acc = acc * tl.load(GATES + rows * stride_gm + slot * stride_gj, mask=picked, other=0.0).to(tl.float32)[:, None]
+    tl.store(OUT + rows[:, None] * stride_om + slot[:, None] * stride_oj + offs_d[None, :] * stride_od,
+             acc.to(OUT.dtype.element_ty), mask=mask_md)
+
+
+def _head_gather_kernel(C, SLOTS, GATES, W, A2, W2, BIAS, OUT,
+                        M, N, E, DH, K2,
+                        stride_cm, stride_cj, stride_cd, stride_sm, stride_se, stride_gm, stride_gj,
+                        stride_we, stride_wd, stride_wn, stride_am, stride_ak, stride_vk, stride_vn,
+                        stride_om, stride_on,
+                        GATED: tl.constexpr, HAS_A2: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr,
+                        PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr):
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < M
+    rows = offs_m.to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < DH
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for head in range(0, E):  # K = E·d, one head's d features at a time
+        slot = tl.load(SLOTS + rows * stride_sm + head * stride_se, mask=mask_m, other=-1)
+        picked = mask_m & (slot >= 0)
+        slot = tl.maximum(slot, 0).to(tl.int64)
+        a = tl.load(C + rows[:, None] * stride_cm + slot[:, None] * stride_cj + offs_d[None, :] * stride_cd,
+                    mask=picked[:, None] & mask_d[None, :], other=0.0)
+        if GATED:
+            g = tl.load(GATES + rows * stride_gm + slot * stride_gj, mask=picked, other=0.0).to(tl.float32)
+            a = (a.to(tl.float32) * g[:, None]).to(C.dtype.element_ty)
+        w = tl.load(W + head * stride_we + offs_d[:, None] * stride_wd + offs_n[None, :] * stride_wn,
+                    mask=mask_d[:, None] & mask_n[None, :], other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+    if HAS_A2:
+        acc = _mma(acc, A2, rows, mask_m, stride_am, stride_ak, W2, offs_n, mask_n, stride_vk, stride_vn, K2, UPCAST,
+                   PRECISION, BLOCK_K)
+    if HAS_BIAS:
+        acc += tl.load(BIAS + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    tl.store(OUT + rows[:, None] * stride_om + offs_n[None, :] * stride_on, acc.to(OUT.dtype.element_ty),
+             mask=mask_m[:, None] & mask_n[None, :])
+
+
+def _head_wgrad_kernel(C, SLOTS, GATES, B, DW, DB,
+                       M, N, DH,
+                       stride_cm, stride_cj, stride_cd, stride_sm, stride_se, stride_gm, stride_gj,
+                       stride_bm, stride_bn, stride_we, stride_wd, stride_wn,
+                       GATED: tl.constexpr, HAS_DB: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    head = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < DH
+    acc = tl.zeros([BLOCK_D, BLOCK_N], tl.float32)
+    db = tl.zeros([BLOCK_N], tl.float32)
+    for m0 in range(0, M, BLOCK_M):
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < M
+        rows = offs_m.to(tl.int64)
+        slot = tl.load(SLOTS + rows * stride_sm + head * stride_se, mask=mask_m, other=-1)
+        picked = mask_m & (slot >= 0)
+        slot = tl.maximum(slot, 0).to(tl.int64)
+        a = tl.load(C + rows[:, None] * stride_cm + slot[:, None] * stride_cj + offs_d[None, :] * stride_cd,
+                    mask=picked[:, None] & mask_d[None, :], other=0.0)
+        if GATED:
+            g = tl.load(GATES + rows * stride_gm + slot * stride_gj, mask=picked, other=0.0).to(tl.float32)
+            a = (a.to(tl.float32) * g[:, None]).to(C.dtype.element_ty)
+        b = tl.load(B + rows[:, None] * stride_bm + offs_n[None, :] * stride_bn,
+                    mask=mask_m[:, None] & mask_n[None, :], other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(tl.trans(a), b, acc, input_precision=PRECISION)
+        if HAS_DB:
+            if head == 0:
+                db += tl.sum(b.to(tl.float32), axis=0)
+    tl.store(DW + head.to(tl.int64) * stride_we + offs_d[:, None] * stride_wd + offs_n[None, :] * stride_wn,
+             acc.to(DW.dtype.element_ty), mask=mask_d[:, None] & mask_n[None, :])
+    if HAS_DB:
+        if head == 0:
+            tl.store(DB + offs_n, db.to(DB.dtype.element_ty), mask=mask_n)
+
+
+@functools.cache
+def _kernels() -> dict[str, object]:
+    """The kernels, wrapped for the compiler or the interpreter (whichever mode Triton was imported in)."""
+    return wrap_kernels(_head_select_kernel, _head_gather_kernel, _head_wgrad_kernel)
+
+
+def _flags(dtype: torch.dtype) -> dict[str, object]:
+    return {"UPCAST": bool(interpreter_enabled() and dtype == torch.bfloat16), "PRECISION": "ieee"}
+
+
+def _split(config: dict) -> tuple[dict, dict]:
+    cfg = dict(config)
+    return cfg, {"num_warps": cfg.pop("num_warps"), "num_stages": cfg.pop("num_stages")}
+
+
+def head_select_mm(a: torch.Tensor, w: torch.Tensor, slots: torch.Tensor, top_k: int, gates: torch.Tensor | None,
+                   aux: torch.Tensor | None, config: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launches `_head_select_kernel` (arguments as ``squad::head_select_mm`` takes them, `squad.kernels.heads`)."""
+    cfg, launch = _split(config)
+    m, k = a.shape
+    e, _, d = w.shape
+    out = torch.empty(m, top_k, d, dtype=a.dtype, device=a.device)
+    gated = gates is not None
+    gate_grad = torch.empty(m, top_k, dtype=torch.float32, device=a.device) if gated else \
+        torch.empty(0, 0, dtype=torch.float32, device=a.device)
+    if m == 0:
+        return out, gate_grad
+    dummy = slots
+    _kernels()["_head_select_kernel"][(triton.cdiv(m, cfg["BLOCK_M"]), e)](
+        a, w, slots, gates if gated else dummy, aux if gated else dummy, out, gate_grad if gated else dummy,
+        m, k, d, *a.stride(), *w.stride(), *slots.stride(), *(gates.stride() if gated else (0, 0)),
+        *(aux.stride() if gated else (0, 0, 0)), *out.stride(), *(gate_grad.stride() if gated else (0, 0)),
+        GATED=gated, **_flags(a.dtype), **cfg, **launch)
+    return out, gate_grad
+
+
+def head_gather_mm(c: torch.Tensor, slots: torch.Tensor, gates: torch.Tensor | None, w: torch.Tensor,
+                   a2: torch.Tensor | None, w2: torch.Tensor | None, bias: torch.Tensor | None,
+                   config: dict) -> torch.Tensor:
+    """Launches `_head_gather_kernel` (arguments as ``squad::head_gather_mm`` takes them)."""
+    cfg, launch = _split(config)
+    m = c.shape[0]
+    e, d, n = w.shape
+    out = torch.empty(m, n, dtype=c.dtype, device=c.device)
+    if m == 0:
+        return out
+    dummy = slots
+    k2 = a2.shape[1] if a2 is not None else 0
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))
+    _kernels()["_head_gather_kernel"][grid](
+        c, slots, dummy if gates is None else gates, w, dummy if a2 is None else a2, dummy if w2 is None else w2,
+        dummy if bias is None else bias, out, m, n, e, d, k2,
+        *c.stride(), *slots.stride(), *(gates.stride() if gates is not None else (0, 0)), *w.stride(),
+        *(a2.stride() if a2 is not None else (0, 0)), *(w2.stride() if w2 is not None else (0, 0)), *out.stride(),
+        GATED=gates is not None, HAS_A2=a2 is not None, HAS_BIAS=bias is not None, **_flags(c.dtype), **cfg,
+        **launch)
+    return out
+
+
+def head_wgrad(c: torch.Tensor, slots: torch.Tensor, gates: torch.Tensor | None, b: torch.Tensor, num_heads: int,
+               transpose: bool, bias_grad: bool, dtype: torch.dtype,
+               config: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launches `_head_wgrad_kernel`: (dW [E, d, N] — [E, N, d] with ``transpose`` — and db [N] or empty)."""
+    cfg, launch = _split(config)
+    m, _, d = c.shape
+    n = b.shape[1]
+    dw = torch.empty(num_heads, n, d, dtype=dtype, device=c.device) if transpose else \
+        torch.empty(num_heads, d, n, dtype=dtype, device=c.device)
+    strides = (dw.stride(0), dw.stride(2), dw.stride(1)) if transpose else dw.stride()  # as (e, i, n)
+    db = torch.empty(n if bias_grad else 0, dtype=dtype, device=c.device)
+    dummy = slots
+    grid = (num_heads, triton.cdiv(n, cfg["BLOCK_N"]))
+    _kernels()["_head_wgrad_kernel"][grid](
+        c, slots, dummy if gates is None else gates, b, dw, db if bias_grad else dummy, m, n, d,
+        *c.stride(), *slots.stride(), *(gates.stride() if gates is not None else (0, 0)), *b.stride(), *strides,
+        GATED=gates is not None, HAS_DB=bool(bias_grad), **_flags(c.dtype), **cfg, **launch)
+    return dw, db

@@ -1,0 +1,672 @@
+"""The checkpointer: the one owner of a run's checkpoints — their layout, saving (on a cadence, at the end, when a
+signal asks), resolving what a run resumes from, passing over a damaged tag, converting a tag written on another
+topology, and loading it. The layout's names and the torch-free reading of it (markers, complete tags, which tag a
+path names) are in `squad.io.checkpoints`, below this floor, so that `squad.load` reads tags without it.
+
+Layout of ``<run>/checkpoints/``::
+
+    step00000060/             a complete tag: DeepSpeed's files and COMPLETE
+        mp_rank_00_model_states.pt                  module weights, lr schedule, squad's loop state (client state)
+        [bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt   ZeRO's optimizer shard of data-parallel rank r
+        COMPLETE                                    {"step", "world_size", "zero_stage"}: written last
+    latest                    the newest complete tag (replaced atomically)
+    .saving/step00000080/     a save in progress; renamed to step00000080/ once every rank has written and COMPLETE
+                              is in, so a save that is killed at any moment never leaves a file in a tag folder (the
+                              next start removes what it left)
+    .convert/step00000060/    the tag converted for this run's topology (`CONVERSIONS`), removed once loaded
+    zero_to_fp32.py           DeepSpeed's recovery script (ZeRO and bf16 runs)
+
+Resuming: `resolve_resume` turns ``--resume`` (auto, none, a run, its checkpoints folder, a tag) into the candidate
+tags, best first (torch-free: the run folder's checks and the tools use it before anything heavy starts).
+`Checkpointer.plan_resume` reads every file of the first candidate with ``weights_only`` on all ranks together
+(`select_tag`): an unsafe file stops the run, a damaged tag is named and the one before it tried. If the tag was
+written on another topology, the plan names the conversion that lets this run load it; `Checkpointer.load` converts
+and loads it with DeepSpeed.
+
+**Converting on load** is the seam for every change of topology: a `Conversion` says when a tag needs it
+(`Conversion.needed`, from the saved and the current `Topology`), the DeepSpeed config it loads with, and how to write
+the converted tag (`Conversion.convert`). Today's one is `Universal`: ZeRO-1/2 (and bf16) optimizer state is
+partitioned by data-parallel rank, so a tag written by N ranks loads on M through DeepSpeed's universal checkpoint
+(``deepspeed.checkpoint.ds_to_universal``, then ``checkpoint.load_universal``), optimizer state exact. Expert
+parallelism plugs in the same way: `Checkpointer.save` records the expert-parallel size in COMPLETE beside the world
+size, `Topology` reads it back (an ``expert_parallel`` field, 1 for tags without it), and a `Conversion` appended to
+`CONVERSIONS` re-shards the per-expert files (weights and their optimizer state) from the saved expert-parallel size
+to the current one into ``.convert/<tag>``; `Conversion.after_load` restores anything DeepSpeed's own load leaves out.
+Conversions are tried in order and the first that `Conversion.needed` says applies is used; one that must follow
+another (re-sharded experts, then universal ZeRO state) can run the other inside its `Conversion.convert`.
+
+Saving (`Checkpointer.save`) is collective: rank 0 prepares ``.saving/<tag>``, DeepSpeed writes every rank's files
+(`EngineGuard` records a failed write instead of leaving the other ranks in DeepSpeed's barrier), every rank reports
+its outcome and whether a stop was asked meanwhile, and rank 0 writes COMPLETE, renames the tag into place, points
+``latest`` at it and prunes old tags. A failed write on any rank stops every rank with a `TrainingError` naming the
+file; the previous checkpoint stays the latest.
+
+Signals (`SignalWatch`): the first of ``train.save_on_signal`` (default SIGTERM, SIGUSR1) asks for a stop; the
+engine all-reduces the request with the step's loss check, so every rank agrees at the same step boundary with no
+extra collective, and `Checkpointer.save` turns it into a save and `Preempted` (exit 75, EX_TEMPFAIL: rerun to resume).
+A signal during a save lets it finish, then stops. A second signal, at least `SignalWatch.REPEAT_S` after the first,
+exits at once (128 + its number), discarding a save in progress; launchers that forward a signal they received too
+(``deepspeed.launcher.launch``) deliver it twice within milliseconds, which counts once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import json
+import logging
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from squad.io.checkpoints import (
+    COMPLETE,
+    CONVERTED,
+    LATEST,
+    SAVING,
+    ZERO_SHARD,
+    CheckpointError,
+    DamagedCheckpointError,
+    UnsafeCheckpointError,
+    check_tag_file,
+    complete_tags,
+    find_resume_tag,
+    load_checkpoint_file,
+    marked_step,
+    model_states_file,
+    read_marker,
+    resume_candidates,
+    tag_files,
+    tag_for,
+)
+from squad.io.expert_files import shard_names
+from squad.io.files import atomic_write_text, write_failure
+from squad.train.signals import SignalWatch, signal_name
+from squad.train.stops import EXIT_PREEMPTED, Preempted, TrainingError
+
+log = logging.getLogger("squad.train")
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """How a checkpoint's state is split: what a `Conversion` compares.
+
+    Attributes:
+        world_size: data-parallel ranks (ZeRO partitions the optimizer state over them).
+        zero_stage: DeepSpeed ZeRO stage (0, 1, 2).
+        partitioned: the optimizer state is split by rank (ZeRO 1/2, or DeepSpeed's bf16 optimizer): a tag then holds
+            one optimizer file per rank.
+        expert_shards: the expert weights (single-process names) kept in squad's shard files instead of DeepSpeed's
+            (layers with expert_parallel > 1: `squad.train.expert_shards`); shard files load at any expert-parallel
+            size, so only a change of this set needs a conversion (`squad.train.expert_layout.ExpertLayout`).
+    """
+
+    world_size: int
+    zero_stage: int = 0
+    partitioned: bool = False
+    expert_shards: frozenset[str] = frozenset()
+
+    @classmethod
+    def of_tag(cls, tag_dir: Path) -> Topology | None:
+        """What a tag was written with: its optimizer shards (one per rank when partitioned) and its marker; None
+        for a tag without either (a checkpoint of another tool)."""
+        shards = {int(m.group(1)) for p in Path(tag_dir).iterdir() if (m := ZERO_SHARD.match(p.name))}
+        record = read_marker(tag_dir) or {}
+        experts = frozenset(record["expert_shards"]) if isinstance(record.get("expert_shards"), list) else \
+            frozenset(shard_names(tag_dir))
+        if shards:
+            return cls(max(shards) + 1, int(record.get("zero_stage", 1)), True, experts)
+        if isinstance(record.get("world_size"), int):
+            return cls(int(record["world_size"]), int(record.get("zero_stage", 0)), False, experts)
+        return None
+
+
+# ------------------------------------------------------------------------------------------ resume resolution
+@dataclasses.dataclass
+class ResumeSource:
+    """What ``--resume`` names: the run it belongs to and the complete tags to try, best first."""
+
+    run_dir: Path  # the run folder the checkpoints belong to (its config.yaml is the one to compare)
+    ckpt_dir: Path  # the folder holding the tags
+    tags: list[str]
+
+    @property
+    def tag_dir(self) -> Path:
+        return self.ckpt_dir / self.tags[0]
+
+    @property
+    def step(self) -> int:
+        return marked_step(self.tag_dir) or 0
+
+
+def resolve_resume(run_dir: str | Path, resume: str | None) -> ResumeSource | None:
+    """What a run in ``run_dir`` resumes from; None when it starts at step 0. Torch-free (the tools call it before
+    importing torch).
+
+    Args:
+        run_dir: the run folder (``--out``).
+        resume: ``"auto"`` (the folder's own newest complete tag, if any), ``"none"``/``"no"``/None, or a path: a
+            run folder, its ``checkpoints`` folder, or one tag.
+
+    Raises:
+        FileNotFoundError: a path with no complete checkpoint.
+    """
+    if resume in (None, "none", "no"):
+        return None
+    if resume == "auto":
+        ckpt_dir = Path(run_dir) / "checkpoints"
+        tags = resume_candidates(ckpt_dir)
+        return ResumeSource(Path(run_dir), ckpt_dir, tags) if tags else None
+    path = Path(resume)
+    if (path / "checkpoints").is_dir():
+        path = path / "checkpoints"
+    if marked_step(path) is not None:  # one tag, exactly
+        return ResumeSource(path.parent.parent, path.parent, [path.name])
+    tags = resume_candidates(path) if path.is_dir() else []
+    if not tags:
+        raise FileNotFoundError(f"--resume {resume}: no complete checkpoint there")
+    return ResumeSource(path.parent, path, tags)
+
+
+# ---------------------------------------------------------------------------------- damaged and unsafe tags
+def gather_objects(obj: Any) -> list:
+    """Every rank's ``obj``, in rank order, on every rank (``[obj]`` without a process group of several ranks)."""
+    from squad.distributed import is_distributed
+
+    if not is_distributed():
+        return [obj]
+    import torch.distributed as dist
+
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, obj)
+    return every
+
+
+def verify_tag(tag_dir: str | Path, rank: int = 0, world: int = 1) -> CheckpointError | None:
+    """Reads every file of a tag with ``weights_only`` (`check_tag_file`), the files shared out over the ranks.
+
+    Every rank of the process group must call it with the same tag; every rank gets the same answer.
+
+    Returns:
+        None when every file loads; else the first problem (in file order): an `UnsafeCheckpointError` or a
+        `DamagedCheckpointError`, naming the file.
+    """
+    tag_dir = Path(tag_dir)
+    try:
+        files = tag_files(tag_dir)
+    except OSError as e:
+        files, listing = [], DamagedCheckpointError(f"{tag_dir}: unreadable ({e.strerror or e})", tag_dir)
+    else:
+        states = model_states_file(tag_dir)
+        listing = None if any(f.name == states.name for f in files) else DamagedCheckpointError(
+            f"{states}: missing", states)
+    names = {f.name for f in files}
+    found: tuple[int, str, str, str] | None = None  # (file index, kind, message, file)
+    if listing is not None:
+        found = (-1, type(listing).__name__, str(listing), listing.file)
+    else:
+        for i in range(rank, len(files), world):
+            try:
+                check_tag_file(tag_dir, files[i], names)
+            except CheckpointError as e:
+                found = (i, type(e).__name__, str(e), e.file)
+                break
+    if world > 1:
+        problems = [p for p in gather_objects(found) if p is not None]
+        found = min(problems) if problems else None
+    if found is None:
+        return None
+    kind = UnsafeCheckpointError if found[1] == UnsafeCheckpointError.__name__ else DamagedCheckpointError
+    return kind(found[2], found[3])
+
+
+def select_tag(ckpt_dir: str | Path, tags: list[str], rank: int = 0, world: int = 1,
+               warn: Callable[[str], None] | None = None) -> str:
+    """The first of ``tags`` whose every file loads safely (`verify_tag`); the same answer on every rank.
+
+    Args:
+        ckpt_dir: the folder holding the tags.
+        tags: candidate tags, best first (`ResumeSource.tags`).
+        rank, world: as for `verify_tag`.
+        warn: called with a message for each damaged tag that is skipped (rank 0's log), or None.
+
+    Raises:
+        UnsafeCheckpointError: a file needs arbitrary unpickling (it is never loaded; no fallback: the folder was
+            tampered with).
+        DamagedCheckpointError: no candidate loads (each problem is named).
+    """
+    ckpt_dir = Path(ckpt_dir)
+    problems = []
+    for i, tag in enumerate(tags):
+        problem = verify_tag(ckpt_dir / tag, rank, world)
+        if problem is None:
+            return tag
+        if isinstance(problem, UnsafeCheckpointError):
+            raise UnsafeCheckpointError(
+                f"refusing to resume from {ckpt_dir / tag}: {problem} (squad never writes such a file: it was "
+                f"modified or planted). Remove that checkpoint to resume from an earlier one, or train into a new "
+                f"--out folder", problem.file)
+        problems.append(str(problem))
+        if warn is not None:
+            then = f"falling back to {ckpt_dir / tags[i + 1]}" if i + 1 < len(tags) else "no earlier checkpoint"
+            warn(f"checkpoint {ckpt_dir / tag} is damaged: {problem}; {then}")
+    raise DamagedCheckpointError(f"no loadable checkpoint in {ckpt_dir}: " + "; ".join(problems) + " (remove the "
+                                 "damaged checkpoints to start over, or train into a new --out folder)", ckpt_dir)
+
+
+# ------------------------------------------------------------------------------------------ converting on load
+class Conversion:
+    """A change of layout a tag needs before this run can load it (the seam for every change of topology)."""
+
+    name = "conversion"
+
+    def needed(self, saved: Topology, now: Topology) -> bool:
+        """Whether a tag written with ``saved`` needs this conversion to load with ``now``."""
+        raise NotImplementedError
+
+    def ds_config(self) -> dict:
+        """DeepSpeed config keys the converted tag loads with (merged into the run's)."""
+        return {}
+
+    def convert(self, tag_dir: Path, out_dir: Path) -> None:
+        """Writes the converted tag into ``out_dir`` (rank 0; the other ranks wait, then every rank loads it)."""
+        raise NotImplementedError
+
+    def after_load(self, engine: Any, tag_dir: Path) -> None:
+        """Restores what loading the converted tag leaves out (called on every rank)."""
+
+
+class Universal(Conversion):
+    """A partitioned optimizer state written by N data-parallel ranks, loaded on M: DeepSpeed's universal checkpoint
+    (``ds_to_universal``: every parameter's fp32 weights and Adam moments, whole; DeepSpeed re-partitions them on
+    load, ``checkpoint.load_universal``)."""
+
+    name = "universal"
+
+    def needed(self, saved: Topology, now: Topology) -> bool:
+        return saved.partitioned and saved.world_size != now.world_size
+
+    def ds_config(self) -> dict:
+        return {"checkpoint": {"load_universal": True}}
+
+    def convert(self, tag_dir: Path, out_dir: Path) -> None:
+        import argparse
+
+        from deepspeed.checkpoint import ds_to_universal
+
+        args = argparse.Namespace(input_folder=str(tag_dir), output_folder=str(out_dir), num_extract_workers=1,
+                                  num_merge_workers=1, keep_temp_folder=False, strict=True,
+                                  inject_missing_state=True)
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as err:
+            try:
+                ds_to_universal.main(args)
+            except Exception as e:
+                raise RuntimeError(f"converting {tag_dir} to a universal checkpoint failed: {type(e).__name__}: "
+                                   f"{e} {err.getvalue()[-500:]}") from e
+
+    def after_load(self, engine: Any, tag_dir: Path) -> None:
+        """The universal load restores the trained parameters from their fp32 copies; buffers and frozen parameters
+        come from the module weights of the tag."""
+        import torch
+
+        states = load_checkpoint_file(model_states_file(tag_dir))["module"]  # ZeRO-3: buffers only hold data
+        trained = {n for n, p in engine.module.named_parameters() if p.requires_grad}
+        rest = {n: t for n, t in states.items() if n not in trained}
+        if rest:
+            with torch.no_grad():
+                engine.module.load_state_dict(rest, strict=False)
+
+
+CONVERSIONS: tuple[Conversion, ...] = (Universal(),)
+
+
+@dataclasses.dataclass
+class LoadPlan:
+    """The tag a run loads, passed-over damaged tags, and the conversion its topology needs (or None)."""
+
+    ckpt_dir: Path
+    tag: str
+    skipped: list[Path]
+    saved: Topology | None
+    conversion: Conversion | None
+
+    @property
+    def tag_dir(self) -> Path:
+        return self.ckpt_dir / self.tag
+
+    @property
+    def step(self) -> int:
+        return marked_step(self.tag_dir) or 0
+
+
+# ------------------------------------------------------------------------------------ guarding DeepSpeed's I/O
+class EngineGuard:
+    """Routes a DeepSpeed engine's checkpoint reads through `load_checkpoint_file` and records its failed writes.
+
+    DeepSpeed saves with collective calls between the writes; a write that raised on one rank only (a full disk)
+    would leave the other ranks waiting in DeepSpeed's barrier. The failure is recorded instead (the half-written
+    file stays until the caller removes the save) and `take` reports it once DeepSpeed's save has returned.
+    """
+
+    def __init__(self, engine: Any):
+        self.errors: list[tuple[str, BaseException]] = []
+        ce = engine.checkpoint_engine
+        save = ce.save
+
+        def guarded_save(state_dict: Any, path: str, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return save(state_dict, path, *args, **kwargs)
+            except Exception as e:  # noqa: BLE001 - recorded and raised by the caller on every rank
+                self.errors.append((str(path), e))
+                return None
+
+        def safe_load(path: str, map_location: Any = None) -> Any:
+            return load_checkpoint_file(path, map_location=map_location)
+
+        ce.save = guarded_save
+        ce.load = safe_load
+        copy_script = getattr(engine, "_copy_recovery_script", None)  # rank 0 copies zero_to_fp32.py beside the tags
+        if copy_script is not None:
+            def guarded_copy(*args: Any, **kwargs: Any) -> Any:
+                try:
+                    return copy_script(*args, **kwargs)
+                except Exception as e:  # noqa: BLE001
+                    self.errors.append((os.path.join(str(args[0]) if args else "", "zero_to_fp32.py"), e))
+                    return None
+
+            engine._copy_recovery_script = guarded_copy
+
+    def take(self) -> tuple[str, BaseException] | None:
+        """The first write that failed since the last call (then forgotten), or None."""
+        first = self.errors[0] if self.errors else None
+        self.errors.clear()
+        return first
+
+
+# ------------------------------------------------------------------------------------------- the checkpointer
+class Checkpointer:
+    """One run's checkpoints: plans and loads the resume, saves on a cadence and on signals (module docstring).
+
+    Call order: `plan_resume` (every rank, before ``deepspeed.initialize``: its `ds_config` goes into the engine's
+    config), `attach` (the engine), `load`, then `save` after every step and `save_final` at the end; `close` on the
+    way out.
+
+    Args:
+        run_dir: the run folder.
+        rank, world: this process's rank and the number of ranks.
+        train: the run's ``TrainConfig`` (``ckpt_every``, ``stop_at``, ``keep_checkpoints``, ``save_on_signal``).
+        partitioned: this run's optimizer state is split by rank (ZeRO 1/2, or bf16).
+    """
+
+    def __init__(self, run_dir: str | Path, rank: int, world: int, train: Any, partitioned: bool):
+        self.run_dir = Path(run_dir)
+        self.ckpt_dir = self.run_dir / "checkpoints"
+        self.rank, self.world = rank, world
+        self.train = train
+        self.topology = Topology(world, int(train.zero_stage), bool(partitioned))
+        self.signals = SignalWatch(train.save_on_signal, announce=rank == 0)
+        self.signals.at_exit(self.discard)
+        self.total_steps = 0
+        self.plan: LoadPlan | None = None
+        self.engine: Any = None
+        self.guard: EngineGuard | None = None
+        self.last_saved: int | None = None  # the step of the newest checkpoint of this run
+        self._saving: Path | None = None
+        self.conversions: list[Conversion] = list(CONVERSIONS)
+        self._savers: list[Callable[[Path, Callable], None]] = []
+        self._loaders: list[Callable[[Path, Path], None]] = []
+
+    def expert_shards(self, names: set[str], conversion: Conversion) -> None:
+        """This run keeps the expert weights ``names`` in squad's shard files; ``conversion`` moves a tag's experts
+        between DeepSpeed's files and shard files when the saved set differs (tried first). Call before
+        `plan_resume`."""
+        self.topology = dataclasses.replace(self.topology, expert_shards=frozenset(names))
+        self.conversions.insert(0, conversion)
+
+    def also_save(self, save: Callable[[Path, Callable], None]) -> None:
+        """``save(tag_dir, write)`` writes more of this rank's state into each tag, after DeepSpeed's files (every
+        rank calls it; ``write(obj, path)`` is the engine's guarded writer, so a failure reaches every rank)."""
+        self._savers.append(save)
+
+    def also_load(self, load: Callable[[Path, Path], None]) -> None:
+        """``load(loaded, saved)`` reads that state back after DeepSpeed loaded the tag: ``loaded`` is the tag folder
+        DeepSpeed read (the converted one when converted), ``saved`` the tag as it was written."""
+        self._loaders.append(load)
+
+    # ---------------------------------------------------------------------------------------------- resume
+    def plan_resume(self, source: ResumeSource | None) -> LoadPlan | None:
+        """Chooses the tag to load (every rank: `select_tag`) and the conversion this run's topology needs.
+
+        Raises:
+            UnsafeCheckpointError, DamagedCheckpointError: as `select_tag`.
+        """
+        if source is None:
+            return None
+        warn = log.warning if self.rank == 0 else None
+        tag = select_tag(source.ckpt_dir, source.tags, self.rank, self.world, warn)
+        saved = Topology.of_tag(source.ckpt_dir / tag)
+        conversion = next((c for c in self.conversions if saved is not None and c.needed(saved, self.topology)),
+                          None)
+        skipped = [source.ckpt_dir / t for t in source.tags[: source.tags.index(tag)]]
+        self.plan = LoadPlan(source.ckpt_dir, tag, skipped, saved, conversion)
+        return self.plan
+
+    def ds_config(self) -> dict:
+        """DeepSpeed config keys the planned load needs (a converted tag's), merged into the run's."""
+        plan = self.plan
+        return plan.conversion.ds_config() if plan is not None and plan.conversion is not None else {}
+
+    def attach(self, engine: Any, total_steps: int) -> None:
+        """The DeepSpeed engine to save and load (its I/O guarded: `EngineGuard`) and the run's length."""
+        self.engine = engine
+        self.guard = EngineGuard(engine)
+        self.total_steps = total_steps
+
+    def load(self) -> dict | None:
+        """Loads the planned tag (converted first when the plan says so); returns squad's client state, or None
+        without a plan. Every rank calls it."""
+        from squad.distributed import barrier, broadcast_object
+
+        plan = self.plan
+        if plan is None:
+            return None
+        load_dir = plan.ckpt_dir
+        scratch = self.ckpt_dir / CONVERTED
+        if plan.conversion is not None:
+            error = None
+            if self.rank == 0:
+                try:
+                    shutil.rmtree(scratch, ignore_errors=True)
+                    scratch.mkdir(parents=True)
+                    log.info("converting %s (written by %d ranks) for %d ranks: %s checkpoint", plan.tag_dir,
+                             plan.saved.world_size if plan.saved else 0, self.world, plan.conversion.name)
+                    plan.conversion.convert(plan.tag_dir, scratch / plan.tag)
+                except Exception as e:  # noqa: BLE001 - every rank must learn of it
+                    error = f"{type(e).__name__}: {e}"
+            error = broadcast_object(error)
+            if error:
+                if self.rank == 0:
+                    shutil.rmtree(scratch, ignore_errors=True)
+                raise RuntimeError(error)
+            load_dir = scratch
+        try:
+            _, client = self.engine.load_checkpoint(str(load_dir), tag=plan.tag)
+            if plan.conversion is not None:
+                plan.conversion.after_load(self.engine, plan.tag_dir)
+            for load in self._loaders:
+                load(load_dir / plan.tag, plan.tag_dir)
+        finally:
+            if plan.conversion is not None:
+                barrier()
+                if self.rank == 0:
+                    shutil.rmtree(scratch, ignore_errors=True)
+        if client is None:
+            raise RuntimeError(f"checkpoint {plan.tag_dir} could not be loaded")
+        if plan.ckpt_dir.resolve() == self.ckpt_dir.resolve():
+            self.last_saved = plan.step
+        return client
+
+    # ------------------------------------------------------------------------------------------------ saving
+    def stop_requested(self) -> bool:
+        """Whether a signal asked this rank to stop (the engine all-reduces it with the step's loss check)."""
+        return self.signals.requested is not None
+
+    def save(self, step: int, client: Callable[[], dict], stop: bool = False) -> str | None:
+        """The checkpoint step ``step`` calls for, if any; every rank calls it after every step.
+
+        Args:
+            step: optimiser steps done.
+            client: squad's state to save beside DeepSpeed's (called only when a checkpoint is written).
+            stop: every rank agreed that a signal asked for a stop (all-reduced during the step).
+
+        Returns:
+            None (go on), ``"stop_at"`` (``train.stop_at``: checkpointed, the run stops here).
+
+        Raises:
+            Preempted: a signal asked for a stop (before or during the save); the checkpoint at ``step`` is complete.
+            TrainingError: a write failed on some rank (the previous checkpoint stays the latest).
+        """
+        t = self.train
+        periodic = bool(t.ckpt_every) and step % t.ckpt_every == 0 and step < self.total_steps
+        stop_at = step == t.stop_at and step < self.total_steps
+        if not (stop or periodic or stop_at):
+            return None
+        if step != self.last_saved:
+            stop = self._write(step, client()) or stop
+        if stop:
+            raise self._preempted(step)
+        return "stop_at" if stop_at else None
+
+    def save_final(self, step: int, client: Callable[[], dict]) -> None:
+        """The checkpoint at the end of the run (a signal meanwhile changes nothing: the run is finishing)."""
+        if step != self.last_saved:
+            self._write(step, client())
+
+    def stop_before_training(self) -> None:
+        """At the start of the loop: a signal that arrived during start-up stops every rank at once (one collective
+        per run), with nothing new to save.
+
+        Raises:
+            Preempted: some rank was signalled.
+        """
+        if any(gather_objects(self.stop_requested())):
+            raise self._preempted(self.last_saved or 0, saved=False)
+
+    def _preempted(self, step: int, saved: bool = True) -> Preempted:
+        signum = self.signals.requested
+        what = signal_name(signum) if signum else "a signal on another rank"
+        latest = find_resume_tag(self.ckpt_dir)
+        where = (f"checkpoint {self.ckpt_dir / tag_for(step)} holds step {step}" if saved and latest else
+                 f"the newest checkpoint is {self.ckpt_dir / latest}" if latest else "no checkpoint yet")
+        return Preempted(f"stopped by {what} at step {step}: {where}; run the same command again to resume "
+                         f"(exit {EXIT_PREEMPTED})")
+
+    def _write(self, step: int, client: dict) -> bool:
+        """Saves the tag of ``step`` (collective); returns whether a signal asked for a stop meanwhile (agreed)."""
+        from squad.distributed import broadcast_object
+
+        tag = tag_for(step)
+        staging = self.ckpt_dir / SAVING / tag
+        what = f"checkpoint {tag}"
+        error = None
+        asked = False
+        if self.rank == 0:  # DeepSpeed's own mkdir failing on rank 0 alone would leave the others in its barrier
+            try:
+                shutil.rmtree(staging, ignore_errors=True)
+                staging.mkdir(parents=True)
+            except OSError as e:
+                error = write_failure(what, staging, e)
+        if not broadcast_object(error):
+            self._saving = staging
+            self.guard.take()
+            self.engine.save_checkpoint(str(staging.parent), tag=tag, client_state=client, save_latest=False)
+            for save in self._savers:
+                save(staging, self.engine.checkpoint_engine.save)
+            failed = self.guard.take()  # recorded by the guard, so that every rank got through DeepSpeed's barriers
+            outcomes = gather_objects((write_failure(what, *failed) if failed else None, self.stop_requested()))
+            error = next((e for e, _ in outcomes if e), None)
+            asked = any(s for _, s in outcomes)
+            if error is None and self.rank == 0:
+                try:
+                    record = {"step": step, "world_size": self.world, "zero_stage": self.topology.zero_stage,
+                              "expert_shards": sorted(self.topology.expert_shards)}
+                    commit_tag(self.ckpt_dir, tag, record, self.train.keep_checkpoints)
+                except OSError as e:
+                    error = write_failure(what, self.ckpt_dir / tag, e)
+        if self.rank == 0:
+            if error:
+                _remove_save(staging)  # never complete; frees what it held
+                previous = find_resume_tag(self.ckpt_dir)
+                error += (f"; {what} was not saved (its partial files are removed). The previous checkpoint "
+                          f"{self.ckpt_dir / previous} is intact: make room and rerun the same command to resume from "
+                          f"it" if previous else f"; {what} was not saved (its partial files are removed) and the run "
+                          f"has no earlier checkpoint")
+                log.error(error)
+            else:
+                log.info("checkpoint %s", self.ckpt_dir / tag)
+        error = broadcast_object(error)  # every rank leaves once rank 0 has committed
+        self._saving = None
+        if error:
+            raise TrainingError(error)
+        self.last_saved = step
+        return asked
+
+    def discard(self) -> None:
+        """Rank 0: removes a save in progress (an interrupt, a second signal); nothing in a tag folder changes."""
+        if self.rank == 0 and self._saving is not None:
+            _remove_save(self._saving)
+
+    def close(self, finished: bool = True) -> None:
+        """Removes what an interrupted save left (rank 0); restores the signal handlers after a run that finished, and
+        ignores the signals after one that stopped early (`SignalWatch.ignore`)."""
+        self.discard()
+        if finished:
+            self.signals.restore()
+        else:
+            self.signals.ignore()
+
+
+def commit_tag(ckpt_dir: Path, tag: str, record: dict, keep: int) -> None:
+    """Rank 0, once every rank has written ``<ckpt_dir>/.saving/<tag>``: writes COMPLETE (``record``: ``step``,
+    ``world_size``, ``zero_stage``), renames the tag into place (replacing a folder of that name), moves DeepSpeed's
+    recovery scripts beside the tags, points ``latest`` at it and keeps the newest ``keep`` complete tags."""
+    ckpt_dir = Path(ckpt_dir)
+    staging, final = ckpt_dir / SAVING / tag, ckpt_dir / tag
+    atomic_write_text(staging / COMPLETE, json.dumps(record))
+    replaced = staging.with_name(f"{tag}.replaced")
+    if final.exists():  # left by an interrupted save of an older version, or this step saved before
+        shutil.rmtree(replaced, ignore_errors=True)
+        final.rename(replaced)
+    staging.rename(final)
+    for script in staging.parent.glob("*.py"):  # DeepSpeed's recovery scripts, copied beside the tag it wrote
+        os.replace(script, ckpt_dir / script.name)
+    atomic_write_text(ckpt_dir / LATEST, tag)
+    shutil.rmtree(replaced, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        staging.parent.rmdir()  # when no other save is in progress
+    for old in complete_tags(ckpt_dir)[:-keep]:
+        shutil.rmtree(ckpt_dir / old, ignore_errors=True)
+
+
+def _remove_save(staging: Path) -> None:
+    """Removes a save in progress: ``.saving`` with the tag and the recovery scripts DeepSpeed copied beside it (a run
+    saves one tag at a time)."""
+    shutil.rmtree(staging.parent, ignore_errors=True)
+
+
+def remove_interrupted_saves(ckpt_dir: Path) -> list[str]:
+    """Rank 0, with the run folder's lock held: removes the saves and conversions earlier runs left unfinished.
+
+    Returns:
+        Notes for ``train.log``.
+    """
+    notes = []
+    for scratch in (Path(ckpt_dir) / SAVING, Path(ckpt_dir) / CONVERTED):
+        if scratch.is_dir():
+            left = sorted(p.name for p in scratch.iterdir() if p.is_dir())
+            shutil.rmtree(scratch, ignore_errors=True)
+            if left:
+                notes.append(f"removed what an interrupted save or conversion left in {scratch}: {', '.join(left)}")
+    return notes

@@ -3,8 +3,8 @@
 The embedded data is the synthetic Taskonomy; the report is report.md, PNG figures and results.json.
 
     python tools/reproduce.py pruning --scale tiny --out /tmp/r                    # the plumbing, in minutes
-    python tools/reproduce.py modsquad-table2 pruning mi-vs-balance amod-table3 mone-budget --scale cpu \
-        --out /work/repro-cache/cpu --report reports/cpu                            # converged, CPU, hours
+    python tools/reproduce.py modsquad-table2 pruning mi-vs-balance amod-table3 mone-budget --scale cpu \\
+        --out runs/repro-cpu --report reports/cpu                                  # converged, CPU, hours
     python tools/reproduce.py modsquad-table2 --scale gpu --parallel 10 --out reports/gpu   # one H100, <= 8 min
     python tools/reproduce.py all --scale paper --out plans/paper --data /data/taskonomy   # configs + commands
 

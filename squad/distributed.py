@@ -41,17 +41,22 @@ def extensions_dir() -> Path:
     ``site-packages/torch/include``, ``deepspeed/ops/csrc``). Two checkouts with their own virtual environments
     sharing that cache rebuild each other's op every time (ninja sees another command: two command hashes in its
     ``.ninja_log``), and every rank of every run waits on the cache's lock meanwhile (60–120 s on 2 cores). So each
-    installation keeps its own: ``<venv>/torch_extensions`` inside a virtual environment, else a folder of the
-    default cache named by the installation's paths. ``TORCH_EXTENSIONS_DIR`` set by the user is kept.
+    installation keeps its own: ``<venv>/torch_extensions/squad-<digest>`` inside a virtual environment, else a
+    folder of the default cache, both named by the installation's paths. ``TORCH_EXTENSIONS_DIR`` set by the user is
+    kept.
+
+    The name matters inside the virtual environment too: one copied to another checkout with hard links (``cp -al``,
+    as a fast clone does) would otherwise share the build files, ninja log and lock of the original's folder through
+    the links, and the two would rebuild each other's op at every start exactly as through the shared cache.
     """
     if os.environ.get("TORCH_EXTENSIONS_DIR"):
         return Path(os.environ["TORCH_EXTENSIONS_DIR"])
-    if sys.prefix != sys.base_prefix and os.access(sys.prefix, os.W_OK):
-        return Path(sys.prefix) / "torch_extensions"
     where = f"{sys.prefix}|{Path(torch.__file__).parent}"
-    digest = hashlib.sha1(where.encode()).hexdigest()[:12]
+    name = f"squad-{hashlib.sha1(where.encode()).hexdigest()[:12]}"
+    if sys.prefix != sys.base_prefix and os.access(sys.prefix, os.W_OK):
+        return Path(sys.prefix) / "torch_extensions" / name
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torch_extensions"
-    return base / f"squad-{digest}"
+    return base / name
 
 
 def use_own_extensions() -> Path:

@@ -131,3 +131,21 @@ def test_cuda_event_timing_orders_work():
     a = torch.randn(2048, 2048, device="cuda")
     small, big = time_interleaved([lambda: a[:256] @ a[:, :256], lambda: a @ a], repeats=5, device="cuda")
     assert 0 < small < big
+
+
+@pytest.mark.slow
+def test_engine_case_sets_the_engine_against_bare_steps(tmp_path):
+    """The ``engine`` case at --quick sizes: a short and a long engine run beside bare steps (CPU time; no assertion
+    on the figures, only that they are measured and consistent)."""
+    out = tmp_path / "bench.json"
+    proc = run_tool("--quick", "--only", "engine", "--json", str(out), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["case"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(rows) == {"engine_step_vs_bare", "engine_run_12_steps_vs_bare", "engine_fixed_cpu_s",
+                         "engine_fixed_wall_s"}
+    step, run = rows["engine_step_vs_bare"], rows["engine_run_12_steps_vs_bare"]
+    assert step["target"] == run["target"] == "<= 1.5" and step["unit"] == "x CPU time"
+    details = step["details"]
+    assert details["bare_cpu_s"] > 0 and details["threads"] == 1
+    assert step["value"] == pytest.approx(details["engine_step_cpu_s"] / details["bare_cpu_s"])
+    assert run["value"] == pytest.approx(details["run_cpu_s"]["12"] / (12 * details["bare_cpu_s"]))

@@ -78,6 +78,9 @@ SKIPPED = {
     "test_reproduce.py runs every claim at --scale tiny, and the tiny command below runs here",
     "python tools/reproduce.py modsquad-table2 --scale gpu": "the gpu scale needs a GPU (minutes there, many hours "
     "on a CPU); test_reproduce.py checks its plan and runs --parallel at tiny scale",
+    "python tools/reproduce.py modsquad-table2 pruning mi-vs-balance amod-table3 mone-budget --scale cpu": "the "
+    "converged CPU runs train 54 models for hours (reports/cpu holds their report); test_reproduce.py runs every "
+    "claim at --scale tiny",
     "make gpu-check": "needs a CUDA GPU; test_gpu_check.py runs its refusal, stage runner and report on the CPU",
     "python3 tools/gpu_check.py": "needs a CUDA GPU (the same as make gpu-check)",
 }

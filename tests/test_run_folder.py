@@ -223,7 +223,17 @@ def test_extension_builds_belong_to_their_installation(monkeypatch, tmp_path):
     from squad.distributed import extensions_dir, prepare_environment
 
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
-    assert extensions_dir() == Path(sys.prefix) / "torch_extensions"  # the tests run in make's .venv
+    own = extensions_dir()  # the tests run in make's .venv: a folder inside it, named by its paths
+    assert own.parent == Path(sys.prefix) / "torch_extensions" and own.name.startswith("squad-")
+    clones = set()  # a venv copied with hard links to another checkout gets a folder of its own inside it
+    for prefix in ("/work/a/.venv", "/work/b/.venv"):
+        monkeypatch.setattr(sys, "prefix", prefix)
+        monkeypatch.setattr(os, "access", lambda path, mode: True)
+        clones.add(extensions_dir())
+        assert extensions_dir().parent == Path(prefix) / "torch_extensions"
+    assert len(clones) == 2
+    monkeypatch.undo()
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
     seen = set()
     for prefix in ("/work/a/.venv", "/work/b/.venv"):
         monkeypatch.setattr(sys, "prefix", prefix)
@@ -235,7 +245,7 @@ def test_extension_builds_belong_to_their_installation(monkeypatch, tmp_path):
     assert extensions_dir() == tmp_path
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
     prepare_environment()
-    assert os.environ["TORCH_EXTENSIONS_DIR"] == str(Path(sys.prefix) / "torch_extensions")
+    assert os.environ["TORCH_EXTENSIONS_DIR"] == str(own)
 
 
 @pytest.mark.slow
@@ -248,7 +258,7 @@ def test_runs_load_the_op_that_set_up_built(run_config, tmp_path):
     res = subprocess.run([PY, str(ROOT / "tools" / "prepare_deepspeed.py")], env=env, cwd=tmp_path,
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
-    assert f"ready in {Path(sys.prefix) / 'torch_extensions'}" in res.stdout
+    assert f"ready in {extensions_dir()}" in res.stdout
     op = extensions_dir() / "deepspeed_shm_comm"
     log, lib = (op / ".ninja_log").read_text(), (op / "deepspeed_shm_comm.so").stat().st_mtime_ns
     res = subprocess.run([PY, str(ROOT / "tools" / "train.py"), "--config", str(run_config), "--out",

@@ -10,6 +10,7 @@
 - memory.py: peak memory on any device (CUDA's statistics, or every tensor storage followed on the CPU).
 - extract.py: the extracted-model case (parameters and forward time against the full model).
 - data.py: HDF5 shards against the PNG tree.
+- engine.py: the training engine's step and whole run against bare steps (CPU time, the reproduction's widths).
 - traffic.py: `TrafficRecorder`: every launched op's kernels, FLOPs, bytes, host syncs, atomics, counted on any device.
 - cuda_path.py: what makes a CPU or meta recording follow CUDA's path (forced algorithm, fused SDPA, Triton launches).
 - traffic_profile.py: the ``traffic`` case: the routed layers against their dense twins, counted and priced.

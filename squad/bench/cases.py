@@ -93,6 +93,8 @@ CASES: list[Case] = [
     Case("traffic", "squad.bench.traffic_profile:bench_traffic",
          "routed layers' kernels, syncs, atomics, FLOPs, bytes vs dense twins (CPU, exact) + modelled H100 time"),
     Case("data", "squad.bench.data:bench_shards_vs_png", "HDF5 shards vs PNG tree, 13 domains, images/s"),
+    Case("engine", "squad.bench.engine:bench_engine",
+         "training engine step and whole run / bare fwd+bwd+AdamW step (small STL run, 1 thread, CPU time)"),
     Case("extraction", "squad.bench.extract:bench_extraction",
          "extracted depth (θ=0.01) params / full, forward vs full"),
 ]

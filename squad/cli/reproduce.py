@@ -2,34 +2,33 @@
 
 The embedded data is the synthetic Taskonomy; the report is report.md, PNG figures and results.json.
 
-    python tools/reproduce.py all --scale small --out reports/small            # every claim, 2 seeds, CPU
-    python tools/reproduce.py modsquad-table2 pruning --scale tiny --out /tmp/r  # the plumbing, in minutes
-    python tools/reproduce.py pruning --scale gpu --parallel 8 --out reports/gpu  # one claim at convergence, a GPU
+    python tools/reproduce.py pruning --scale tiny --out /tmp/r                    # the plumbing, in minutes
+    python tools/reproduce.py modsquad-table2 pruning mi-vs-balance amod-table3 mone-budget --scale cpu \\
+        --out runs/repro-cpu --report reports/cpu                                  # converged, CPU, hours
+    python tools/reproduce.py modsquad-table2 --scale gpu --parallel 10 --out reports/gpu   # one H100, <= 8 min
     python tools/reproduce.py all --scale paper --out plans/paper --data /data/taskonomy   # configs + commands
 
-Claims: modsquad-table2 (Mod-Squad Table 2: STL, MTL, M3ViT-like, MoE MLP only, MoE attention only, Mod-Squad, and
-an MTL + task embedding control; Δt, parameters, MACs, step time, peak memory), pruning (extraction at θ and
-keep-top: parameters, like with like, vs Δt), router-finetune (router / head / full / linear-probe on fractions of a
-new task's data, every mode with the same budget and stopping rule), mi-vs-balance (MI loss vs a per-task balance
-loss: expert-use sparsity, I(T;E), Δt), amod-table3 (a dense model of 8 blocks trained to a plateau → MoD with
-attention routing or a learned router, no training then a fine-tune of 1,000+ steps), mone-budget (one MoNE model
-with e_c drawn per step from 0.15-0.95, trained at equal FLOPs, vs models trained at e_c 0.2/0.4/0.6/0.8, with
-forward time per e_c), pascal-table3 (Mod-Squad Table 3 on the synthetic PASCAL-Context: STL, MTL, Mod-Squad and the
-pruned Mod-Squad at θ = 0.01; Δm, parameters full vs pruned, MACs, step time); ``all`` for every claim.
+Claims: modsquad-table2 (Mod-Squad Table 2: STL against the scale's multi-task families — MTL, an MTL + task
+embedding control, M3ViT-like, MoE MLP only, MoE attention only, Mod-Squad; Δt, parameters, MACs, step time, peak
+memory), pruning (extraction at θ and keep-top: parameters, like with like, vs Δt), router-finetune (router / head /
+full / linear-probe on fractions of a new task's data, every mode with the same budget and stopping rule; only on a
+converged pretrain, else untestable), mi-vs-balance (MI loss vs a per-task balance loss, the untrained model beside:
+expert-use sparsity, I(T;E), Δt), amod-table3 (a dense model of 8 blocks trained to a plateau of its validation
+curve → MoD with attention routing or a learned router, no training then a fine-tune of 1,000+ steps), mone-budget
+(one MoNE model with e_c drawn per step from 0.15-0.95 vs models trained at e_c 0.2/0.4/0.6/0.8, every one for the
+same steps, training compute in MACs, forward time per e_c), pascal-table3 (Mod-Squad Table 3's plumbing on the
+synthetic PASCAL-Context: STL, MTL, Mod-Squad and the pruned Mod-Squad; no verdict on synthetic data); ``all`` for
+every claim.
 
-Scales: tiny (4 tasks, 32 px, a few steps: minutes), small (13 tasks, 64 px, width 96, 200 steps, 2 seeds: hours on
-2 CPU cores), gpu (13 tasks, 64 px, width 192, depth 6, 2,000 steps of 64 images, 3 seeds: the claims at
-convergence; planned at 25 minutes or less per claim on one H100 with --parallel 8), paper (writes the
-real-Taskonomy run configs and the ``deepspeed --hostfile`` commands, runs nothing). --parallel N trains N runs at
-once, each in a process of its own (one GPU each on a machine with several; on a CPU the cores are split between
-them). Without --data the synthetic data is rendered into OUT/data/synthetic (`make_data.py synthetic`) and
-packed into HDF5 shards in OUT/data/shards (`make_data.py pack`), which the runs read; pascal-table3 renders its
-synthetic PASCAL-Context into OUT/data/pascal and packs it into OUT/data/pascal_shards (or reads --pascal-data).
+Verdicts: a claim's primary comparison decides it by a one-sided paired t-test over >= 3 seeds (seed variance
+pooled over its comparisons; the others Holm-corrected); 2 seeds give the direction only. Δt counts only the tasks
+whose single-task model beats the best image-independent predictor by >= 5 % on every seed (the learnability gate).
 
 Every run is an ordinary run folder in OUT/runs (squad.load and the other tools open it); finished runs are skipped,
-so the same command resumes an interrupted invocation. The estimated time (from step times measured at the start)
-is printed before anything trains; on a busy machine pass --steps to fit the budget. The verdicts (reproduced /
-not reproduced / inconclusive) follow the rule written in the report.
+so the same command resumes an interrupted invocation (runs of 400 steps or more resume from their last quarter).
+The estimated time (from step times measured at the start) is printed before anything trains. Without --data the
+synthetic data is rendered into OUT/data/synthetic on every core (`make_data.py synthetic`) and packed into HDF5
+shards in OUT/data/shards (`make_data.py pack`), which the runs read.
 """
 
 from __future__ import annotations
@@ -44,14 +43,24 @@ from squad.cli import run
 
 def build_parser() -> argparse.ArgumentParser:
     """The arguments of ``tools/reproduce.py`` / ``squad-reproduce``."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from squad.reproduce.scales import GPU_PARALLEL, GPU_TABLE2_MINUTES, SCALES, describe_scale
+
+    scales = "\n".join(f"  {describe_scale(s)}" for s in SCALES.values())
+    epilog = (f"Scales:\n{scales}\nThe gpu scale's modsquad-table2 is planned at <= {GPU_TABLE2_MINUTES:g} minutes "
+              f"on one H100 with --parallel {GPU_PARALLEL} (from MEASURED.md's step times; unmeasured at its "
+              "widths); the other claims are planned longer than one lent GPU session gives.")
+    p = argparse.ArgumentParser(description=__doc__, epilog=epilog,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("claims", nargs="+", metavar="CLAIM", help="claims to measure (see above), or all")
-    p.add_argument("--scale", choices=["tiny", "small", "gpu", "paper"], default="small", help="default: small")
-    p.add_argument("--out", required=True, help="output folder (report.md, results.json, figures/, runs/)")
-    p.add_argument("--seeds", type=int, default=None, help="seeds per run (default: the scale's; small: 2)")
+    p.add_argument("--scale", choices=list(SCALES), default="small", help="default: small (see the scales below)")
+    p.add_argument("--out", required=True, help="output folder (runs/, data/, cache/; the report too unless --report)")
+    p.add_argument("--report", default=None, metavar="DIR",
+                   help="where report.md, results.json and figures/ go (default: OUT), e.g. a folder in the "
+                        "repository while OUT, with the runs and data, stays outside it")
+    p.add_argument("--seeds", type=int, default=None, help="seeds per run (default: the scale's)")
     p.add_argument("--steps", type=int, default=None,
-                   help="training steps per run instead of the scale's (small: 200); a folder's runs must all have "
-                        "the same, so use another --out for another value")
+                   help="training steps per run instead of the scale's; a folder's runs must all have the same, so "
+                        "use another --out for another value")
     p.add_argument("--data", default=None,
                    help="dataset root: a Taskonomy tree or HDF5 shards (default: the synthetic Taskonomy rendered and "
                         "packed into OUT/data at the scale's size; paper: the Taskonomy root written into the "
@@ -62,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "root written into the commands)")
     p.add_argument("--parallel", type=int, default=1, metavar="N",
                    help="train N runs at once, each in a process of its own (and router-finetune's fine-tunes); "
-                        "several GPUs: one run each; default 1 (in this process)")
+                        f"several GPUs: one run each; the gpu scale is planned with {GPU_PARALLEL} on one GPU; "
+                        "default 1 (in this process)")
     p.add_argument("--hostfile", default="hostfile", help="paper scale: the DeepSpeed hostfile the commands name")
     return p
 
@@ -92,7 +102,8 @@ def _reproduce(argv: list[str] | None) -> int:
     from squad.reproduce.invocation import reproduce
 
     reproduce(args.claims, args.scale, args.out, seeds=args.seeds, steps=args.steps, data=args.data,
-              pascal=args.pascal_data, hostfile=args.hostfile, command=command, parallel=args.parallel)
+              pascal=args.pascal_data, hostfile=args.hostfile, command=command, parallel=args.parallel,
+              report_dir=args.report)
     return 0
 
 

@@ -2,14 +2,19 @@
 
 One experiment per claim; each run is an ordinary run folder; a report (markdown, figures, results.json).
 
-* `scales`: tiny / small / gpu / paper — widths, images, step budgets, seeds, the time plan;
+* `scales`: tiny / small / cpu / gpu / paper — widths, images, step budgets, seeds, the time plan;
 * `runs`: a run's config from a method family's paper config, training it in-process with squad's engine (skipped
-  when done; refused when done with other settings), the cost measurement (step time, peak memory);
+  when done; refused when done with other settings; long runs checkpoint and resume);
+* `specs`: the runs each claim needs (`Context`, `cached` post-training results);
 * `parallel`: ``--parallel N``: N runs (or post-training jobs) at once, each in a process of its own;
-* `verdicts`: paired per-seed comparisons, preconditions, the verdict rule, Δt;
-* `claims`: one function per claim (modsquad-table2, pruning, router-finetune, mi-vs-balance, amod-table3,
-  mone-budget, pascal-table3 — the last on its own synthetic PASCAL-Context data);
+* `stats` and `verdicts`: paired per-seed differences, a one-sided t-test with the seed variance pooled over a
+  claim's comparisons, Holm for the secondary ones, the verdict rule, Δt;
+* `gate`: the learnability gate — Δt counts a task only when its reference model beats the best image-independent
+  predictor (`squad.eval.prior`) by ≥ 5 % on every seed;
+* `measure`: baselines, Δt curves over training steps with 95 % intervals, the plateau of a validation curve;
+* `claims` (the registry), `claims_modsquad` (modsquad-table2, pruning, mi-vs-balance), `claims_transfer`
+  (router-finetune, pascal-table3), `claims_budget` (amod-table3, mone-budget);
 * `finetune`: router-finetune's fine-tunes, every mode with the same budget, lr choice and stopping rule;
-* `report`: report.md, figures/*.png, results.json;
+* `report` and `figures`: report.md, figures/*.png, results.json;
 * `paper`: ``--scale paper``'s run configs and ``deepspeed --hostfile`` commands (written, not run).
 """

@@ -25,7 +25,17 @@ from squad.reproduce.paper import write_paper_plan
 from squad.reproduce.parallel import run_jobs
 from squad.reproduce.report import write_report
 from squad.reproduce.runs import Runner, RunSpec, is_done
-from squad.reproduce.scales import Planned, Scale, estimate_seconds, format_duration, get_scale, pascal_scale
+from squad.reproduce.scales import (
+    GPU_PARALLEL,
+    GPU_TABLE2_MINUTES,
+    Planned,
+    Scale,
+    estimate_seconds,
+    format_duration,
+    get_scale,
+    pascal_scale,
+    render_seconds,
+)
 from squad.reproduce.specs import Context
 
 
@@ -48,8 +58,9 @@ def planned(ctx: Context, spec: RunSpec) -> Planned:
 
 def plan_table(scale: str | Scale, claims: Sequence[str] = ("all",), parallel: int = 1, device: str = "cuda",
                seeds: int | None = None, gpus: int = 1, cores: int = 16) -> dict[str, float]:
-    """Every claim's planned seconds when it runs alone into an empty folder (nothing measured: the constants of
-    `squad.reproduce.scales`), e.g. the gpu scale's plan on one H100 with ``--parallel 8``."""
+    """Every claim's planned seconds when it runs alone into an empty folder, rendering its data first (nothing
+    measured: the constants of `squad.reproduce.scales`), e.g. the gpu scale's plan on one H100 with
+    ``--parallel 10``."""
     scale = get_scale(scale) if isinstance(scale, str) else scale
     out = Path("/nonexistent/plan")
     seeds_ = list(range(seeds or scale.seeds))
@@ -60,19 +71,38 @@ def plan_table(scale: str | Scale, claims: Sequence[str] = ("all",), parallel: i
         specs = list({s.name: s for s in CLAIMS[name].specs(ctx)}.values())
         plan = [Planned(s.family, s.steps, len(s.train_tasks or s.tasks),
                         (s.base or s).model.get("depth", (s.scale or scale).depth)) for s in specs]
-        table[name] = estimate_seconds(plan, {}, scale, [name], len(seeds_), parallel, device, gpus, cores)
+        table[name] = estimate_seconds(plan, {}, scale, [name], len(seeds_), parallel, device, gpus, cores) + \
+            (0.0 if name == "pascal-table3" else render_seconds(scale, cores))
     return table
+
+
+def plan_invocation(scale: str | Scale, claims: Sequence[str] = ("all",), parallel: int = 1, device: str = "cuda",
+                    seeds: int | None = None, gpus: int = 1, cores: int = 16) -> float:
+    """The planned seconds of one invocation of ``claims`` into an empty folder: the data rendered once, every run
+    they share trained once, each claim's own work (nothing measured: the constants of `squad.reproduce.scales`)."""
+    scale = get_scale(scale) if isinstance(scale, str) else scale
+    out = Path("/nonexistent/plan")
+    seeds_ = list(range(seeds or scale.seeds))
+    ctx = Context(scale, seeds_, out / "data", out, Runner(out, scale, out / "data"), device,
+                  pascal=pascal_scale(scale), pascal_data=out / "pascal", parallel=parallel)
+    names = resolve_claims(claims)
+    specs = list({s.name: s for n in names for s in CLAIMS[n].specs(ctx)}.values())
+    plan = [Planned(s.family, s.steps, len(s.train_tasks or s.tasks),
+                    (s.base or s).model.get("depth", (s.scale or scale).depth)) for s in specs]
+    render = render_seconds(scale, cores) if any(n != "pascal-table3" for n in names) else 0.0
+    return estimate_seconds(plan, {}, scale, names, len(seeds_), parallel, device, gpus, cores) + render
 
 
 def reproduce(claims: Sequence[str], scale: str = "small", out: str | Path = "reports/small", *,
               seeds: int | None = None, steps: int | None = None, data: str | Path | None = None,
               pascal: str | Path | None = None, hostfile: str = "hostfile", command: str = "", parallel: int = 1,
-              say: Callable[[str], None] | None = None) -> Path:
+              report_dir: str | Path | None = None, say: Callable[[str], None] | None = None) -> Path:
     """Measures ``claims`` at ``scale`` into ``out`` and writes the report; returns its path.
 
     Args:
         claims: claim names (`squad.reproduce.claims.CLAIMS`) or ``"all"``.
-        scale: ``tiny``, ``small``, ``gpu`` or ``paper`` (paper writes configs and commands and runs nothing).
+        scale: ``tiny``, ``small``, ``cpu``, ``gpu`` or ``paper`` (paper writes configs and commands and runs
+            nothing).
         out: the output folder (report.md, results.json, figures/, runs/, data/).
         seeds: seeds per run (default: the scale's).
         steps: training steps per run instead of the scale's.
@@ -82,10 +112,11 @@ def reproduce(claims: Sequence[str], scale: str = "small", out: str | Path = "re
         command: the command line, recorded in the report.
         parallel: runs trained at once, each in a process of its own (one GPU each where there are several); the
             fine-tunes of router-finetune run that way too.
+        report_dir: where report.md, results.json and figures/ go (default: ``out``).
         say: where progress lines go (default: stdout).
 
     Returns:
-        ``out/report.md`` (paper scale: the commands file).
+        ``report_dir/report.md`` (paper scale: the commands file).
 
     Raises:
         ValueError: an unknown claim (listing them), seeds, steps or parallel below 1, or an ``out`` holding another
@@ -123,7 +154,15 @@ def reproduce(claims: Sequence[str], scale: str = "small", out: str | Path = "re
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gpus = torch.cuda.device_count() if device == "cuda" else 0
     if device == "cpu" and scale.name == "gpu":
-        say("warning: --scale gpu on a machine without a GPU (it will take many hours; --scale small is the CPU's)")
+        say("warning: --scale gpu on a machine without a GPU (it will take many hours; --scale cpu is the CPU's)")
+    if scale.name == "gpu" and device == "cuda":
+        minutes = plan_invocation(scale, claims, max(parallel, 1), device, len(seeds), max(1, gpus),
+                                  os.cpu_count() or 1) / 60
+        if minutes > GPU_TABLE2_MINUTES:
+            say(f"note: planned at {minutes:.0f} min on this machine (MEASURED.md's step times, unmeasured at these "
+                f"widths): more than one command of a lent GPU session gives ({GPU_TABLE2_MINUTES:g} min; "
+                f"modsquad-table2 alone with --parallel {GPU_PARALLEL} is planned to fit); runs resume, so it can "
+                "continue in a later session")
     ctx = Context(scale, seeds, root, out, Runner(out, scale, root), device, pascal=pscale, pascal_data=pdata,
                   parallel=parallel)
     specs = list({s.name: s for c in claims for s in CLAIMS[c].specs(ctx)}.values())
@@ -154,6 +193,9 @@ def reproduce(claims: Sequence[str], scale: str = "small", out: str | Path = "re
             f"evaluations")
         if parallel > 1:
             ctx.runner.train_all(todo, parallel, gpus)
+        else:  # every run first, seed by seed (a run from another's weights after it), then the claims measure
+            for s in sorted(todo, key=lambda s: s.seed):
+                ctx.runner.ensure(s)
     if parallel > 1:
         jobs = [j for c in claims if CLAIMS[c].jobs is not None for j in CLAIMS[c].jobs(ctx)]
         if jobs:
@@ -181,7 +223,7 @@ def reproduce(claims: Sequence[str], scale: str = "small", out: str | Path = "re
             meta["data_line"] += f"; pascal-table3: {data_line(pdata, pinfo)}"
     meta["train_seconds"] = sum(json.loads(f.read_text()).get("train_seconds", 0.0)
                                 for f in (out / "runs").glob("*/reproduce.json"))
-    report = write_report(out, results, meta)
+    report = write_report(Path(report_dir) if report_dir else out, results, meta)
     verdicts = ", ".join(f"{n}: {results[n]['verdict']}" for n in results)
     say(f"report {report} ({verdicts}) in {format_duration(seconds)}")
     return report
@@ -204,6 +246,7 @@ def taskonomy_data(data: str | Path | None, scale: Scale, out: Path,
             f"(tools/make_data.py synthetic)")
         t0 = time.perf_counter()
         render_dataset(tree, n=scale.images, image_size=scale.img_size, seed=0, buildings=scale.buildings,
+                       workers=os.cpu_count() or 1,  # every core (a GPU machine renders its own data in seconds)
                        overwrite=tree.exists())
         say(f"data rendered in {time.perf_counter() - t0:.0f} s")
     if not (shards / "shards.json").is_file():

@@ -16,20 +16,15 @@ tasks, seed, data ...) is refused instead of reusing it. `Runner.train_all` trai
 claims look at them, N at once in processes of their own with ``--parallel N`` (`squad.reproduce.parallel`); the
 runs that start from another run's weights wait for the first wave.
 
-`measure_cost` gives the cost side of Mod-Squad's Table 2: seconds per training step and peak training memory of a
-run's model (forward, backward and AdamW step on one batch; peak memory above the memory in use before the model was
-built: on a GPU from ``torch.cuda.max_memory_allocated``, on Linux from the process's peak resident set, which it
-resets first through ``/proc/self/clear_refs``).
+`measure_cost` (`squad.train.cost`) gives the cost side of Mod-Squad's Table 2: seconds per training step and peak
+training memory of a run's model.
 """
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
-import gc
 import json
 import logging
-import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -40,15 +35,12 @@ import torch
 from squad.config.base import config_root, to_dict
 from squad.config.loading import load_config
 from squad.config.run import RunConfig
-from squad.data import build_dataset, collate
-from squad.models.vit import build_model
 from squad.reproduce.parallel import Job, run_jobs
 from squad.reproduce.scales import Scale, format_duration, width_overrides
 from squad.train.engine import train
-from squad.train.objective import MultiTaskObjective
-from squad.train.optim import param_groups
 
 log = logging.getLogger("squad.reproduce")
+CHECKPOINTED_STEPS = 400  # runs this long checkpoint every quarter (an interrupted invocation resumes them there)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +101,6 @@ class RunSpec:
         data: the dataset root instead of the invocation's (pascal-table3's PASCAL-Context).
         base: the run whose weights ``init`` starts from (trained first; its step time stands in for this run's
             in the time plan).
-        epochs_factor: paper scale: its epochs are the schedule's times this (MoNE's iso-FLOPs adaptive model).
     """
 
     name: str
@@ -126,7 +117,6 @@ class RunSpec:
     scale: Scale | None = None
     data: Path | None = None
     base: RunSpec | None = None
-    epochs_factor: float = 1.0
 
 
 def _merge(base: dict, extra: dict) -> dict:
@@ -174,7 +164,8 @@ def run_config_dict(spec: RunSpec, scale: Scale, data_root: str | Path) -> dict:
     optim = {"lr": spec.lr or scale.lr, "weight_decay": 0.05, "steps": spec.steps, "batch_per_rank": scale.batch,
              "clip": 1.0, "min_lr": min(1e-6, spec.lr or scale.lr),
              "warmup_steps": min(spec.warmup if spec.warmup is not None else scale.warmup, max(0, spec.steps - 1))}
-    train = {"seed": spec.seed, "log_every": max(1, min(25, spec.steps)), "eval_every": every, "ckpt_every": 0,
+    train = {"seed": spec.seed, "log_every": max(1, min(25, spec.steps)), "eval_every": every,
+             "ckpt_every": spec.steps // 4 if spec.steps >= CHECKPOINTED_STEPS else 0,  # a killed long run resumes
              "keep_checkpoints": 1, "progress": False}
     if spec.init is not None:
         train["precision"] = "fp32"  # the initial weights go into the fp32 module DeepSpeed trains (see RunSpec)
@@ -197,8 +188,6 @@ def paper_config_dict(spec: RunSpec, scale: Scale, data_root: str) -> dict:
     out["data"] = {**to_dict(base.data), "root": data_root, **({"tasks": list(spec.train_tasks)}
                                                                if spec.train_tasks is not None else {})}
     out["optim"] = to_dict(base.optim)
-    if spec.epochs_factor != 1.0 and out["optim"].get("epochs"):
-        out["optim"]["epochs"] = round(out["optim"]["epochs"] * spec.epochs_factor)
     out["train"] = {**to_dict(base.train), "seed": spec.seed}
     return out
 
@@ -374,90 +363,3 @@ class Runner:
             for name in run_jobs(jobs, parallel, self.say, gpus, label=lambda job: f"{self._where()} {job.name}"):
                 self.seen[name] = names[name]
                 self.trained += 1
-
-
-# ------------------------------------------------------------------------------------------------ cost
-def _rss_kib(field: str) -> int | None:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
-def _reset_peak_rss() -> bool:
-    """Frees what the C allocator holds and resets the peak resident set (Linux ≥ 4.0); False where it cannot."""
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        return False
-    return _rss_kib("VmHWM") is not None
-
-
-def measure_cost(cfg: RunConfig, steps: int, device: str | torch.device = "cpu") -> dict:
-    """Seconds per training step and peak training memory of ``cfg``'s model on one batch of its data.
-
-    Args:
-        cfg: a run config (its model, tasks, batch, optimiser and data root are used).
-        steps: timed steps (after one untimed warm-up step).
-        device: where to run.
-
-    Returns:
-        ``{"step_s": seconds per step (the fastest of ``steps``: the least disturbed by other processes), "cpu_s":
-        CPU seconds per step of this process (median), "peak_mib": peak memory in MiB or None where it cannot be
-        measured, "memory": how it was measured}``.
-    """
-
-    device = torch.device(device)
-    tasks = cfg.train_tasks()
-    ds = build_dataset(cfg.data.root, tasks, cfg.data.split, image_size=cfg.model.img_size, augment=False,
-                       split_csv=cfg.data.split_csv)
-    batch = collate([ds[i % len(ds)] for i in range(cfg.optim.batch_per_rank)])
-    images = batch["rgb"].to(device)
-    targets = {t: v.to(device) for t, v in batch["targets"].items()}
-    masks = {t: v.to(device) for t, v in batch["masks"].items()}
-    cuda = device.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
-        how = "torch.cuda.max_memory_allocated above the memory in use before the model was built"
-    else:
-        rss = _reset_peak_rss()
-        before = _rss_kib("VmRSS") if rss else None
-        how = ("peak resident set (VmHWM, reset through /proc/self/clear_refs) above the resident set before the "
-               "model was built" if rss else "not measurable here (no /proc/self/clear_refs)")
-    torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg.model)
-    objective = MultiTaskObjective(model, tasks, cfg).to(device).train()
-    opt = torch.optim.AdamW(param_groups(objective, cfg.optim.weight_decay), lr=cfg.optim.lr)
-    times, cpu = [], []
-    for i in range(steps + 1):
-        if cuda:
-            torch.cuda.synchronize(device)
-        t0, c0 = time.perf_counter(), time.process_time()
-        total, *_ = objective(images, targets, masks)
-        opt.zero_grad(set_to_none=True)
-        total.backward()
-        opt.step()
-        if cuda:
-            torch.cuda.synchronize(device)
-        if i:
-            times.append(time.perf_counter() - t0)
-            cpu.append(time.process_time() - c0)
-    if cuda:
-        peak = (torch.cuda.max_memory_allocated(device) - before) / 2**20
-    else:
-        hwm = _rss_kib("VmHWM") if before is not None else None
-        peak = (hwm - before) / 1024 if hwm is not None else None
-    del objective, opt, model
-    gc.collect()
-    return {"step_s": min(times) if times else float("nan"), "cpu_s": statistics.median(cpu) if cpu else float("nan"),
-            "peak_mib": peak, "memory": how}

@@ -1,38 +1,47 @@
 """The scales of tools/reproduce.py: widths, images, step budgets and seeds, and the time plan of each.
 
-* ``tiny``: the plumbing, in a few minutes (the tests run it): 4 tasks, 32 px, width 32, a handful of steps.
-* ``small``: the claims measured on the synthetic Taskonomy on a 2-core CPU with 2 seeds: all 13 tasks at 64 px, the
-  demo's widths (ViT of width 96, depth 4, 4 heads), 200 steps of 16 images per run (``--steps`` to shorten).
-* ``gpu``: the claims tested at convergence on the synthetic data on one GPU (or several): all 13 tasks at 64 px, a
-  ViT of width 192, depth 6, 6 heads, 1,500 steps of 64 images per run (96k images: ~21 passes over the 4,500
-  training images; at the demo widths 600 steps of 16 images already closed most of the multi-task deficit,
-  MEASURED.md), 3 seeds; ``--parallel N`` trains N runs at once (one GPU is far from busy at these widths). The plan
-  (`plan_table` in squad.reproduce.invocation, from the constants below: unmeasured) is at most 25 minutes per claim
-  on one H100 with ``--parallel 10``; runs resume, so an interrupted claim continues where it stopped.
+* ``tiny``: the plumbing, in a few minutes (the tests run it): 4 tasks, 32 px, width 32, a handful of steps. No
+  verdict means anything at this scale.
+* ``small``: the pilot on a 2-core CPU: all 13 tasks at 64 px, the demo's widths (ViT of width 96, depth 4, 4
+  heads), 200 steps of 16 images per run, 2 seeds (direction only: a verdict needs 3). Most of the 13 tasks do not
+  learn beyond an image-independent predictor in so few steps (the learnability gate leaves them out).
+* ``cpu``: the claims at convergence on the CPU: the 4 tasks this data makes learnable (`LEARNABLE`: class_scene,
+  class_object, keypoints2d, depth_zbuffer) at 64 px, width 96, depth 4, 1,000 steps of 16 images per run, 3 seeds,
+  one thread per run, validated 6 times along every run (the curves of the figures), resumable (checkpoints every
+  250 steps); table2 trains STL, MTL, MTL + task embedding, M3ViT-like and Mod-Squad. Hours on one core
+  (`plan_table`).
+* ``gpu``: the same 4 tasks at 64 px with a ViT of width 192, depth 6, 6 heads, 64 images per step, 3 seeds, the
+  data rendered on the machine itself (4,000 images: tens of seconds on 16 cores; the shards of a larger render do
+  not fit what can be carried to a lent GPU). Its steps are chosen so that ``modsquad-table2`` fits one command of
+  ≤ 8 minutes on one H100 with ``--parallel`` `GPU_PARALLEL` (`GPU_TABLE2_MINUTES`), planned from the step times of
+  MEASURED.md (unmeasured at these widths); the other claims are planned longer than a lent GPU gives (`plan_table`).
 * ``paper``: ViT-B/16 (ViT-S/16 for MoNE) at 224 px on the real Taskonomy with the paper's schedule (100 epochs,
   batch 1440); nothing runs: the run configs and the ``deepspeed --hostfile`` commands are written.
+
+Every scale but tiny validates on ≥ 500 images (`MIN_VAL_IMAGES`: 2 of 16 buildings of 4,000 rendered images).
 
 Claims with budgets of their own (the same at every ``--steps``):
 
 * amod-table3 adapts a dense model of ``amod_depth`` blocks on ``amod_tasks`` trained for ``amod_dense_steps`` (to a
-  plateau: the claim checks it from the training loss), then fine-tunes each adapted model ``amod_steps`` steps —
-  small and gpu: depth 8, at least 1,000 fine-tune steps; tiny: depth 2, a few steps (plumbing only).
+  plateau of its validation curve: the claim checks it), then fine-tunes each adapted model ``amod_steps`` steps —
+  small, cpu and gpu: depth 8, at least 1,000 fine-tune steps; tiny: depth 2, a few steps (plumbing only).
 * router-finetune learns each held-out task from ``finetune_fractions`` of the training split, every mode with the same
   AdamW budget (``finetune_steps`` of ``finetune_batch``), its lr picked from ``finetune_lrs`` and its stopping point
-  from ``finetune_evals`` evaluations on a held-out ``finetune_holdout`` share of those images.
-* mone-budget trains the adaptive model (e_c drawn per step from ``mone_grid``, the paper's 0.15 … 0.95) for the
-  training FLOPs of the e_c = 1 model's ``steps`` (iso-FLOPs, as the paper's Fig. 5b) beside models trained at each
-  e_c of ``mone_fixed`` for ``steps``.
+  from ``finetune_evals`` evaluations on a held-out ``finetune_holdout`` share of those images — only on a pretrained
+  model whose validation curve has converged (else the claim is untestable at that scale).
+* mone-budget trains every model for the same ``steps``: the adaptive one (e_c drawn per step from ``mone_grid``, the
+  paper's 0.15 … 0.95) beside models trained at each e_c of ``mone_fixed``; the training compute of each is
+  reported in MACs.
 
 pascal-table3 runs beside each scale on its own synthetic PASCAL-Context (`pascal_scale`, `PASCAL_SETTINGS`: the 5
-tasks; tiny 16 images at 32 px, 3 steps of 4; small 320 images at 64 px, 100 steps of 16; gpu 2,000 images, 1,500
-steps of 64; paper: configs/pascal_context/'s ViT-S at 512 px).
+tasks; tiny 16 images at 32 px, 3 steps of 4; small and cpu 320 images at 64 px, 100 steps of 16; gpu 2,000 images,
+1,500 steps of 64; paper: configs/pascal_context/'s ViT-S at 512 px): plumbing only, no verdict on synthetic data.
 
 Every method family keeps its paper config's structure (the layer plan, which layers are routed, the losses, the
 top-k share of the experts); `width_overrides` shrinks the widths to a scale's.
 
 `estimate_seconds` is the time plan printed before a run starts. Its step times are the ones the run measured a
-moment before (`squad.reproduce.runs.measure_cost`), so the estimate follows the machine it runs on; the constants
+moment before (`squad.train.cost.measure_cost`), so the estimate follows the machine it runs on; the constants
 below fill in the rest: on a CPU the small-scale figures measured on the 2-core development machine, on a GPU the
 one-H100 figures of MEASURED.md (`GPU_DEMO_STEP_SECONDS`). `plan_table` gives every claim's planned time.
 """
@@ -45,6 +54,11 @@ import math
 from squad.tasks import TASK_NAMES
 
 HELD_OUT = ("class_object", "class_scene")  # router-finetune learns these onto a model pretrained without them
+# The tasks the synthetic Taskonomy makes learnable in ~1,000 steps at 64 px (issue 30: the others do not beat an
+# image-independent predictor; the learnability gate checks it on every run of the cpu and gpu scales)
+LEARNABLE = ("class_scene", "class_object", "keypoints2d", "depth_zbuffer")
+MIN_VAL_IMAGES = 500  # validation images of every scale but tiny
+ALL_TABLE2 = ("mtl", "mtl_embed", "m3vit", "moe_mlp", "moe_attn", "modsquad")
 PASCAL_TASKS = ("semseg", "human_parts", "saliency", "normals", "edge")  # pascal-table3 (squad.data.pascal)
 
 
@@ -92,16 +106,23 @@ class Scale:
     mone_experts: int
     cost_steps: int  # measured training steps per method (step time and peak memory)
     time_repeats: int  # forward passes timed per MoNE e_c
+    table2_methods: tuple[str, ...] = ALL_TABLE2  # modsquad-table2's multi-task families (beside STL)
+    curve_evals: int = 0  # validations along every run besides the first and the last (the figures' curves)
+    plumbing: bool = False  # tiny: every step of every claim runs, no verdict is meant
 
     @property
     def paper(self) -> bool:
         return self.name == "paper"
 
 
+GPU_STEPS = 600  # the gpu scale's steps: modsquad-table2 planned at <= 8 min on one H100 (GPU_TABLE2_MINUTES)
+GPU_TABLE2_MINUTES = 8.0  # one command on a lent GPU (15 minutes of device time a session, start-up included)
+GPU_PARALLEL = 10  # --parallel the gpu scale is planned with (one GPU, runs sharing it)
 MONE_GRID = tuple(round(0.15 + 0.1 * i, 2) for i in range(9))  # the MoNE paper's {0.15, 0.25, …, 0.95}
 _COMMON = dict(thetas=(0.0, 0.001, 0.01, 0.03), keep_top=0.4, amod_capacity=0.5, mone_grid=MONE_GRID,
                mone_experts=4, amod_tasks=("class_scene",))
 
+_LEAN_TABLE2 = ("mtl", "mtl_embed", "m3vit", "modsquad")  # cpu and gpu: STL, MTL, its embedding control, M3ViT-like
 SCALES: dict[str, Scale] = {
     "tiny": Scale(name="tiny", tasks=("class_object", "class_scene", "depth_euclidean", "normal"), img_size=32,
                   patch_size=8, embed_dim=32, depth=2, num_heads=2, moa_experts=4, moa_top_k=2, moa_head_dim=16,
@@ -109,23 +130,30 @@ SCALES: dict[str, Scale] = {
                   workers=0, calib_batches=1, finetune_fractions=(0.25, 0.5), finetune_steps=2, finetune_batch=4,
                   finetune_lrs=(1e-3, 1e-2), finetune_holdout=0.25, finetune_evals=1, amod_depth=2,
                   amod_dense_steps=4, amod_steps=2, amod_evals=1, mone_fixed=(0.2, 1.0), cost_steps=2,
-                  time_repeats=2, **_COMMON),
-    # fractions: the paper's 0.5-5 % of 3.8 M images are 19k-190k images; 0.5 % of this data's 1,500 training
-    # images would be 8, so small learns from 75 to 750 images (5-50 %)
+                  time_repeats=2, curve_evals=1, plumbing=True, **_COMMON),
+    # fractions: the paper's 0.5-5 % of 3.8 M images are 19k-190k images; 0.5 % of this data's 3,000 training
+    # images would be 15, so small and cpu learn from 150 to 1,500 images (5-50 %)
     "small": Scale(name="small", tasks=TASK_NAMES, img_size=64, patch_size=8, embed_dim=96, depth=4, num_heads=4,
-                   moa_experts=8, moa_top_k=4, moa_head_dim=24, moe_experts=8, moe_top_k=2, images=2000,
+                   moa_experts=8, moa_top_k=4, moa_head_dim=24, moe_experts=8, moe_top_k=2, images=4000,
                    buildings=16, batch=16, steps=200, lr=1e-3, warmup=20, seeds=2, workers=1, calib_batches=8,
                    finetune_fractions=(0.05, 0.1, 0.2, 0.5), finetune_steps=150, finetune_batch=16,
                    finetune_lrs=(1e-4, 1e-3, 1e-2), finetune_holdout=0.2, finetune_evals=5, amod_depth=8,
                    amod_dense_steps=1500, amod_steps=1000, amod_evals=4, mone_fixed=(0.2, 0.4, 0.6, 0.8, 1.0),
-                   cost_steps=6, time_repeats=5, **_COMMON),
-    "gpu": Scale(name="gpu", tasks=TASK_NAMES, img_size=64, patch_size=8, embed_dim=192, depth=6, num_heads=6,
-                 moa_experts=12, moa_top_k=6, moa_head_dim=32, moe_experts=8, moe_top_k=2, images=6000, buildings=24,
-                 batch=64, steps=1500, lr=1e-3, warmup=100, seeds=3, workers=2, calib_batches=16,
-                 finetune_fractions=(0.02, 0.05, 0.1, 0.25), finetune_steps=300, finetune_batch=32,
+                   cost_steps=6, time_repeats=5, curve_evals=1, **_COMMON),
+    "cpu": Scale(name="cpu", tasks=LEARNABLE, img_size=64, patch_size=8, embed_dim=96, depth=4, num_heads=4,
+                 moa_experts=8, moa_top_k=4, moa_head_dim=24, moe_experts=8, moe_top_k=2, images=4000, buildings=16,
+                 batch=16, steps=1000, lr=1e-3, warmup=50, seeds=3, workers=0, calib_batches=8,
+                 finetune_fractions=(0.05, 0.1, 0.2, 0.5), finetune_steps=150, finetune_batch=16,
+                 finetune_lrs=(1e-4, 1e-3, 1e-2), finetune_holdout=0.2, finetune_evals=5, amod_depth=8,
+                 amod_dense_steps=1500, amod_steps=1000, amod_evals=4, mone_fixed=(0.2, 0.4, 0.6, 0.8, 1.0),
+                 cost_steps=6, time_repeats=5, table2_methods=_LEAN_TABLE2, curve_evals=4, **_COMMON),
+    "gpu": Scale(name="gpu", tasks=LEARNABLE, img_size=64, patch_size=8, embed_dim=192, depth=6, num_heads=6,
+                 moa_experts=12, moa_top_k=6, moa_head_dim=32, moe_experts=8, moe_top_k=2, images=4000, buildings=16,
+                 batch=64, steps=GPU_STEPS, lr=1e-3, warmup=50, seeds=3, workers=2, calib_batches=8,
+                 finetune_fractions=(0.05, 0.1, 0.2, 0.5), finetune_steps=300, finetune_batch=32,
                  finetune_lrs=(1e-4, 1e-3, 1e-2), finetune_holdout=0.2, finetune_evals=6, amod_depth=8,
-                 amod_dense_steps=4000, amod_steps=1500, amod_evals=6, mone_fixed=(0.2, 0.4, 0.6, 0.8, 1.0),
-                 cost_steps=10, time_repeats=20, **_COMMON),
+                 amod_dense_steps=2000, amod_steps=1000, amod_evals=4, mone_fixed=(0.2, 0.4, 0.6, 0.8, 1.0),
+                 cost_steps=10, time_repeats=20, table2_methods=_LEAN_TABLE2, curve_evals=4, **_COMMON),
     "paper": Scale(name="paper", tasks=TASK_NAMES, img_size=224, patch_size=16, embed_dim=768, depth=12, num_heads=12,
                    moa_experts=24, moa_top_k=12, moa_head_dim=64, moe_experts=16, moe_top_k=4, images=0,
                    buildings=None, batch=12, steps=0, lr=2e-4, warmup=0, seeds=1, workers=8, calib_batches=64,
@@ -201,6 +229,7 @@ def parallel_speedup(parallel: int, device: str = "cpu", gpus: int = 1, cores: i
 PASCAL_SETTINGS: dict[str, dict] = {
     "tiny": dict(images=16, img_size=32, batch=4, steps=3, thetas=(0.01,), calib_batches=1),
     "small": dict(images=320, img_size=64, batch=16, steps=100, thetas=(0.01,), calib_batches=4),
+    "cpu": dict(images=320, img_size=64, batch=16, steps=100, thetas=(0.01,), calib_batches=4),
     "gpu": dict(images=2000, img_size=64, batch=64, steps=1500, thetas=(0.01,), calib_batches=8),
     "paper": dict(images=0, img_size=512, batch=8, thetas=(0.01,)),  # widths: configs/pascal_context/ (ViT-S)
 }
@@ -220,6 +249,18 @@ def pascal_scale(scale: Scale, steps: int | None = None) -> Scale:
     out = dataclasses.replace(scale, name=scale.name, tasks=PASCAL_TASKS, buildings=None,
                               **PASCAL_SETTINGS[scale.name])
     return dataclasses.replace(out, steps=steps) if steps is not None else out
+
+
+def describe_scale(scale: Scale) -> str:
+    """One line describing a scale for ``--help`` and the README (its tasks, widths, steps, seeds)."""
+    if scale.paper:
+        return (f"{scale.name}: ViT-B/16 at {scale.img_size} px on the real Taskonomy, the paper's schedule "
+                "(configs and deepspeed commands written, nothing run)")
+    tasks = "all 13 tasks" if len(scale.tasks) == len(TASK_NAMES) else f"{len(scale.tasks)} tasks"
+    if tuple(scale.tasks) == LEARNABLE:
+        tasks = f"the {len(LEARNABLE)} learnable tasks"
+    return (f"{scale.name}: {tasks}, {scale.img_size} px, ViT width {scale.embed_dim}, depth {scale.depth}, "
+            f"{scale.steps:,} steps of {scale.batch} images, {scale.seeds} seed{'s' if scale.seeds > 1 else ''}")
 
 
 def get_scale(name: str) -> Scale:
@@ -289,7 +330,9 @@ def planned_step_seconds(p: Planned, scale: Scale, device: str = "cpu") -> float
                                                                                        else 1.0)
             return base * launch
         base = GPU_DEMO_STEP_SECONDS.get(fam, max(GPU_DEMO_STEP_SECONDS.values()))
-        return base * launch * depth * (1.0 if fam == "stl" else max(1, p.tasks) / len(TASK_NAMES))
+        # the 13-task figure for any number of tasks: an upper bound (fewer tasks launch fewer per-task slices, and
+        # a launch-bound step does not shrink with the arithmetic)
+        return base * launch * depth
     if fam.startswith("pascal_"):
         pratio = _size(pascal_scale(scale)) / _size(pascal_scale(SCALES["small"])) \
             if scale.name in PASCAL_SETTINGS else 1.0
@@ -297,6 +340,19 @@ def planned_step_seconds(p: Planned, scale: Scale, device: str = "cpu") -> float
     ratio = _size(scale) / _size(SCALES["small"])
     per = SMALL_STEP_SECONDS.get(fam, max(SMALL_STEP_SECONDS.values())) * ratio * depth
     return per * (1.0 if fam == "stl" else p.tasks / len(TASK_NAMES))
+
+
+# Rendering the synthetic Taskonomy at 64 px: images per second per core (4,000 images in 333 s on one core of the
+# 2-core development machine, shared; `render_dataset` spreads the rooms over every core), and packing the shards.
+RENDER_IMAGES_PER_CORE_S = 12.0
+PACK_SECONDS = 30.0
+
+
+def render_seconds(scale: Scale, cores: int) -> float:
+    """Planned seconds to render and pack a scale's synthetic data on ``cores`` cores (0 at the paper scale)."""
+    if scale.paper or not scale.images:
+        return 0.0
+    return scale.images / (RENDER_IMAGES_PER_CORE_S * max(1, cores)) + PACK_SECONDS * scale.images / 4000
 
 
 def finetune_seconds(scale: Scale, modsquad_step_s: float, tasks: int) -> float:

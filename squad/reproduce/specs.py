@@ -22,8 +22,9 @@ from squad.data import build_dataset, eval_loader
 from squad.io import load_model
 from squad.models.vit import build_model
 from squad.posttrain.adapt import to_mod
-from squad.reproduce.runs import Runner, RunSpec, measure_cost, model_section, run_config, settings_of
+from squad.reproduce.runs import Runner, RunSpec, model_section, run_config, settings_of
 from squad.reproduce.scales import HELD_OUT, Scale, pascal_scale
+from squad.train.cost import measure_cost
 
 PASCAL_METHODS = ("pascal_mtl", "pascal_modsquad")  # pascal-table3's multi-task families (beside one STL per task)
 
@@ -110,11 +111,12 @@ def _slug(family: str) -> str:
 
 
 def method_spec(ctx: Context, family: str, seed: int, **kw) -> RunSpec:
+    kw.setdefault("evals", ctx.scale.curve_evals)
     return RunSpec(f"{_slug(family)}-s{seed}", family, seed, ctx.tasks, ctx.scale.steps, **kw)
 
 
 def stl_spec(ctx: Context, task: str, seed: int) -> RunSpec:
-    return RunSpec(f"stl-{task}-s{seed}", "stl", seed, [task], ctx.scale.steps)
+    return RunSpec(f"stl-{task}-s{seed}", "stl", seed, [task], ctx.scale.steps, evals=ctx.scale.curve_evals)
 
 
 def stl_specs(ctx: Context, seed: int) -> list[RunSpec]:
@@ -128,7 +130,8 @@ def held_out(ctx: Context) -> list[str]:
 def pretrain_spec(ctx: Context, seed: int) -> RunSpec:
     held = held_out(ctx)
     return RunSpec(f"modsquad-without-{'-'.join(h.replace('class_', '') for h in held)}-s{seed}", "modsquad", seed,
-                   ctx.tasks, ctx.scale.steps, train_tasks=[t for t in ctx.tasks if t not in held])
+                   ctx.tasks, ctx.scale.steps, train_tasks=[t for t in ctx.tasks if t not in held],
+                   evals=max(1, ctx.scale.curve_evals))  # its validation curve: the convergence check
 
 
 @functools.lru_cache(maxsize=16)
@@ -138,30 +141,31 @@ def _mone_macs(model_json: str, capacities: tuple[float, ...]) -> tuple[float, .
     return tuple(float(backbone_macs(model, c)) for c in capacities)
 
 
-def iso_flops_factor(ctx: Context) -> float:
-    """MACs per image at e_c = 1 over the mean MACs of the e_c the adaptive MoNE model draws from (each equally
-    often): how many more steps it takes for the training FLOPs of the e_c = 1 model."""
+def mone_macs(ctx: Context, capacities: Sequence[float]) -> dict[str, float]:
+    """Backbone MACs per image of the scale's MoNE model at each e_c (`squad.analysis.flops.backbone_macs`)."""
     model, _ = model_section("mone", ctx.scale, ctx.tasks, {"mone": {"capacity": 1.0}})
+    macs = _mone_macs(json.dumps(model, sort_keys=True), tuple(capacities))
+    return {f"{c:g}": m for c, m in zip(capacities, macs, strict=True)}
+
+
+def training_macs(ctx: Context, e_c: float | None) -> float:
+    """The training compute of a MoNE run in MACs: steps × images × tasks × backbone MACs per image (× 3: forward
+    and backward), at its fixed e_c, or for the adaptive model (``None``) at the mean over the grid it draws from."""
     grid = tuple(ctx.scale.mone_grid)
-    macs = _mone_macs(json.dumps(model, sort_keys=True), (1.0, *grid))
-    return macs[0] / statistics.fmean(macs[1:])
-
-
-def iso_flops_steps(ctx: Context) -> int:
-    """Steps of the adaptive MoNE model for the training FLOPs of ``steps`` steps at e_c = 1 (`iso_flops_factor`)."""
-    return max(1, round(ctx.scale.steps * iso_flops_factor(ctx)))
+    per = mone_macs(ctx, grid if e_c is None else (e_c,))
+    return 3.0 * ctx.scale.steps * ctx.scale.batch * len(ctx.tasks) * statistics.fmean(per.values())
 
 
 def mone_spec(ctx: Context, seed: int, e_c: float | None) -> RunSpec:
-    """The adaptive MoNE run (``e_c=None``: e_c drawn per step from the grid, iso-FLOPs steps) or one trained at a
-    fixed e_c."""
+    """The adaptive MoNE run (``e_c=None``: e_c drawn per step from the grid) or one trained at a fixed e_c; every
+    one of them for the scale's steps (the same steps: their training compute in MACs is reported beside)."""
     grid = list(ctx.scale.mone_grid)
     if e_c is None:
-        return RunSpec(f"mone-adaptive-s{seed}", "mone", seed, ctx.tasks, iso_flops_steps(ctx),
+        return RunSpec(f"mone-adaptive-s{seed}", "mone", seed, ctx.tasks, ctx.scale.steps,
                        model={"mone": {"capacity": statistics.median(grid), "sample_capacity": grid}},
-                       epochs_factor=iso_flops_factor(ctx))
+                       evals=ctx.scale.curve_evals)
     return RunSpec(f"mone-ec{e_c:g}-s{seed}", "mone", seed, ctx.tasks, ctx.scale.steps,
-                   model={"mone": {"capacity": e_c}})
+                   model={"mone": {"capacity": e_c}}, evals=ctx.scale.curve_evals)
 
 
 def amod_dense_spec(ctx: Context, seed: int) -> RunSpec:

@@ -8,6 +8,7 @@
 - stops.py: how a run stops early (`TrainingError`: exit 3, `Preempted`: exit 75), without torch.
 - objective.py: `MultiTaskObjective` (fused forward, task losses, auxiliary losses, weighting).
 - losses.py: mutual-information loss (all-reduced with autograd), switch/cv² balance, uncertainty weighting.
+- cost.py: `measure_cost`, a bare forward + backward + AdamW step's time (wall, CPU) and peak memory.
 - optim.py: AdamW parameter groups (no decay on norms/biases/embeddings) and the warm-up + cosine schedule.
 - expert_shards.py: `ExpertShards`, the training side of expert parallelism: the shards' gradients (expert-data-
   parallel sums), their share of the clipping norm, their AdamW, their checkpoint files.

@@ -49,6 +49,22 @@ def _mma(acc, A, rows, mask_m, stride_am, stride_ak, W, offs_n, mask_n, stride_w
     return acc
 
 
+@device_function
+def _head_rows(C, SLOTS, GATES, rows, mask_m, head, offs_d, mask_d, stride_cm, stride_cj, stride_cd, stride_sm,
+               stride_se, stride_gm, stride_gj, GATED: tl.constexpr):
+    """Head ``head``'s d features of rows ``rows`` of the [M, k, d] operand C, read through the slot map (zero where a
+    row did not select the head), times the row's gate for the head when GATED."""
+    slot = tl.load(SLOTS + rows * stride_sm + head * stride_se, mask=mask_m, other=-1)
+    picked = mask_m & (slot >= 0)
+    slot = tl.maximum(slot, 0).to(tl.int64)
+    a = tl.load(C + rows[:, None] * stride_cm + slot[:, None] * stride_cj + offs_d[None, :] * stride_cd,
+                mask=picked[:, None] & mask_d[None, :], other=0.0)
+    if GATED:
+        g = tl.load(GATES + rows * stride_gm + slot * stride_gj, mask=picked, other=0.0).to(tl.float32)
+        a = (a.to(tl.float32) * g[:, None]).to(C.dtype.element_ty)
+    return a
+
+
 def _head_select_kernel(A, W, SLOTS, GATES, AUX, OUT, GATE_GRAD,
                         M, K, DH,
                         stride_am, stride_ak, stride_we, stride_wk, stride_wd, stride_sm, stride_se,
@@ -96,14 +112,8 @@ def _head_gather_kernel(C, SLOTS, GATES, W, A2, W2, BIAS, OUT,
     mask_d = offs_d < DH
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for head in range(0, E):  # K = E·d, one head's d features at a time
-        slot = tl.load(SLOTS + rows * stride_sm + head * stride_se, mask=mask_m, other=-1)
-        picked = mask_m & (slot >= 0)
-        slot = tl.maximum(slot, 0).to(tl.int64)
-        a = tl.load(C + rows[:, None] * stride_cm + slot[:, None] * stride_cj + offs_d[None, :] * stride_cd,
-                    mask=picked[:, None] & mask_d[None, :], other=0.0)
-        if GATED:
-            g = tl.load(GATES + rows * stride_gm + slot * stride_gj, mask=picked, other=0.0).to(tl.float32)
-            a = (a.to(tl.float32) * g[:, None]).to(C.dtype.element_ty)
+        a = _head_rows(C, SLOTS, GATES, rows, mask_m, head, offs_d, mask_d, stride_cm, stride_cj, stride_cd,
+                       stride_sm, stride_se, stride_gm, stride_gj, GATED)
         w = tl.load(W + head * stride_we + offs_d[:, None] * stride_wd + offs_n[None, :] * stride_wn,
                     mask=mask_d[:, None] & mask_n[None, :], other=0.0)
         if UPCAST:
@@ -136,14 +146,8 @@ def _head_wgrad_kernel(C, SLOTS, GATES, B, DW, DB,
         offs_m = m0 + tl.arange(0, BLOCK_M)
         mask_m = offs_m < M
         rows = offs_m.to(tl.int64)
-        slot = tl.load(SLOTS + rows * stride_sm + head * stride_se, mask=mask_m, other=-1)
-        picked = mask_m & (slot >= 0)
-        slot = tl.maximum(slot, 0).to(tl.int64)
-        a = tl.load(C + rows[:, None] * stride_cm + slot[:, None] * stride_cj + offs_d[None, :] * stride_cd,
-                    mask=picked[:, None] & mask_d[None, :], other=0.0)
-        if GATED:
-            g = tl.load(GATES + rows * stride_gm + slot * stride_gj, mask=picked, other=0.0).to(tl.float32)
-            a = (a.to(tl.float32) * g[:, None]).to(C.dtype.element_ty)
+        a = _head_rows(C, SLOTS, GATES, rows, mask_m, head, offs_d, mask_d, stride_cm, stride_cj, stride_cd,
+                       stride_sm, stride_se, stride_gm, stride_gj, GATED)
         b = tl.load(B + rows[:, None] * stride_bm + offs_n[None, :] * stride_bn,
                     mask=mask_m[:, None] & mask_n[None, :], other=0.0)
         if UPCAST:

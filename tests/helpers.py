@@ -120,6 +120,15 @@ def assert_compiles_for_gpu(fn, types: dict[str, str], constexprs: dict, options
     assert compiled.metadata.shared <= 99 * 1024, compiled.metadata.shared
 
 
+def logged_losses(run_dir: Path) -> dict[int, float]:
+    """The total training loss a run logged to TensorBoard, by step."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(Path(run_dir) / "tensorboard"))
+    acc.Reload()
+    return {e.step: e.value for e in acc.Scalars("train/loss/total")}
+
+
 def tool_env(**extra: str) -> dict[str, str]:
     """The environment of a tool run as a subprocess: CPU DeepSpeed, one thread, no launcher variables inherited."""
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", **extra)

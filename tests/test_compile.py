@@ -24,17 +24,13 @@ from squad.layers.base import RoutedLayer
 from squad.layers.experts import segment_groups
 from squad.models import compile as squad_compile
 from squad.train.engine import train
-from tests.helpers import MODEL_CONFIGS, ROOT, tiny_config, tiny_model, write_run_config
+from tests.helpers import MODEL_CONFIGS, ROOT, logged_losses, tiny_config, tiny_model, write_run_config
 
 TASKS = ["depth_euclidean", "class_scene"]
 
 
 def _losses(run_dir) -> list[float]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(run_dir / "tensorboard"))
-    acc.Reload()
-    return [e.value for e in acc.Scalars("train/loss/total")]
+    return list(logged_losses(run_dir).values())
 
 
 @pytest.mark.slow

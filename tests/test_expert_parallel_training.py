@@ -26,7 +26,7 @@ import torch
 import yaml
 
 import squad
-from tests.helpers import ROOT, launcher, tool_env, write_run_config
+from tests.helpers import ROOT, launcher, logged_losses, tool_env, write_run_config
 
 pytestmark = pytest.mark.slow
 HEADS = ["depth_euclidean", "class_scene"]
@@ -68,14 +68,6 @@ def runs(tmp_path_factory, tiny_data) -> dict[str, Path]:
     return out
 
 
-def _losses(run: Path) -> dict[int, float]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(run / "tensorboard"))
-    acc.Reload()
-    return {e.step: e.value for e in acc.Scalars("train/loss/total")}
-
-
 def _weights(run: Path) -> dict[str, torch.Tensor]:
     return torch.load(run / "model.pt", weights_only=True)["state_dict"]
 
@@ -89,7 +81,7 @@ def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 def test_runs_reach_the_reference_losses_and_weights(runs, name):
     """EP 2 trains as EP 1 (every step's loss, the final weights), and so do the runs resumed across layouts and the
     ZeRO-3 run stopped and resumed."""
-    ref, run = _losses(runs["ref"]), _losses(runs[name])
+    ref, run = logged_losses(runs["ref"]), logged_losses(runs[name])
     assert sorted(ref) == list(range(1, 21)) and set(run) <= set(ref) and max(run) == 20
     for step, loss in run.items():
         assert abs(loss - ref[step]) <= TOL * max(1.0, abs(ref[step])), (name, step, loss, ref[step])

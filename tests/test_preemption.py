@@ -28,7 +28,7 @@ import torch
 from squad.distributed import free_port
 from squad.io.checkpoints import SAVING, complete_tags, find_resume_tag, tag_for
 from squad.train.stops import EXIT_PREEMPTED
-from tests.helpers import PY, ROOT, launcher, tool_env, write_run_config
+from tests.helpers import PY, ROOT, launcher, logged_losses, tool_env, write_run_config
 
 pytestmark = pytest.mark.slow  # every test here runs tools/train.py
 
@@ -122,14 +122,6 @@ def _ok(res) -> None:
     assert res.returncode == 0, _out(res)[-4000:]
 
 
-def _losses(run: Path) -> dict[int, float]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(run / "tensorboard"))
-    acc.Reload()
-    return {e.step: e.value for e in acc.Scalars("train/loss/total")}
-
-
 def _weights(tag: Path) -> dict[str, torch.Tensor]:
     return torch.load(tag / "mp_rank_00_model_states.pt", weights_only=False)["module"]
 
@@ -171,17 +163,17 @@ def test_zero1_through_every_fault_ends_where_an_uninterrupted_run_does(config, 
     """SIGTERM mid-step, SIGUSR1 mid-save (2 ranks), resumed bitwise; then 2 → 1 and 1 → 2 ranks (ZeRO-1's
     partitioned optimizer state converted), losses equal to the run that never stopped."""
     run = tmp_path / "run"
-    ref = _losses(reference)
+    ref = logged_losses(reference)
     assert sorted(ref) == list(range(1, STEPS + 1))
 
     res = _train(config, run, signal_at="TERM:step:3")  # during step 3's forward pass
     _stopped(res, run, "TERM", 3)
-    assert set(_losses(run)) == {1, 2, 3}
+    assert set(logged_losses(run)) == {1, 2, 3}
 
     res = _train(config, run, signal_at="USR1:save:4")  # while rank 0 writes step 4's checkpoint: it is finished
     _stopped(res, run, "USR1", 4)
     assert "resumed from" in (run / "train.log").read_text()
-    losses = _losses(run)
+    losses = logged_losses(run)
     assert {s: losses[s] for s in range(1, 5)} == {s: ref[s] for s in range(1, 5)}  # bitwise
     for step in (2, 4):  # the signal-time checkpoints hold the weights the uninterrupted run had then
         a, b = _weights(run / "checkpoints" / tag_for(step)), _weights(reference / "checkpoints" / tag_for(step))
@@ -199,7 +191,7 @@ def test_zero1_through_every_fault_ends_where_an_uninterrupted_run_does(config, 
     log = (moved / "train.log").read_text()
     assert "converting" in log and "universal checkpoint" in log and "world size changed on resume" in log
     _ok(_train(config, moved))  # 1 → 2 ranks
-    _close(_losses(moved), ref, range(1, STEPS + 1))
+    _close(logged_losses(moved), ref, range(1, STEPS + 1))
     history = [json.loads(line) for line in (moved / "run_history.jsonl").read_text().splitlines()]
     assert [h["world_size"] for h in history] == [2, 2, 1, 2]
     assert not (moved / "checkpoints" / ".convert").exists()
@@ -211,7 +203,7 @@ def test_zero2_moves_to_one_rank_and_back(config, reference, tmp_path):
     _ok(_train(config, run, *zero2, "--set", "train.stop_at=2"))
     _ok(_train(config, run, *zero2, "--set", "train.stop_at=4", ranks=1))
     _ok(_train(config, run, *zero2))
-    _close(_losses(run), _losses(reference), range(1, STEPS + 1))
+    _close(logged_losses(run), logged_losses(reference), range(1, STEPS + 1))
     history = [json.loads(line) for line in (run / "run_history.jsonl").read_text().splitlines()]
     assert [(h["world_size"], h["start_step"]) for h in history] == [(2, 0), (1, 2), (2, 4)]
 

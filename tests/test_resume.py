@@ -27,7 +27,7 @@ from squad.io.checkpoints import (
     tag_for,
 )
 from squad.train import checkpointer as ckpt
-from tests.helpers import ROOT, launcher, tool_env, write_run_config
+from tests.helpers import ROOT, launcher, logged_losses, tool_env, write_run_config
 
 TIMEOUT = 240  # a 2-rank tiny run takes well under a minute, even on 2 busy cores
 STEP2, STEP4 = "step00000002", "step00000004"
@@ -57,11 +57,7 @@ def _ok(res: subprocess.CompletedProcess) -> None:
 
 
 def _losses(run_dir: Path) -> list[tuple[int, float]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(run_dir / "tensorboard"))
-    acc.Reload()
-    return [(e.step, e.value) for e in acc.Scalars("train/loss/total")]
+    return list(logged_losses(run_dir).items())
 
 
 def _model(run_dir: Path) -> dict:

@@ -15,7 +15,7 @@ import squad
 from squad.distributed import free_port
 from squad.io.checkpoints import find_resume_tag
 from squad.train import checkpointer as ckpt
-from tests.helpers import DEEPSPEED, PY, ROOT, tool_env, write_run_config
+from tests.helpers import DEEPSPEED, PY, ROOT, logged_losses, tool_env, write_run_config
 
 pytestmark = pytest.mark.slow  # every test here runs tools/train.py (subprocesses, launchers)
 
@@ -43,11 +43,7 @@ def _run(cmd, timeout=600):
 
 
 def _losses(run_dir: Path) -> list[float]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(run_dir / "tensorboard"))
-    acc.Reload()
-    return [e.value for e in acc.Scalars("train/loss/total")]
+    return list(logged_losses(run_dir).values())
 
 
 @pytest.fixture(scope="module")

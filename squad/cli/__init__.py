@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from collections.abc import Callable
 
 EXIT_BAD_INPUT = 2
@@ -43,6 +44,7 @@ EXIT_TRAINING_FAILED = 3
 EXIT_WRITE_FAILED = 3  # the same code: the job stopped, and rerunning it once the cause is fixed goes on
 EXIT_PREEMPTED = 75  # squad.train.stops.EXIT_PREEMPTED
 EXIT_INTERRUPTED = 130
+PEER_GRACE_S = 5.0  # how long a rank that leaves an error to rank 0 waits before it exits (rank 0 prints it)
 
 # What a user can fix: a wrong value or config key (`squad.config.base.ConfigError` is a ValueError), a path that is
 # missing, not a folder, a folder, or not writable.
@@ -143,6 +145,7 @@ def _error(e: BaseException, what: str = "error") -> None:
     rank = launch_rank() or 0
     if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 and rank != 0:
         if getattr(e, "every_rank", False) or not _group_started():
+            time.sleep(PEER_GRACE_S)  # the launcher kills every rank once one fails: rank 0, which says it, first
             return
         print(f"{what} (rank {rank}): {_message(e)}", file=sys.stderr)
         return

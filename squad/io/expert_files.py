@@ -19,10 +19,12 @@ and number of ranks that wrote them.
 from __future__ import annotations
 
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from squad.io.checkpoints import DamagedCheckpointError, load_checkpoint_file
+
+if TYPE_CHECKING:  # torch is imported where a tensor is made: the checkpointer's torch-free checks name shard files
+    import torch
 
 SHARD_FORMAT = "squad.expert_shards/1"
 SHARD_FILE = "expert_shards_rank{:05d}.pt"
@@ -61,7 +63,7 @@ def assemble(pieces: list[dict], rows: range, tag_dir: str | Path, name: str):
         if weight is None:
             weight = w.new_empty(len(rows), *w.shape[1:])
             if with_moments:
-                moments = [torch.empty_like(weight), torch.empty_like(weight), float(p["step"])]
+                moments = [w.new_empty(weight.shape), w.new_empty(weight.shape), float(p["step"])]
         weight[lo - rows.start : hi - rows.start] = w[lo - first : hi - first]
         if moments is not None:
             moments[0][lo - rows.start : hi - rows.start] = p["exp_avg"][lo - first : hi - first]

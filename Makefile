@@ -18,16 +18,17 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(PY) tools/demo.py
 
-# The suite runs in TEST_JOBS pytest-xdist workers (a file's tests stay in one worker: its module fixtures run once);
+# The suite runs in TEST_JOBS pytest-xdist workers (a file's tests stay in one worker: its module fixtures run once),
+# its files in the order tests/conftest.py collects them (the longest first);
 # TEST_JOBS=0 runs it in this process.
 TEST_JOBS ?= 2
 test: $(STAMP)
 	$(MAKE) --no-print-directory lint-imports
-	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile tests
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder tests
 
 # The quick subset (no end-to-end runs: tests marked `slow` are left out), a few minutes.
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile -m "not slow" tests
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder -m "not slow" tests
 
 # The import floors declared in pyproject.toml ([tool.importlinter]). import-linter finds modules on disk, so it reads
 # a copy of the package with tasks/ and kernels/ where they are installed (squad/tasks, squad/kernels).

@@ -599,3 +599,17 @@ def test_run_configs_keep_each_familys_structure(tmp_path):
     assert msq.head_dim == 2 * scale.embed_dim // scale.num_heads  # Mod-Squad's dense heads twice D / heads
     balance = run_config(method_spec(ctx, "modsquad_balance", 0), scale, tmp_path)
     assert balance.loss.w_mi == 0 and balance.loss.balance == "switch" and balance.loss.balance_scope == "per_task"
+
+
+def test_a_config_key_added_since_a_run_counts_as_its_old_behaviour():
+    """A finished run recorded before a config key existed (``model.moe.expert_parallel``) is the same run when the
+    plan has the key's old behaviour (1), and another when it does not."""
+    from squad.reproduce.runs import ADDED_KEYS, _differences
+
+    trained = {"model": {"moe": {"num_experts": 8}, "moa": {"num_experts": 8}}}
+    planned = {"model": {"moe": {"num_experts": 8, "expert_parallel": 1}, "moa": {"num_experts": 8,
+                                                                                   "expert_parallel": 1}}}
+    assert ADDED_KEYS["model.moe.expert_parallel"] == 1 and _differences(trained, planned) == []
+    planned["model"]["moe"]["expert_parallel"] = 2
+    assert _differences(trained, planned) == ["model.moe.expert_parallel: None (trained) vs 2 (planned)"]
+    assert _differences({"optim": {"lr": 1e-3}}, {"optim": {}}) == ["optim.lr: 0.001 (trained) vs None (planned)"]

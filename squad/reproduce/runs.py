@@ -258,10 +258,22 @@ def settings_of(cfg: dict, out: Path) -> dict:
     return settings
 
 
+# Config keys added after runs were trained, with the value that does what the runs did without them: a finished run
+# whose record lacks one of these is the same run when the plan has that value.
+ADDED_KEYS = {"model.moe.expert_parallel": 1, "model.moa.expert_parallel": 1}
+_ABSENT = object()
+
+
 def _differences(a, b, prefix: str = "") -> list[str]:
     if isinstance(a, dict) and isinstance(b, dict):
-        return [d for k in sorted(set(a) | set(b)) for d in _differences(a.get(k), b.get(k), f"{prefix}{k}.")]
-    return [] if a == b else [f"{prefix.rstrip('.')}: {a!r} (trained) vs {b!r} (planned)"]
+        return [d for k in sorted(set(a) | set(b))
+                for d in _differences(a.get(k, _ABSENT), b.get(k, _ABSENT), f"{prefix}{k}.")]
+    key = prefix.rstrip(".")
+    if a is _ABSENT and key in ADDED_KEYS and b == ADDED_KEYS[key]:
+        return []
+    if a == b:
+        return []
+    return [f"{key}: {None if a is _ABSENT else a!r} (trained) vs {None if b is _ABSENT else b!r} (planned)"]
 
 
 def train_run(cfg: dict, run_dir: str, init_state: dict | None, record: dict) -> None:

@@ -101,8 +101,13 @@ def prepare_environment() -> None:
     if "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ:
         os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        if "MASTER_PORT" not in os.environ:
+            os.environ["MASTER_PORT"] = str(free_port())
+            _own_port.add(os.environ["MASTER_PORT"])
     os.environ.setdefault("LOCAL_RANK", "0")
+
+
+_own_port: set[str] = set()  # the MASTER_PORT a one-process run picked for itself (another may take it first)
 
 
 def check_accelerate_launch() -> None:
@@ -147,7 +152,15 @@ def init_distributed() -> tuple[int, int, torch.device]:
     if not dist.is_initialized():
         printed = io.StringIO()
         with contextlib.redirect_stdout(printed):  # DeepSpeed prints "... shm_comm_op built successfully" here
-            deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", verbose=False)
+            for attempt in range(3):
+                try:
+                    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", verbose=False)
+                    break
+                except dist.DistNetworkError as e:  # a port picked for one process was taken before it listened
+                    if attempt == 2 or os.environ.get("MASTER_PORT") not in _own_port or "EADDRINUSE" not in str(e):
+                        raise
+                    os.environ["MASTER_PORT"] = str(free_port())
+                    _own_port.add(os.environ["MASTER_PORT"])
         rest = [line for line in printed.getvalue().splitlines() if not line.endswith("built successfully")]
         if rest:
             print("\n".join(rest))

@@ -125,3 +125,23 @@ def test_load_gives_eval_mode_and_names_an_export(tmp_path):
         z.writestr("depth/models/model.json", "{}")
     with pytest.raises(ValueError, match=r"is a torch.export program .* torch.export.load\(path\).module\(\)"):
         squad.load(tmp_path / "depth.pt2")
+
+
+def test_a_one_process_run_whose_port_is_taken_picks_another(tmp_path):
+    """A one-process run picks its rendezvous port itself; when another process takes it before the run listens
+    (EADDRINUSE), it picks another instead of failing (parallel test workers met this)."""
+    script = tmp_path / "taken.py"
+    script.write_text(
+        "import os, socket\n"
+        "import squad.distributed as D\n"
+        "for k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'MASTER_ADDR', 'MASTER_PORT'):\n"
+        "    os.environ.pop(k, None)\n"
+        "busy = socket.socket(); busy.bind(('127.0.0.1', 0)); busy.listen(1)\n"
+        "ports = iter([busy.getsockname()[1]])\n"
+        "real = D.free_port\n"
+        "D.free_port = lambda: next(ports, None) or real()\n"
+        "rank, world, device = D.init_distributed()\n"
+        "print('ok', rank, world, os.environ['MASTER_PORT'] != str(busy.getsockname()[1]))\n")
+    res = subprocess.run([PY, str(script)], cwd=ROOT, env=tool_env(), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.split()[-4:] == ["ok", "0", "1", "True"], res.stdout[-2000:]

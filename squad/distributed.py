@@ -110,6 +110,12 @@ def prepare_environment() -> None:
 _own_port: set[str] = set()  # the MASTER_PORT a one-process run picked for itself (another may take it first)
 
 
+def _may_move_port() -> bool:
+    """True when the rendezvous port may change after a failed listen: the run picked it itself, or the run has
+    one rank (rank 0 hosts the store and no other rank looks for it; an inherited or exported MASTER_PORT)."""
+    return os.environ.get("MASTER_PORT") in _own_port or os.environ.get("WORLD_SIZE") == "1"
+
+
 def check_accelerate_launch() -> None:
     """Refuses the one process ``accelerate launch --num_processes N`` (N > 1) starts when it falls back to its
     simple launcher.
@@ -156,10 +162,14 @@ def init_distributed() -> tuple[int, int, torch.device]:
                 try:
                     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", verbose=False)
                     break
-                except dist.DistNetworkError as e:  # a port picked for one process was taken before it listened
-                    if attempt == 2 or os.environ.get("MASTER_PORT") not in _own_port or "EADDRINUSE" not in str(e):
+                except dist.DistNetworkError as e:  # a one-rank run's port is taken (no other rank looks for it)
+                    if attempt == 2 or not _may_move_port() or "EADDRINUSE" not in str(e):
                         raise
+                    port = os.environ["MASTER_PORT"]
                     os.environ["MASTER_PORT"] = str(free_port())
+                    if port not in _own_port:
+                        print(f"[squad] MASTER_PORT {port} is in use; this one-rank run listens on "
+                              f"{os.environ['MASTER_PORT']} instead", file=sys.stderr)
                     _own_port.add(os.environ["MASTER_PORT"])
         rest = [line for line in printed.getvalue().splitlines() if not line.endswith("built successfully")]
         if rest:

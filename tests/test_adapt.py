@@ -9,7 +9,7 @@ import torch
 
 import squad
 from squad.posttrain.adapt import fidelity, to_mod
-from tests.helpers import ROOT
+from tests.helpers import ROOT, tool_env
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +56,7 @@ def test_tool_on_a_timm_file(vit_file, tiny_data, tmp_path):
     out = tmp_path / "amod.pt"
     res = subprocess.run([sys.executable, "tools/adapt_pretrained.py", "--checkpoint", str(path), "--num-heads", "6",
                           "--capacity", "0.5", "--data", str(tiny_data), "--split", "train", "--batches", "1",
-                          "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                          "--out", str(out)], cwd=ROOT, env=tool_env(), capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "attention" in res.stdout and "learned" in res.stdout
     assert "nan" not in res.stdout  # a measure that does not apply is "-" (the dense row: no agreement with itself)
@@ -65,7 +65,8 @@ def test_tool_on_a_timm_file(vit_file, tiny_data, tmp_path):
     model = squad.load_model(out)
     assert any(b.__class__.__name__ == "MoDBlock" for b in model.blocks)
     bad = subprocess.run([sys.executable, "tools/adapt_pretrained.py", "--checkpoint", str(tmp_path / "nope.pth"),
-                          "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+                          "--out", str(out)], cwd=ROOT, env=tool_env(), capture_output=True, text=True,
+                         timeout=120)
     assert bad.returncode == 2 and "not found" in bad.stderr
 
 

@@ -11,14 +11,15 @@ import torch
 
 from squad.bench import cases as bench_cases
 from squad.timing import BenchResult, time_interleaved
-from tests.helpers import ROOT
+from tests.helpers import ROOT, tool_env
 
 TOOL = ROOT / "tools/bench.py"
 ROW_FIELDS = {"case", "value", "target", "unit", "ok", "details"}
 
 
 def run_tool(*args, cwd):
-    return subprocess.run([sys.executable, str(TOOL), *args], cwd=cwd, capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, str(TOOL), *args], cwd=cwd, capture_output=True, text=True, timeout=300,
+                          env=tool_env())
 
 
 @pytest.mark.slow

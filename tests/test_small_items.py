@@ -4,6 +4,7 @@ and its data from the current folder, not from the install tree."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 
 import pytest
@@ -145,3 +146,25 @@ def test_a_one_process_run_whose_port_is_taken_picks_another(tmp_path):
     res = subprocess.run([PY, str(script)], cwd=ROOT, env=tool_env(), capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.split()[-4:] == ["ok", "0", "1", "True"], res.stdout[-2000:]
+
+
+@pytest.mark.slow
+def test_a_one_rank_run_that_inherits_a_busy_port_moves_and_says_so(tmp_path):
+    """A one-rank run that inherits MASTER_PORT (exported in a shell, or from a parent that trains in-process and
+    still listens on it) moves to a free port with one line on stderr; a run of several ranks would not (its other
+    ranks look for the port it was given)."""
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+    port = str(busy.getsockname()[1])
+    code = ("import os, squad.distributed as D; rank, world, _ = D.init_distributed(); "
+            "print('ok', rank, world, os.environ['MASTER_PORT'])")
+    env = {**tool_env(), "MASTER_PORT": port}
+    try:
+        res = subprocess.run([PY, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    finally:
+        busy.close()
+    assert res.returncode == 0, res.stderr[-3000:]
+    ok, rank, world, moved = res.stdout.split()[-4:]
+    assert (ok, rank, world) == ("ok", "0", "1") and moved != port, res.stdout[-2000:]
+    assert f"MASTER_PORT {port} is in use" in res.stderr

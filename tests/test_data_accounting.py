@@ -115,7 +115,7 @@ def test_evaluation_skips_instead_of_duplicating(damaged):
 
 def test_shards_count_missing_and_pack_counts_each_kind(damaged, tmp_path):
     root, ids = damaged
-    index = json.loads(pack_shards(root, tmp_path / "s", split_csv=None, image_size=16,
+    index = json.loads(pack_shards(root, tmp_path / "s", split=None, image_size=16, workers=0,
                                    domains=["rgb", "depth_euclidean"]).read_text())
     assert (index["corrupt"], index["wrong_size"], index["missing"]) == (1, 1, 1)
     assert index["no_target"] == 1  # the sample whose one target (depth) is missing: nothing to learn, left out
@@ -192,7 +192,7 @@ def test_pack_blames_the_odd_rgb_once_and_leaves_out_samples_without_targets(tmp
     for domain in ds.domains:
         if domain != "rgb":
             ds.path(1, domain).unlink()
-    index = json.loads(pack_shards(root, tmp_path / "s", split_csv=None, image_size=16).read_text())
+    index = json.loads(pack_shards(root, tmp_path / "s", split=None, image_size=16, workers=0).read_text())
     assert (index["wrong_size"], index["corrupt"], index["no_target"]) == (1, 0, 1)
     assert index["missing"] == len(ds.domains) - 1  # the second sample's files, counted where they are missing
     packed = build_dataset(tmp_path / "s", ["depth"], "all", missing="mask")
@@ -204,7 +204,7 @@ def truncated_shards(tmp_path):
     """8 samples packed 4 per shard; the first shard cut short (as a full disk or an interrupted copy leaves it)."""
     root = write_random_tree(tmp_path / "t", n=8, size=16, buildings=2, seed=0)
     out = tmp_path / "s"
-    pack_shards(root, out, split_csv=None, image_size=16, shard_size=4)
+    pack_shards(root, out, split=None, image_size=16, shard_size=4, workers=0)
     shard = out / "train_00000.h5"
     shard.write_bytes(shard.read_bytes()[:5000])
     return out, shard

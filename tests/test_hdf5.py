@@ -34,7 +34,7 @@ def packed(tmp_path_factory):
     base = tmp_path_factory.mktemp("h5")
     tree = write_random_tree(base / "tree", n=10, size=32, buildings=2, seed=2)
     (tree / "train_val_test_random.csv").write_bytes(b"id,train,val,test\rb0,1,0,0\rb1,0,1,0\r")
-    pack_shards(tree, base / "shards", image_size=16, shard_size=4)
+    pack_shards(tree, base / "shards", image_size=16, shard_size=4, workers=0)
     return tree, base / "shards"
 
 
@@ -94,7 +94,7 @@ def test_corrupt_file_when_packing(tmp_path):
     ref = TaskonomyDataset(tree, ["edge2d"])
     bad = ref.path(2, "edge_texture")
     bad.write_bytes(bad.read_bytes()[:50])
-    pack_shards(tree, tmp_path / "shards", image_size=16)
+    pack_shards(tree, tmp_path / "shards", image_size=16, workers=0)
     index = json.loads((tmp_path / "shards" / INDEX_NAME).read_text())
     assert index["corrupt"] == 1
     skip = ShardDataset(tmp_path / "shards", ["edge2d"])

@@ -164,7 +164,7 @@ def write_tree(root, raws: dict[str, np.ndarray]) -> None:
 def test_pack_stores_mask_aware_resized_arrays(tmp_path):
     raws, valid = real_like_view(seed=2)
     write_tree(tmp_path / "tree", raws)
-    pack_shards(tmp_path / "tree", tmp_path / "shards", image_size=OUT, domains=MASKED)
+    pack_shards(tmp_path / "tree", tmp_path / "shards", image_size=OUT, domains=MASKED, workers=0)
     with h5py.File(tmp_path / "shards" / "all_00000.h5", "r") as f:
         stored = {d: f[d][0] for d in MASKED}
     geo = stored["depth_zbuffer"] != 65535

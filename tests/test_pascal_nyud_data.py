@@ -304,7 +304,7 @@ def test_pascal_missing_file(pascal, tmp_path):
 
 def test_pascal_pack_roundtrip(pascal, tmp_path):
     root, _ = pascal
-    index = pack_shards(root, tmp_path / "shards", image_size=16)  # the layout is detected
+    index = pack_shards(root, tmp_path / "shards", image_size=16, workers=0)  # the layout is detected
     info = json.loads(index.read_text())
     assert info["dataset"] == "pascal_context" and info["tasks"] == ["semseg", "human_parts", "saliency",
                                                                      "normals", "edge"]
@@ -353,7 +353,8 @@ def test_nyud_raw_forms_and_samples(nyud):
 
 def test_nyud_pack_roundtrip(nyud, tmp_path):
     root, _, _ = nyud
-    index = pack_shards(root, tmp_path / "s", image_size=9, dataset="nyud", splits=["train", "val", "test"])
+    index = pack_shards(root, tmp_path / "s", image_size=9, dataset="nyud", partitions=("train", "val", "test"),
+                        workers=0)
     info = json.loads(index.read_text())
     assert info["dataset"] == "nyud" and info["tasks"] == ["nyud_semseg", "nyud_depth", "normals", "edge"]
     assert sorted({s["split"] for s in info["shards"]}) == ["train", "val"]

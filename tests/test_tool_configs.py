@@ -7,14 +7,17 @@ import sys
 
 import pytest
 
-from squad.cli import evaluate, extract, finetune_router, predict, visualize
+from squad.cli import adapt_pretrained, evaluate, extract, finetune_router, make_data, predict, upcycle, visualize
 from squad.config.base import ConfigError
 from squad.config.tools import (
+    AdaptConfig,
     EvaluateConfig,
     ExtractConfig,
     FinetuneConfig,
     InferenceOptions,
+    PackConfig,
     PredictConfig,
+    UpcycleConfig,
     VisualizeConfig,
     defaults,
     from_namespace,
@@ -27,6 +30,9 @@ TOOLS = {  # tool → (its config, the arguments it requires)
     evaluate: (EvaluateConfig, ["--checkpoint", "c", "--data", "d"]),
     predict: (PredictConfig, ["--checkpoint", "c", "--images", "i", "--out", "o"]),
     visualize: (VisualizeConfig, ["--checkpoint", "c"]),
+    make_data: (PackConfig, ["pack", "--src", "s", "--out", "o"]),
+    upcycle: (UpcycleConfig, ["--from", "f", "--config", "c", "--out", "o"]),
+    adapt_pretrained: (AdaptConfig, ["--checkpoint", "c", "--out", "o"]),
 }
 
 
@@ -60,10 +66,24 @@ def test_arguments_reach_the_config_nested_options_included():
     (FinetuneConfig, {"holdout": 1.0}, "--holdout must be in [0, 1)"),
     (FinetuneConfig, {"evals": 3}, "give --holdout"),
     (FinetuneConfig, {"lrs": (1e-3, -1.0), "holdout": 0.2}, "--lr must be > 0"),
+    (PackConfig, {"shard_size": 0}, "--shard-size must be >= 1"),
+    (PackConfig, {"compression": "zstd"}, "--compression must be lzf or gzip"),
+    (PackConfig, {"partitions": ()}, "--partitions names no partition"),
+    (UpcycleConfig, {"kv": "last"}, "--kv must be one of mean, first"),
+    (UpcycleConfig, {"images": -1}, "--images must be >= 0"),
+    (AdaptConfig, {"capacity": 0.0}, "--capacity must be in (0, 1]"),
+    (AdaptConfig, {"every": 0}, "--every must be >= 1"),
 ])
 def test_configs_refuse_bad_values_naming_the_option(cls, values, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
         dataclasses.replace(cls(), **values).check()
+
+
+def test_pack_options_reach_the_packer_as_a_config():
+    """``make_data.py pack --image-size 0`` keeps the file size (None), as the packer's ``image_size=None`` does."""
+    args = make_data.build_parser().parse_args(["pack", "--src", "s", "--out", "o", "--image-size", "0",
+                                                "--partitions", "train"])
+    assert from_namespace(PackConfig, args) == PackConfig(image_size=None, partitions=("train",))
 
 
 def test_the_configs_module_imports_no_torch():

@@ -47,7 +47,7 @@ def bench_shards_vs_png(tmpdir: str | Path | None = None, quick: bool = False) -
     for case, tree_size, target in (("hdf5_vs_png_13_domains", 512, ">= 3"), ("hdf5_vs_png_same_size", size, "")):
         tree = write_random_tree(tmpdir / f"tree{tree_size}", n=n, size=tree_size, unique=unique)
         shards = tmpdir / f"shards{tree_size}"
-        pack_shards(tree, shards, image_size=size, splits=("train",), workers=2)
+        pack_shards(tree, shards, image_size=size, partitions=("train",), workers=2)
         datasets = {"png": TaskonomyDataset(tree, "all", split="train", image_size=size),
                     "hdf5": ShardDataset(shards, "all", split="train")}
         loaders = {k: DataLoader(ds, batch_size=8, num_workers=2, collate_fn=collate, persistent_workers=True)

@@ -87,7 +87,7 @@ def bench_engine(quick: bool = False, tmpdir: str | Path | None = None) -> list[
         for q in quiet:
             q.setLevel(logging.WARNING)
         tree = write_random_tree(tmp / "tree", n=64, size=WIDTHS["img_size"], buildings=4, unique=16)
-        pack_shards(tree, tmp / "shards", image_size=WIDTHS["img_size"], splits=("train",), workers=1)
+        pack_shards(tree, tmp / "shards", image_size=WIDTHS["img_size"], partitions=("train",), workers=1)
         cfg = run_config(tmp / "shards", long_)
         before = measure_cost(cfg, bare_steps)["cpu_s"]
         (c_short, w_short), (c_long, w_long) = (_train_cpu(run_config(tmp / "shards", short), tmp / "short"),

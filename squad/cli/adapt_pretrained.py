@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from squad.cli import run
+from squad.config.tools import AdaptConfig, defaults, from_namespace
 
 
 def load_dense(path: str, num_heads: int | None):
@@ -114,7 +115,7 @@ def _num_heads(path: Path, outer: Mapping, dim: int, given: int | None) -> int:
 def heads_in_file(path: Path, outer: Mapping, dim: int) -> tuple[int | None, str]:
     """The head count a timm ViT file records, and where it was read; ``(None, "")`` when it records none.
 
-    Read from a ``num_heads`` / ``model_args.num_heads`` entry beside the weights (a checkpoint dict) or in the
+    Read from a ``num_heads`` / ``model_opts.num_heads`` entry beside the weights (a checkpoint dict) or in the
     ``config.json`` beside the file (the layout timm models have on model hubs), else from the timm architecture
     named there (``arch`` / ``architecture``, e.g. ``vit_small_patch16_224.augreg_in21k``), whose definition in the
     installed timm gives the count. The checkpoint is read first.
@@ -181,27 +182,28 @@ def _is_squad_file(p: Path) -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The arguments of ``tools/adapt_pretrained.py`` / ``squad-adapt-pretrained``."""
+    """The arguments of ``tools/adapt_pretrained.py`` / ``squad-adapt-pretrained`` (defaults:
+    `squad.config.tools.AdaptConfig`)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", required=True, help="squad model.pt / run folder, or a timm ViT state dict file")
-    ap.add_argument("--capacity", type=float, default=0.5, help="share of tokens each MoD block processes")
-    ap.add_argument("--routing", choices=["attention", "learned"], default="attention",
-                    help="routing of the model written to --out (both are evaluated)")
-    ap.add_argument("--every", type=int, default=2, help="MoD on every N-th block (default 2)")
-    ap.add_argument("--data", default=None, help="Taskonomy-format data to evaluate on (e.g. data/synthetic)")
-    ap.add_argument("--split", default="val")
-    ap.add_argument("--batches", type=int, default=8, help="evaluation batches (0 = the whole split)")
-    ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--num-heads", type=int, default=None, help="attention heads of a timm file (needed when the "
-                    "file does not record them; checked against it when it does)")
+    ap.add_argument("--capacity", type=float, help="share of tokens each MoD block processes (default 0.5)")
+    ap.add_argument("--routing", choices=["attention", "learned"],
+                    help="routing of the model written to --out (default attention; both are evaluated)")
+    ap.add_argument("--every", type=int, help="MoD on every N-th block (default 2)")
+    ap.add_argument("--data", help="Taskonomy-format data to evaluate on (e.g. data/synthetic)")
+    ap.add_argument("--split", help="the split evaluated (default val)")
+    ap.add_argument("--batches", type=int, help="evaluation batches (default 8; 0 = the whole split)")
+    ap.add_argument("--batch-size", type=int, help="default 16")
+    ap.add_argument("--num-heads", type=int, help="attention heads of a timm file (needed when the file does not "
+                    "record them; checked against it when it does)")
     ap.add_argument("--out", required=True, help="where to write the adapted model (squad model file)")
+    ap.set_defaults(**defaults(AdaptConfig))
     return ap
 
 
 def _adapt(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
-    if not 0.0 < args.capacity <= 1.0:
-        raise ValueError(f"--capacity must be in (0, 1], got {args.capacity}")
+    opts = from_namespace(AdaptConfig, args)  # checked before torch is imported
     import torch
 
     from squad import io
@@ -210,41 +212,41 @@ def _adapt(argv: list[str] | None) -> int:
 
     check_writable(args.out, "--out")
     torch.manual_seed(0)
-    dense = load_dense(args.checkpoint, args.num_heads)
+    dense = load_dense(args.checkpoint, opts.num_heads)
     models = {"dense": dense}
     for routing in ("attention", "learned"):
-        models[routing] = to_mod(dense, args.capacity, routing, args.every).eval()
+        models[routing] = to_mod(dense, opts.capacity, routing, opts.every).eval()
 
     rows = {name: {} for name in models}
-    if args.data:
+    if opts.data:
         from squad.data import build_dataset, eval_loader
         from squad.eval.evaluate import evaluate, primary
         from squad.tasks import TASK_NAMES
 
         tasks = [t for t in dense.task_names if t in TASK_NAMES]
-        ds = build_dataset(args.data, tasks or ["depth_euclidean"], args.split, image_size=dense.cfg.img_size)
-        loader = eval_loader(ds, args.batch_size)
-        images = torch.cat([b["rgb"] for i, b in zip(range(args.batches or 10**9), loader, strict=False)])
+        ds = build_dataset(opts.data, tasks or ["depth_euclidean"], opts.split, image_size=dense.cfg.img_size)
+        loader = eval_loader(ds, opts.batch_size)
+        images = torch.cat([b["rgb"] for i, b in zip(range(opts.batches or 10**9), loader, strict=False)])
         probe = tasks[0] if tasks else dense.task_names[0]
         for name, m in models.items():
             if tasks:
-                rows[name].update(primary(evaluate(m, loader, tasks, max_batches=args.batches)))
+                rows[name].update(primary(evaluate(m, loader, tasks, max_batches=opts.batches)))
             if name != "dense":  # agreement with the dense model (the reference: its own row has none)
                 f = fidelity(m, dense, images, probe)
                 rows[name]["feature_cosine"] = f.feature_cosine
                 if not math.isnan(f.top1_agreement):  # a class or token head: top-1 is defined
                     rows[name]["top1_agreement"] = f.top1_agreement
     print(f"MoD adaptation of {args.checkpoint} ({dense.cfg.num_heads} heads of width "
-          f"{dense.cfg.embed_dim // dense.cfg.num_heads}): capacity {args.capacity}, every {args.every} blocks, "
+          f"{dense.cfg.embed_dim // dense.cfg.num_heads}): capacity {opts.capacity}, every {opts.every} blocks, "
           f"no training")
     print(_table(rows))
     out = Path(args.out)
-    chosen = models[args.routing]
-    io.export_model(out, chosen, None, {"adapted_from": str(args.checkpoint), "capacity": args.capacity,
-                                          "routing": args.routing, "evaluation": rows})
-    atomic_write_text(out.with_suffix(".json"), json.dumps({"capacity": args.capacity, "every": args.every,
+    chosen = models[opts.routing]
+    io.export_model(out, chosen, None, {"adapted_from": str(args.checkpoint), "capacity": opts.capacity,
+                                          "routing": opts.routing, "evaluation": rows})
+    atomic_write_text(out.with_suffix(".json"), json.dumps({"capacity": opts.capacity, "every": opts.every,
                                                             "results": rows}, indent=2), "the evaluation")
-    print(f"wrote {out} ({args.routing} routing) and {out.with_suffix('.json')}")
+    print(f"wrote {out} ({opts.routing} routing) and {out.with_suffix('.json')}")
     return 0
 
 

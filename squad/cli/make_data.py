@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from squad.cli import run
+from squad.config.tools import PackConfig, defaults, from_namespace
 
 SYNTHETIC_SIZES = {"taskonomy": 64, "pascal_context": 128, "nyud": 128}  # default --image-size per dataset
 
@@ -62,10 +63,7 @@ def _pack(args: argparse.Namespace) -> None:
     from squad.data.offline.pack import pack_shards
 
     t0 = time.perf_counter()
-    index = pack_shards(args.src, args.out, split_csv=args.split, splits=args.partitions,
-                        image_size=args.image_size or None, shard_size=args.shard_size,
-                        domains=args.domains, compression=args.compression, workers=args.workers,
-                        dataset=args.dataset)
+    index = pack_shards(args.src, args.out, from_namespace(PackConfig, args))
     elapsed = time.perf_counter() - t0
     info = json.loads(index.read_text())
     print(f"packed {args.src} into {args.out} in {elapsed:.1f} s")
@@ -119,21 +117,20 @@ def build_parser() -> argparse.ArgumentParser:
     syn.add_argument("--buildings", type=int, default=None, help="number of buildings (default: the renderer's)")
     syn.set_defaults(func=_synthetic)
 
-    pack = sub.add_parser("pack", help="pack a Taskonomy tree into HDF5 shards")
-    pack.add_argument("--dataset", choices=["taskonomy", "pascal_context", "nyud"], default=None,
+    pack = sub.add_parser("pack", help="pack a Taskonomy tree into HDF5 shards")  # defaults: PackConfig
+    pack.add_argument("--dataset", choices=["taskonomy", "pascal_context", "nyud"],
                       help="what --src holds (default: detected from its layout)")
     pack.add_argument("--src", required=True, help="Taskonomy root (either layout), PASCAL_MT or NYUD folder")
     pack.add_argument("--out", required=True, help="output shard folder")
-    pack.add_argument("--split", default=None,
-                      help="split CSV: a path or a name (tiny, medium, full, fullplus, synthetic); "
-                           "default: the one train_val_test_*.csv in --src")
-    pack.add_argument("--partitions", nargs="+", default=["train", "val", "test"], help="which partitions to pack")
-    pack.add_argument("--image-size", type=int, default=256, help="stored size; 0 keeps the file size")
-    pack.add_argument("--shard-size", type=int, default=1024, help="samples per shard file")
-    pack.add_argument("--domains", nargs="+", default=None, help="domains to pack (default: all present)")
-    pack.add_argument("--compression", choices=["lzf", "gzip"], default=None, help="default: none (fastest reads)")
-    pack.add_argument("--workers", type=int, default=2, help="reader processes")
-    pack.set_defaults(func=_pack)
+    pack.add_argument("--split", help="split CSV: a path or a name (tiny, medium, full, fullplus, synthetic); "
+                                      "default: the one train_val_test_*.csv in --src")
+    pack.add_argument("--partitions", nargs="+", help="which partitions to pack (default: train val test)")
+    pack.add_argument("--image-size", type=int, help="stored size (default 256); 0 keeps the file size")
+    pack.add_argument("--shard-size", type=int, help="samples per shard file (default 1024)")
+    pack.add_argument("--domains", nargs="+", help="domains to pack (default: all present)")
+    pack.add_argument("--compression", choices=["lzf", "gzip"], help="default: none (fastest reads)")
+    pack.add_argument("--workers", type=int, help="reader processes (default 2)")
+    pack.set_defaults(func=_pack, **defaults(PackConfig))
 
     st = sub.add_parser("stats", help="statistics of a dataset beside real Taskonomy's (check a download)",
                         description="Per domain: code and target-space statistics, masked share, ids per image, "

@@ -22,10 +22,11 @@ import sys
 from pathlib import Path
 
 from squad.cli import run
+from squad.config.tools import UpcycleConfig, defaults, from_namespace
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The arguments of ``tools/upcycle.py`` / ``squad-upcycle``."""
+    """The arguments of ``tools/upcycle.py`` / ``squad-upcycle`` (defaults: `squad.config.tools.UpcycleConfig`)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--from", dest="source", required=True, metavar="FILE",
                    help="timm ViT state dict (.pth/.pt/.safetensors) or dense squad model (model.pt / run folder)")
@@ -33,22 +34,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a model key, e.g. --set moe.router.renormalize=true (repeatable)")
     p.add_argument("--out", required=True, help="the squad model file to write (e.g. init.pt)")
-    p.add_argument("--moe-scheme", choices=["auto", "copy", "partition"], default="auto",
+    p.add_argument("--moe-scheme", choices=["auto", "copy", "partition"],
                    help="MoE-MLP experts: copies of the dense MLP (exact with renormalised gates; needs "
                         "moe.hidden >= the dense hidden width), slices of its hidden units, or auto (default)")
-    p.add_argument("--kv", choices=["mean", "first"], default="mean",
+    p.add_argument("--kv", choices=["mean", "first"],
                    help="MoE attention's shared key/value head: the mean of the dense heads' (default) or head 0's")
-    p.add_argument("--task-embed", choices=["zero", "fresh"], default="zero",
+    p.add_argument("--task-embed", choices=["zero", "fresh"],
                    help="task embeddings the dense model lacks: zero (default, keeps step 0 exact) or random")
-    p.add_argument("--seed", type=int, default=0, help="seed of the fresh parts (routers, new heads)")
-    p.add_argument("--images", type=int, default=8, help="random images the step-0 drift is measured on (0: none)")
+    p.add_argument("--seed", type=int, help="seed of the fresh parts (routers, new heads; default 0)")
+    p.add_argument("--images", type=int, help="random images the step-0 drift is measured on (default 8; 0: none)")
+    p.set_defaults(**defaults(UpcycleConfig))
     return p
 
 
 def _upcycle(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
-    if args.images < 0:
-        raise ValueError(f"--images must be >= 0, got {args.images}")
+    opts = from_namespace(UpcycleConfig, args)  # checked before torch is imported
     import torch
 
     from squad import io
@@ -60,10 +61,10 @@ def _upcycle(argv: list[str] | None) -> int:
 
     cfg = model_config(args.config, args.set)
     source = Path(args.source)
-    torch.manual_seed(args.seed)
+    torch.manual_seed(opts.seed)
     model = build_model(cfg).eval()  # the fresh parts: what a run seeded --seed would draw
     dense, copy_heads = read_dense_source(source, cfg)
-    report = transfer(dense, model, moe=args.moe_scheme, kv=args.kv, task_embed=args.task_embed,
+    report = transfer(dense, model, moe=opts.moe_scheme, kv=opts.kv, task_embed=opts.task_embed,
                       copy_heads=copy_heads, source_name=str(source))
     print(f"upcycled {source} into {cfg.name} ({cfg.depth} blocks, {len(model.task_names)} tasks)")
     for layer, r in report["layers"].items():
@@ -76,16 +77,16 @@ def _upcycle(argv: list[str] | None) -> int:
         print(f"  dropped (no place in the new plan): {', '.join(report['dropped'])}")
     print(f"  task embeddings: {report['task_embed']}; heads copied: {', '.join(report['heads_copied']) or 'none'}")
     measured = None
-    if args.images:
-        g = torch.Generator().manual_seed(args.seed)
-        images = torch.randn(args.images, cfg.in_chans, cfg.img_size, cfg.img_size, generator=g)
+    if opts.images:
+        g = torch.Generator().manual_seed(opts.seed)
+        images = torch.randn(opts.images, cfg.in_chans, cfg.img_size, cfg.img_size, generator=g)
         measured = drift(model, dense, images)
-        print(f"step-0 drift on {args.images} random images (relative error vs the dense model): final features "
+        print(f"step-0 drift on {opts.images} random images (relative error vs the dense model): final features "
               f"{measured['max_features']:.3g}; per block " + ", ".join(f"{v:.3g}" for v in measured["blocks"]))
     out = Path(args.out)
     io.export_model(out, model, None, {"upcycled_from": str(source), "upcycle": _plain(report), "drift": measured,
-                                       "schemes": {"moe": args.moe_scheme, "kv": args.kv,
-                                                   "task_embed": args.task_embed, "seed": args.seed}})
+                                       "schemes": {"moe": opts.moe_scheme, "kv": opts.kv,
+                                                   "task_embed": opts.task_embed, "seed": opts.seed}})
     print(f"wrote {out}{' (exact at step 0)' if report['exact'] else ''}")
     return 0
 

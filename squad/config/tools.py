@@ -1,5 +1,6 @@
 """The tools' options as configs: one dataclass per tool that has many (extract, finetune_router, evaluate, predict,
-visualize), and `InferenceOptions`, how a loaded model runs, which every tool that runs one shares.
+visualize, make_data pack, upcycle, adapt_pretrained), and `InferenceOptions`, how a loaded model runs, which every
+tool that runs one shares.
 
 A tool builds its config from its arguments in one place (`from_namespace`: each field from the argument of the
 same name, a nested options dataclass from the same arguments) and takes its defaults from the config
@@ -214,6 +215,81 @@ class VisualizeConfig:
         _at_least(self, 1, "batch_size")
         _at_least(self, 0, "batches", "images", "workers")
         self.inference.check()
+
+
+@dataclasses.dataclass
+class PackConfig:
+    """``tools/make_data.py pack``'s options (`squad.data.offline.pack.pack_shards`)."""
+
+    dataset: Literal["taskonomy", "pascal_context", "nyud"] | None = None  # None: detected from the source's layout
+    split: str | None = None  # split CSV: a path or a name (tiny, medium, full, ...); None: the one in the source
+    partitions: tuple[str, ...] = ("train", "val", "test")  # which partitions to pack
+    image_size: int | None = 256  # stored size; None (0 on the command line) keeps the file size
+    shard_size: int = 1024  # samples per shard file
+    domains: list[str] | None = None  # default: rgb and every task domain present
+    compression: Literal["lzf", "gzip"] | None = None  # h5py compression; None reads fastest
+    workers: int = 2  # reader processes (0: read in this process)
+
+    def __post_init__(self) -> None:
+        self.image_size = self.image_size or None
+
+    def check(self) -> None:
+        """Raises ConfigError for an out-of-range count or an unknown dataset or compression."""
+        _at_least(self, 1, "shard_size")
+        _at_least(self, 0, "workers")
+        if self.image_size is not None and self.image_size < 0:
+            raise ConfigError(f"--image-size must be >= 0 (0 keeps the file size), got {self.image_size}")
+        if self.dataset not in (None, "taskonomy", "pascal_context", "nyud"):
+            raise ConfigError(f"--dataset must be taskonomy, pascal_context or nyud, got {self.dataset!r}")
+        if self.compression not in (None, "lzf", "gzip"):
+            raise ConfigError(f"--compression must be lzf or gzip, got {self.compression!r}")
+        if not self.partitions:
+            raise ConfigError("--partitions names no partition")
+
+
+@dataclasses.dataclass
+class UpcycleConfig:
+    """``tools/upcycle.py``'s schemes and measurement (`squad.models.transfer.transfer`, `squad.posttrain.upcycle`)."""
+
+    moe_scheme: Literal["auto", "copy", "partition"] = "auto"  # MoE-MLP experts: copies or slices of the dense MLP
+    kv: Literal["mean", "first"] = "mean"  # MoE attention's shared key/value head: the dense heads' mean, or head 0's
+    task_embed: Literal["zero", "fresh"] = "zero"  # task embeddings the dense model lacks (zero keeps step 0 exact)
+    seed: int = 0  # seed of the fresh parts (routers, new heads) and of the drift images
+    images: int = 8  # random images the step-0 drift is measured on (0: none)
+
+    def check(self) -> None:
+        """Raises ConfigError for an unknown scheme or a negative image count."""
+        for name, allowed in (("moe_scheme", ("auto", "copy", "partition")), ("kv", ("mean", "first")),
+                              ("task_embed", ("zero", "fresh"))):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"{_flag(name)} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        _at_least(self, 0, "images")
+
+
+@dataclasses.dataclass
+class AdaptConfig:
+    """``tools/adapt_pretrained.py``'s options: a dense model turned into MoD without training
+    (`squad.posttrain.adapt.to_mod`), and the evaluation of both routings."""
+
+    capacity: float = 0.5  # share of tokens each MoD block processes, in (0, 1]
+    routing: Literal["attention", "learned"] = "attention"  # the routing of the model written (both are evaluated)
+    every: int = 2  # MoD on every N-th block
+    data: str | None = None  # Taskonomy-format data to evaluate on (None: no metrics)
+    split: str = "val"
+    batches: int = 8  # evaluation batches (0: the whole split)
+    batch_size: int = 16
+    num_heads: int | None = None  # attention heads of a timm file (when the file does not record them)
+
+    def check(self) -> None:
+        """Raises ConfigError for an out-of-range capacity, count or an unknown routing."""
+        if not 0.0 < self.capacity <= 1.0:
+            raise ConfigError(f"--capacity must be in (0, 1], got {self.capacity}")
+        if self.routing not in ("attention", "learned"):
+            raise ConfigError(f"--routing must be attention or learned, got {self.routing!r}")
+        _at_least(self, 1, "every", "batch_size")
+        _at_least(self, 0, "batches")
+        if self.num_heads is not None:
+            _at_least(self, 1, "num_heads")
 
 
 def _nested(cls: type) -> dict[str, type]:

@@ -12,6 +12,7 @@ applied when packing (the reader applies them), so one shard set serves every de
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,13 +22,13 @@ import h5py
 import numpy as np
 from torch.utils.data import DataLoader, Dataset
 
+from squad.config.tools import PackConfig
 from squad.data.benchmark import DATASETS, BenchmarkBase, check_dataset_tasks
 from squad.data.nyud import NYUDDataset
 from squad.data.pascal import PascalContextDataset
 from squad.data.samples import CorruptFileError, EmptyDatasetError
 from squad.data.shards import FORMAT, HW_KEY, INDEX_NAME, VERSION, detect_dataset, logger
 from squad.data.taskonomy import (
-    SPLITS,
     TaskonomyDataset,
     domain_dir,
     find_split_csv,
@@ -149,28 +150,23 @@ def _keep(sample_id: str, arrays: dict[str, Any], index: dict[str, Any], tasks: 
     return True
 
 
-def pack_shards(src: str | Path, out: str | Path, split_csv: str | Path | None = None,
-                splits: Sequence[str] = SPLITS, image_size: int | None = 256, shard_size: int = 1024,
-                domains: Sequence[str] | None = None, compression: str | None = None, workers: int = 0,
-                dataset: str | None = None) -> Path:
+def pack_shards(src: str | Path, out: str | Path, config: PackConfig | None = None, **options: Any) -> Path:
     """Packs a Taskonomy, PASCAL-Context or NYUD-v2 tree into HDF5 shards.
 
-    PASCAL-Context and NYUD-v2 (`pack_benchmark`): `split_csv` is not used, `splits` are taken among the
-    dataset's own (train, val), `domains` are its task names, and `image_size` is required.
+    The options are `squad.config.tools.PackConfig`'s (what ``tools/make_data.py pack`` takes): ``split`` (a split
+    CSV path or short name such as ``"tiny"``; None finds one in `src`; without any CSV every building is packed as
+    partition ``"all"``), ``partitions``, ``image_size`` (raw files are resized in the encoded domain; None keeps
+    the file size), ``shard_size``, ``domains`` (default: rgb and every task domain present in `src`),
+    ``compression``, ``workers`` (DataLoader workers reading and resizing files in parallel) and ``dataset`` (None:
+    detected from `src`'s layout, `squad.data.shards.detect_dataset`). PASCAL-Context and NYUD-v2
+    (`pack_benchmark`): ``split`` is not used, ``partitions`` are taken among the dataset's own (train, val),
+    ``domains`` are its task names.
 
     Args:
-        src: Taskonomy root (either layout).
+        src: Taskonomy root (either layout), PASCAL_MT or NYUD folder.
         out: output folder (created); an existing index there is overwritten.
-        split_csv: CSV path or short name (``"tiny"``); None finds one in `src`; without any CSV every building
-            is packed as split ``"all"``.
-        splits: which partitions to pack.
-        image_size: stored size (raw files are resized in the encoded domain); None keeps the file size.
-        shard_size: samples per shard file.
-        domains: domains to pack (default: rgb and every task domain present in `src`).
-        compression: h5py compression (None, ``"lzf"``, ``"gzip"``); None reads fastest.
-        workers: DataLoader workers reading and resizing files in parallel.
-        dataset: ``"taskonomy"``, ``"pascal_context"`` or ``"nyud"``; None: detected from `src`'s layout
-            (`squad.data.shards.detect_dataset`).
+        config: the options (default `PackConfig`'s).
+        **options: options replacing the config's, by field name (``pack_shards(src, out, image_size=16)``).
 
     Returns:
         Path of the written ``shards.json``; its ``corrupt``, ``wrong_size`` and ``missing`` hold the number of
@@ -184,25 +180,29 @@ def pack_shards(src: str | Path, out: str | Path, split_csv: str | Path | None =
         squad.io.files.WriteError: a shard could not be written (a full disk): every shard this pack wrote is
             removed, and no index is left.
     """
+    cfg = dataclasses.replace(config or PackConfig(), **options)
+    cfg.check()
     src, out = Path(src), Path(out)
     if not src.is_dir():
         raise FileNotFoundError(f"source {src} does not exist. {make_data_hint(src)}")
     found = detect_dataset(src)
-    dataset = dataset or found
+    dataset = cfg.dataset or found
     if dataset not in DATASETS:
         raise ValueError(f"unknown dataset {dataset!r}; use one of {', '.join(DATASETS)}")
+    image_size, shard_size, compression, workers = cfg.image_size, cfg.shard_size, cfg.compression, cfg.workers
     if dataset != "taskonomy" or found != "taskonomy":
         if found != dataset:
             raise ValueError(f"{src} holds a {found} layout, not {dataset}")
-        return pack_benchmark(src, out, dataset, splits=splits, image_size=image_size, shard_size=shard_size,
-                              tasks=[d for d in domains or () if d != "rgb"] or None, compression=compression,
+        return pack_benchmark(src, out, dataset, splits=cfg.partitions, image_size=image_size, shard_size=shard_size,
+                              tasks=[d for d in cfg.domains or () if d != "rgb"] or None, compression=compression,
                               workers=workers)
+    domains = cfg.domains
     if domains is None:
         domains = ["rgb", *(t for t in TASK_NAMES if domain_dir(src, t) is not None)]
     domains = list(dict.fromkeys(["rgb", *domains]))
     tasks = [d for d in domains if d != "rgb"]
-    csv = find_split_csv(src, split_csv)
-    parts = list(splits) if csv is not None else ["all"]
+    csv = find_split_csv(src, cfg.split)
+    parts = list(cfg.partitions) if csv is not None else ["all"]
     _start(out)
     written: list[Path] = []
     index: dict[str, Any] = {"format": FORMAT, "version": VERSION, "dataset": "taskonomy", "tasks": tasks,

@@ -601,15 +601,18 @@ def test_run_configs_keep_each_familys_structure(tmp_path):
     assert balance.loss.w_mi == 0 and balance.loss.balance == "switch" and balance.loss.balance_scope == "per_task"
 
 
-def test_a_config_key_added_since_a_run_counts_as_its_old_behaviour():
+def test_a_config_key_added_since_a_run_counts_as_its_default():
     """A finished run recorded before a config key existed (``model.moe.expert_parallel``) is the same run when the
-    plan has the key's old behaviour (1), and another when it does not."""
-    from squad.reproduce.runs import ADDED_KEYS, _differences
+    plan has the key's default (what runs did before it existed: 1), and another when it does not; a key the
+    defaults do not have is a difference."""
+    from squad.reproduce.runs import _differences, config_default
 
     trained = {"model": {"moe": {"num_experts": 8}, "moa": {"num_experts": 8}}}
     planned = {"model": {"moe": {"num_experts": 8, "expert_parallel": 1}, "moa": {"num_experts": 8,
                                                                                    "expert_parallel": 1}}}
-    assert ADDED_KEYS["model.moe.expert_parallel"] == 1 and _differences(trained, planned) == []
+    assert config_default("model.moe.expert_parallel") == 1 and _differences(trained, planned) == []
+    assert _differences({"train": {}}, {"train": {"zero_stage": 0}}) == []  # any key, at its default
+    assert _differences({"train": {}}, {"train": {"nonsense": 0}}) == ["train.nonsense: None (trained) vs 0 (planned)"]
     planned["model"]["moe"]["expert_parallel"] = 2
     assert _differences(trained, planned) == ["model.moe.expert_parallel: None (trained) vs 2 (planned)"]
     assert _differences({"optim": {"lr": 1e-3}}, {"optim": {}}) == ["optim.lr: 0.001 (trained) vs None (planned)"]

@@ -23,6 +23,7 @@ training memory of a run's model.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import sys
@@ -258,10 +259,27 @@ def settings_of(cfg: dict, out: Path) -> dict:
     return settings
 
 
-# Config keys added after runs were trained, with the value that does what the runs did without them: a finished run
-# whose record lacks one of these is the same run when the plan has that value.
-ADDED_KEYS = {"model.moe.expert_parallel": 1, "model.moa.expert_parallel": 1}
 _ABSENT = object()
+
+
+def config_default(key: str):
+    """The `RunConfig` default of a dotted config key (``model.moe.expert_parallel`` → 1), or a marker object when
+    the defaults have no such key.
+
+    A config key is added with the default that does what runs did before it existed, so a finished run whose
+    record lacks a key is the same run as a plan that has the key's default.
+    """
+    value = _run_defaults()
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return _ABSENT
+        value = value[part]
+    return value
+
+
+@functools.cache
+def _run_defaults() -> dict:
+    return to_dict(RunConfig())
 
 
 def _differences(a, b, prefix: str = "") -> list[str]:
@@ -269,7 +287,7 @@ def _differences(a, b, prefix: str = "") -> list[str]:
         return [d for k in sorted(set(a) | set(b))
                 for d in _differences(a.get(k, _ABSENT), b.get(k, _ABSENT), f"{prefix}{k}.")]
     key = prefix.rstrip(".")
-    if a is _ABSENT and key in ADDED_KEYS and b == ADDED_KEYS[key]:
+    if a is _ABSENT and b is not _ABSENT and b == config_default(key):  # a key added since the run was recorded
         return []
     if a == b:
         return []

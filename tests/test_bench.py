@@ -2,7 +2,6 @@
 
 import json
 import math
-import subprocess
 import sys
 import types
 
@@ -11,15 +10,14 @@ import torch
 
 from squad.bench import cases as bench_cases
 from squad.timing import BenchResult, time_interleaved
-from tests.helpers import ROOT, tool_env
+from tests.helpers import ROOT, run_command, tool_env
 
 TOOL = ROOT / "tools/bench.py"
 ROW_FIELDS = {"case", "value", "target", "unit", "ok", "details"}
 
 
 def run_tool(*args, cwd):
-    return subprocess.run([sys.executable, str(TOOL), *args], cwd=cwd, capture_output=True, text=True, timeout=300,
-                          env=tool_env())
+    return run_command([sys.executable, str(TOOL), *args], cwd, tool_env(), 300)
 
 
 @pytest.mark.slow

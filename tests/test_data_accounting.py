@@ -153,13 +153,12 @@ def test_training_run_logs_the_summary(tiny_data, tmp_path):
     """The end of a training run: the line in train.log and the scalars in TensorBoard."""
     import shutil
 
-    from tests.helpers import tool_env
+    from tests.helpers import ROOT, run_command, tool_env
 
     data = tmp_path / "data"
     shutil.copytree(tiny_data, data)
     ds = TaskonomyDataset(data, ["depth"], split="train")
     ds.path(2, "rgb").write_bytes(b"\x89PNG\r\n\x1a\nbroken")
-    import subprocess
     import sys
 
     out = tmp_path / "run"
@@ -168,7 +167,7 @@ def test_training_run_logs_the_summary(tiny_data, tmp_path):
            "--set", "optim.batch_per_rank=4", "--set", "model.img_size=32", "--set", "model.depth=2",
            "--set", "model.embed_dim=64", "--set", "model.num_heads=2", "--set", "data.workers=0",
            "--set", "train.progress=false"]
-    res = subprocess.run(cmd, capture_output=True, text=True, env=tool_env(), timeout=600)
+    res = run_command(cmd, ROOT, tool_env(), 600)
     assert res.returncode == 0, res.stderr[-3000:]
     text = (out / "train.log").read_text()
     train_lines = [x for x in text.splitlines() if "data train (" in x]
@@ -230,10 +229,9 @@ def test_a_truncated_shard_is_named_skipped_and_counted(truncated_shards, caplog
 
 @pytest.mark.slow
 def test_training_on_a_truncated_shard_names_it_and_goes_on(truncated_shards, tmp_path):
-    import subprocess
     import sys
 
-    from tests.helpers import tool_env
+    from tests.helpers import ROOT, run_command, tool_env
 
     out, shard = truncated_shards
     cmd = [sys.executable, "tools/train.py", "--config", "configs/demo.yaml", "--out", str(tmp_path / "run"),
@@ -242,7 +240,7 @@ def test_training_on_a_truncated_shard_names_it_and_goes_on(truncated_shards, tm
            "--set", "model.img_size=16", "--set", "model.patch_size=8", "--set", "model.depth=2",
            "--set", "model.embed_dim=32", "--set", "model.num_heads=2", "--set", "data.workers=0",
            "--set", "train.progress=false"]
-    res = subprocess.run(cmd, capture_output=True, text=True, env=tool_env(), timeout=600)
+    res = run_command(cmd, ROOT, tool_env(), 600)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "Traceback" not in res.stderr and f"unreadable shard file {shard}" in res.stderr
     log = (tmp_path / "run" / "train.log").read_text()

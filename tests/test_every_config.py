@@ -22,8 +22,6 @@ Each still trains here, shrunk the same way, for 2 steps on its own dataset's sy
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +31,7 @@ import torch
 
 import squad
 from squad.config.base import read_yaml
-from tests.helpers import MODEL_CONFIGS, PY, ROOT, TINY, launcher, tiny_config, tool_env
+from tests.helpers import MODEL_CONFIGS, PY, ROOT, TINY, launcher, run_command, tiny_config, tool_env
 from tests.test_pascal_nyud_training import BENCHMARK_TASKS, benchmark_data
 
 CONFIGS = {p.stem: p for p in MODEL_CONFIGS}
@@ -92,15 +90,12 @@ def _train_args(name: str, out: Path, data: Path, steps: int) -> list[str]:
 
 def _run(cmd: list[str], timeout: int = TRAIN_TIMEOUT) -> dict:
     """Runs a command in its own process group (killed whole on timeout: the launcher's ranks included)."""
-    proc = subprocess.Popen(cmd, env=tool_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
     try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        return {"rc": "timeout", "stderr": f"timed out after {timeout} s\n{out[-2000:]}{err[-3000:]}"}
-    return {"rc": proc.returncode, "stderr": (out[-2000:] + err[-4000:])}
+        proc = run_command(cmd, ROOT, tool_env(), timeout)
+    except subprocess.TimeoutExpired as e:
+        return {"rc": "timeout", "stderr": f"timed out after {timeout} s\n{(e.stdout or '')[-2000:]}"
+                                          f"{(e.stderr or '')[-3000:]}"}
+    return {"rc": proc.returncode, "stderr": (proc.stdout[-2000:] + proc.stderr[-4000:])}
 
 
 @dataclass

@@ -3,13 +3,12 @@ and a run folder under a file under a 2-rank launch each end in a clean exit 2 w
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from tests.helpers import ROOT, tool_env
+from tests.helpers import ROOT, run_command, tool_env
 
 DEVICE_TOOLS = ["tools/evaluate.py", "tools/extract.py", "tools/visualize.py", "tools/finetune_router.py"]
 
@@ -58,7 +57,7 @@ def test_run_folder_under_a_file_two_ranks_is_exit_2(tmp_path, tiny_data):
            str(__import__("squad.distributed", fromlist=["free_port"]).free_port()), "tools/train.py",
            "--config", "configs/demo.yaml", "--out", str(blocker / "run"), "--set", f"data.root={tiny_data}",
            "--set", "optim.steps=1", "--set", "model.img_size=32", "--set", "model.depth=2"]
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=tool_env(), timeout=300)
+    res = run_command(cmd, ROOT, tool_env(), 300)
     out = res.stdout + res.stderr
     assert res.returncode == 2, out[-3000:]
     assert "not writable" in out and "terminate called" not in out and "Traceback" not in out, out[-3000:]

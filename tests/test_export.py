@@ -20,7 +20,7 @@ from squad.deploy.export import ExportError, export_program, program_info
 from squad.io import export_model, save_extracted
 from squad.io.checkpoints import load_checkpoint_file
 from squad.posttrain.extract import collect_usage, extract
-from tests.helpers import ROOT, tiny_model
+from tests.helpers import ROOT, run_command, tiny_model
 
 HEADS = ["depth_euclidean", "normal", "class_scene"]
 PLANS = {  # the model kinds of the tests: a dense MTL ViT, MoD, A-MoD, Mod-Squad (MoE attention + MoE MLP), MoNE
@@ -202,8 +202,8 @@ def _train_tiny(base: Path, weighting: str, zero_stage: int, precision: str) -> 
                               loss={"weighting": weighting},
                               optim={"warmup_steps": 1, "steps": 2},
                               train={"ckpt_every": 2, "zero_stage": zero_stage, "precision": precision})
-    res = subprocess.run([PY, "tools/train.py", "--config", str(config), "--out", str(base / "run")], cwd=ROOT,
-                         env=tool_env(), capture_output=True, text=True, timeout=300)
+    res = run_command([PY, "tools/train.py", "--config", str(config), "--out", str(base / "run")], ROOT,
+                      tool_env(), 300)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     return base / "run"
 

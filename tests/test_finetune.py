@@ -3,7 +3,6 @@ of modes × sizes, and the tool's errors."""
 
 import json
 import logging
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from squad.models.surgery import add_task, added_task_parameters, merge_added_ta
 from squad.models.vit import build_model
 from squad.posttrain.finetune import finetune_once, finetune_table, make_optimizer, select_trainable
 from squad.posttrain.subsets import holdout_split, subset_indices
-from tests.helpers import ROOT, tiny_model, tool_env
+from tests.helpers import ROOT, run_command, tiny_model, tool_env
 
 BASE = ["normal", "class_object"]
 PLANS = {
@@ -212,7 +211,7 @@ def test_runs_under_the_deepspeed_launcher(base_file, tiny_data, tmp_path):
     cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "tools/finetune_router.py",
            "--checkpoint", str(base_file), "--data", str(tiny_data), "--task", "depth", "--steps", "2",
            "--fractions", "0.5", "--out", str(out)]
-    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    res = run_command(cmd, ROOT, env, 300)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     assert json.loads(out.read_text())["runs"][0]["frozen_unchanged"] is True
 

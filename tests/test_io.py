@@ -3,7 +3,6 @@ weights_only everywhere (a pickle that would run code is refused, and does not r
 tensor, ``str`` paths, and the usage/metadata attributes of what it returns."""
 
 import shutil
-import subprocess
 import sys
 
 import pytest
@@ -25,7 +24,7 @@ from squad.models.single_task import SingleTaskModel
 from squad.models.usage import ExpertUsage
 from squad.models.vit import SquadViT
 from squad.posttrain.extract import collect_usage, extract
-from tests.helpers import ROOT, tiny_model, tool_env
+from tests.helpers import ROOT, run_command, tiny_model, tool_env
 
 HEADS = ["depth_euclidean", "normal"]
 
@@ -51,8 +50,8 @@ def run(tmp_path_factory, tiny_data):
     folder = tmp_path_factory.mktemp("io_run")
     (folder / "tiny.yaml").write_text(yaml.safe_dump(cfg))
     out = folder / "run"
-    res = subprocess.run([sys.executable, "tools/train.py", "--config", str(folder / "tiny.yaml"), "--out", str(out)],
-                         env=tool_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    res = run_command([sys.executable, "tools/train.py", "--config", str(folder / "tiny.yaml"), "--out", str(out)],
+                      ROOT, tool_env(), 600)
     assert res.returncode == 0, res.stderr[-3000:]
     return out
 

@@ -24,7 +24,7 @@ from squad.layers.mod import MoDBlock
 from squad.layers.mone import MoNEBlock
 from squad.models.timm import load_timm_weights
 from squad.train.objective import MultiTaskObjective
-from tests.helpers import ROOT, TINY, launcher, randomize_routers, tool_env
+from tests.helpers import ROOT, TINY, launcher, randomize_routers, run_command, tool_env
 
 MONE = "configs/model/mone_vit_s.yaml"
 
@@ -39,7 +39,7 @@ def _train(config: str, out: Path, data: Path, *sets: str, ranks: int = 1) -> su
     for a in args:
         cmd += ["--set", a]
     prefix = launcher(ranks)
-    return subprocess.run(prefix + cmd, env=tool_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    return run_command(prefix + cmd, ROOT, tool_env(), 600)
 
 
 def _ok(res: subprocess.CompletedProcess) -> None:

@@ -19,7 +19,9 @@ How a command is run (the only changes, all here):
 - in one scratch folder, in README order (later commands use what earlier ones wrote: ``data/synthetic``,
   ``runs/demo``, ``depth.pt``), with ``tools/`` and ``configs/`` linked from the checkout; ``python`` is this
   interpreter, ``deepspeed``/``torchrun``/``accelerate``/``squad-*`` the virtualenv's, on CPU DeepSpeed
-  (`tests.helpers.tool_env`);
+  (`tests.helpers.tool_env`); ``python tools/...`` and the python blocks are forked from an interpreter that has
+  imported torch, DeepSpeed and squad once (`tests.helpers.run_command`); a command the README repeats word for word
+  (not a training, whose rerun resumes) runs once;
 - sizes (`SIZES`): ``make_data`` renders/packs 32 images of 32 px; ``--num-heads`` is the small ViT's 4;
   ``torchrun --nproc_per_node`` runs 2 processes;
   launchers get a free ``--master_port`` (accelerate: ``--main_process_port``); a training gets `TRAIN_SETS`
@@ -40,11 +42,9 @@ How a command is run (the only changes, all here):
 from __future__ import annotations
 
 import ast
-import os
 import re
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import textwrap
@@ -54,7 +54,7 @@ from pathlib import Path
 import pytest
 
 from squad.distributed import free_port
-from tests.helpers import ROOT, TINY, tool_env
+from tests.helpers import ROOT, TINY, run_command, tool_env
 
 README = ROOT / "README.md"
 BIN = Path(sys.executable).parent
@@ -227,15 +227,11 @@ def to_argv(text: str, ws: Path) -> list[str]:
 
 
 def _run(argv: list[str], cwd: Path) -> tuple[int | str, str]:
-    proc = subprocess.Popen(argv, env=tool_env(), cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
     try:
-        out, _ = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        return "timeout", out
-    return proc.returncode, out
+        proc = run_command(argv, cwd, tool_env(), TIMEOUT, code_any_imports=True)
+    except subprocess.TimeoutExpired as e:
+        return "timeout", f"{e.stdout or ''}{e.stderr or ''}"
+    return proc.returncode, proc.stdout + proc.stderr
 
 
 def python_script(code: str) -> str:
@@ -286,6 +282,7 @@ def workspace(tmp_path_factory) -> Path:
 def walkthrough(workspace) -> dict[int, tuple[int | str, str]]:
     """Runs every README command in order in the workspace; ``{line: (exit status, output)}``."""
     results: dict[int, tuple[int | str, str]] = {}
+    repeated: dict[str, tuple[int | str, str]] = {}  # a command the README gives twice, word for word, runs once
     done_python = False
     for cmd in readme_commands():
         if _skip_reason(cmd):
@@ -300,13 +297,15 @@ def walkthrough(workspace) -> dict[int, tuple[int | str, str]]:
                       "timm_vit = timm.create_model('vit_small_patch16_224', pretrained=False, img_size=32, "
                       "patch_size=8)\n" + f"print({cmd.text})\n")
             results[cmd.line] = _run([sys.executable, "-c", script], workspace)
+        elif cmd.text in repeated and _tool_of(cmd.text.split()) != "train":
+            results[cmd.line] = repeated[cmd.text]  # the same command on the same files (a rerun would resume)
         else:
             try:
                 argv = to_argv(cmd.text, workspace)
             except LookupError as e:
                 results[cmd.line] = ("unknown", str(e))
                 continue
-            results[cmd.line] = _run(argv, workspace)
+            results[cmd.line] = repeated[cmd.text] = _run(argv, workspace)
     assert done_python or not any(c.kind == "python" for c in readme_commands())
     return results
 

@@ -39,7 +39,7 @@ from squad.reproduce.scales import (
 from squad.reproduce.specs import Context, cached, method_spec, mone_spec, training_macs
 from squad.reproduce.stats import holm, judge_arrays, judge_family, pooled_sd, simulate_null
 from squad.reproduce.verdicts import RULE, VERDICTS, compare, delta, judge, precondition, verdict
-from tests.helpers import PY, ROOT, tool_env
+from tests.helpers import PY, ROOT, run_command, tool_env
 
 TOOL = str(ROOT / "tools" / "reproduce.py")
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -47,7 +47,7 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 def _run(*args: str) -> tuple[subprocess.CompletedProcess, float]:
     t0 = time.perf_counter()
-    res = subprocess.run([PY, TOOL, *args], cwd=ROOT, env=tool_env(), capture_output=True, text=True, timeout=900)
+    res = run_command([PY, TOOL, *args], ROOT, tool_env(), 900)
     return res, time.perf_counter() - t0
 
 

@@ -27,7 +27,7 @@ from squad.io.checkpoints import (
     tag_for,
 )
 from squad.train import checkpointer as ckpt
-from tests.helpers import ROOT, launcher, logged_losses, tool_env, write_run_config
+from tests.helpers import ROOT, launcher, logged_losses, run_command, tool_env, write_run_config
 
 TIMEOUT = 240  # a 2-rank tiny run takes well under a minute, even on 2 busy cores
 STEP2, STEP4 = "step00000002", "step00000004"
@@ -48,8 +48,7 @@ def _train(config: Path, out: Path, *extra: str, ranks: int = 1, script: str = "
            env: dict | None = None) -> subprocess.CompletedProcess:
     prefix = launcher(ranks)
     cmd = [*prefix, script, "--config", str(config), "--out", str(out), *extra]
-    return subprocess.run(cmd, env=tool_env(**(env or {})), cwd=ROOT, capture_output=True, text=True,
-                          timeout=TIMEOUT)
+    return run_command(cmd, ROOT, tool_env(**(env or {})), TIMEOUT)
 
 
 def _ok(res: subprocess.CompletedProcess) -> None:

@@ -20,7 +20,7 @@ from squad.train import checkpointer as ckpt
 from squad.train import run_folder as rf
 from squad.train import shm as sh
 from squad.train.objective import nonfinite_stop
-from tests.helpers import DEEPSPEED, PY, ROOT, tool_env
+from tests.helpers import DEEPSPEED, PY, ROOT, run_command, tool_env
 
 HOLD = ("import sys, time; from squad.train.run_folder import RunLock; RunLock.acquire(sys.argv[1]); "
         "print('held', flush=True); time.sleep(600)")
@@ -168,8 +168,7 @@ def _train(config: Path, out: Path, *args: str, ranks: int = 0, port: int | None
            timeout: int = 600):
     launch = [DEEPSPEED, "--num_gpus", str(ranks), "--master_port", str(port or free_port())] if ranks else [PY]
     cmd = [*launch, "tools/train.py", "--config", str(config), "--out", str(out), *args]
-    return subprocess.run(cmd, env=tool_env(**(env or {})), cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
+    return run_command(cmd, ROOT, tool_env(**(env or {})), timeout)
 
 
 @pytest.fixture(scope="module")

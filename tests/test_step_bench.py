@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 
 import pytest
@@ -19,14 +18,14 @@ from squad.analysis.flops import backbone_macs, profile
 from squad.bench import step as bench_step
 from squad.bench.plan import capacity_plan, dataset_images, format_plan
 from tests import test_profile  # noqa: F401 - registers FLOP formulas (CPU flash attention, grouped_mm)
-from tests.helpers import ROOT
+from tests.helpers import ROOT, run_command, tool_env
 from tests.test_shared_rows import _model
 
 TOOL = ROOT / "tools/bench.py"
 
 
 def _tool(*args, cwd):
-    return subprocess.run([sys.executable, str(TOOL), *args], cwd=cwd, capture_output=True, text=True, timeout=600)
+    return run_command([sys.executable, str(TOOL), *args], cwd, tool_env(), 600)
 
 
 # ---------------------------------------------------------------------------------------------- step MACs

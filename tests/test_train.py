@@ -15,7 +15,7 @@ import squad
 from squad.distributed import free_port
 from squad.io.checkpoints import find_resume_tag
 from squad.train import checkpointer as ckpt
-from tests.helpers import DEEPSPEED, PY, ROOT, logged_losses, tool_env, write_run_config
+from tests.helpers import DEEPSPEED, PY, ROOT, logged_losses, run_command, tool_env, write_run_config
 
 pytestmark = pytest.mark.slow  # every test here runs tools/train.py (subprocesses, launchers)
 
@@ -38,7 +38,7 @@ def run_config(tmp_path_factory, data_root):
 
 
 def _run(cmd, timeout=600):
-    res = subprocess.run(cmd, env=tool_env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    res = run_command(cmd, ROOT, tool_env(), timeout)
     return res
 
 

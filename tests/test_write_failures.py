@@ -24,7 +24,7 @@ from PIL import Image
 
 from squad.io import export_model, files
 from squad.io.files import WriteError, atomic_save, atomic_torch_save, atomic_write_text
-from tests.helpers import PY, ROOT, tiny_model, tool_env
+from tests.helpers import PY, ROOT, run_command, tiny_model, tool_env
 
 HEADS = ["depth_euclidean", "normal"]
 
@@ -254,7 +254,7 @@ def test_every_writing_tool_on_a_real_full_disk(full_disk, model_file, tiny_data
                  "--image-size", "32", "--workers", "0"],
     }
     for name, args in runs.items():
-        res = subprocess.run([PY, *args], cwd=ROOT, env=tool_env(), capture_output=True, text=True, timeout=300)
+        res = run_command([PY, *args], ROOT, tool_env(), 300)
         assert res.returncode == 3, (name, res.returncode, res.stderr[-2000:])
         assert f"to {full_disk}/" in res.stderr and "No space left on device" in res.stderr, (name, res.stderr)
         assert "MiB free on that filesystem" in res.stderr and "Traceback" not in res.stderr, (name, res.stderr)

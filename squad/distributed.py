@@ -140,8 +140,20 @@ def check_accelerate_launch() -> None:
                      "or CPUs with gloo), or pass --num_processes 1 for one process")
 
 
+# On GPUs the group has gloo for CPU tensors beside nccl for CUDA ones: squad all-reduces a few small host tensors
+# (each step's finite-loss and stop flags, the logged loss sums, the expert-usage tables at a checkpoint), which a
+# group of nccl alone refuses ("No backend type associated with device type cpu"); one GPU per rank never notices,
+# since one rank makes no collective.
+GPU_BACKEND = "cpu:gloo,cuda:nccl"
+
+
+def process_group_backend(cuda: bool) -> str:
+    """The backend string of the process group: `GPU_BACKEND` on GPUs, gloo on CPUs."""
+    return GPU_BACKEND if cuda else "gloo"
+
+
 def init_distributed() -> tuple[int, int, torch.device]:
-    """Initialises the process group through DeepSpeed (gloo on CPUs, nccl on GPUs).
+    """Initialises the process group through DeepSpeed (gloo on CPUs; nccl and gloo on GPUs, `GPU_BACKEND`).
 
     Returns:
         (rank, world size, this process's device).
@@ -160,7 +172,7 @@ def init_distributed() -> tuple[int, int, torch.device]:
         with contextlib.redirect_stdout(printed):  # DeepSpeed prints "... shm_comm_op built successfully" here
             for attempt in range(3):
                 try:
-                    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", verbose=False)
+                    deepspeed.init_distributed(dist_backend=process_group_backend(cuda), verbose=False)
                     break
                 except dist.DistNetworkError as e:  # a one-rank run's port is taken (no other rank looks for it)
                     if attempt == 2 or not _may_move_port() or "EADDRINUSE" not in str(e):

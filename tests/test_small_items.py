@@ -168,3 +168,28 @@ def test_a_one_rank_run_that_inherits_a_busy_port_moves_and_says_so(tmp_path):
     ok, rank, world, moved = res.stdout.split()[-4:]
     assert (ok, rank, world) == ("ok", "0", "1") and moved != port, res.stdout[-2000:]
     assert f"MASTER_PORT {port} is in use" in res.stderr
+
+
+def test_a_gpu_run_gives_cpu_tensors_a_backend_beside_nccl(monkeypatch):
+    """On GPUs the process group is made with gloo for CPU tensors beside nccl: the step's flags, the logged sums and
+    the expert-usage tables are all-reduced as CPU tensors, which a group of nccl alone refuses on 2+ GPUs."""
+    import deepspeed
+
+    import squad.distributed as D
+
+    seen = {}
+
+    def fake_init(dist_backend, verbose):
+        seen["backend"] = dist_backend
+        raise RuntimeError("stop here")
+
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(key, value)  # as a launcher would set them (nothing left behind in this worker)
+    monkeypatch.setattr(D, "cuda_available", lambda: True)
+    monkeypatch.setattr(D.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(deepspeed, "init_distributed", fake_init)
+    with pytest.raises(RuntimeError, match="stop here"):
+        D.init_distributed()
+    assert seen["backend"] == "cpu:gloo,cuda:nccl" == D.process_group_backend(True)
+    assert D.process_group_backend(False) == "gloo"

@@ -7,6 +7,7 @@ following every tensor storage (`squad.bench.memory.LiveTensorBytes`).
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -129,3 +130,57 @@ def test_training_run_with_checkpointing_and_zero(tmp_path, tiny_data):
     b = squad.load(tmp_path / "blocks")
     for (n, p), q in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
         assert torch.equal(p, q), n
+
+
+@pytest.mark.slow
+def test_a_training_micro_batch_reads_the_device_once(tmp_path, tiny_data, monkeypatch):
+    """squad's own code reads a tensor on the host once per training micro-batch (the finite-loss and stop flags):
+    the logged losses, task weights, auxiliary terms and expert usage are summed where they were computed and read
+    once per logging window — on a GPU each read waits for the queue to drain, and one after the optimizer step
+    would keep the next forward from being queued early. Counted on the CPU by the calls that read a tensor
+    (``float``, ``item``, ``tolist``, ``cpu``) made from squad's files during the steps (DeepSpeed's own are not
+    squad's to remove). The steps take the routed layers' CUDA algorithm (`force_cuda_path`)."""
+    from squad.kernels.device import force_cuda_path
+    from squad.train import engine as engine_module
+
+    squad_dir, data_dir = str(ROOT / "squad"), str(ROOT / "squad" / "data")  # the loaders' tensors are host ones
+    reads = {"steps": 0, "micro": 0}
+    counting = [False]
+
+    def spy(name):
+        real = getattr(torch.Tensor, name)
+
+        def read(self, *args, **kwargs):
+            caller = sys._getframe(1).f_code.co_filename
+            if counting[0] and caller.startswith(squad_dir) and not caller.startswith(data_dir):
+                reads[name] = reads.get(name, 0) + 1
+            return real(self, *args, **kwargs)
+
+        return read
+
+    for name in ("__float__", "item", "tolist", "cpu"):
+        monkeypatch.setattr(torch.Tensor, name, spy(name))
+    real_step = engine_module.Trainer._step
+
+    def step(self, batches):
+        counting[0] = True
+        try:
+            with force_cuda_path():  # the routed layers' CUDA algorithm (no host sizes), as on a GPU
+                return real_step(self, batches)
+        finally:
+            counting[0] = False
+            reads["steps"] += 1
+            reads["micro"] += self.cfg.optim.grad_accum
+
+    monkeypatch.setattr(engine_module.Trainer, "_step", step)
+    tiny = ["model.img_size=32", "model.patch_size=8", "model.embed_dim=32", "model.depth=2", "model.num_heads=2",
+            "model.head_dim=null", "model.moa.head_dim=8", "model.moa.num_experts=4", "model.moa.top_k=2",
+            "model.moe.num_experts=4", "model.moe.top_k=2", f"data.root={tiny_data}", "data.workers=0",
+            "optim.steps=4", "optim.grad_accum=2", "optim.batch_per_rank=2", "train.log_every=2",
+            "train.eval_every=0", "train.progress=false", "data.tasks=[depth_euclidean, normal, class_scene]",
+            "loss.weighting=uncertainty"]
+    engine_module.train(squad.load_config(ROOT / "configs" / "demo.yaml", tiny), tmp_path / "run", resume="none")
+    counted = {k: v for k, v in reads.items() if k not in ("steps", "micro")}
+    assert reads["steps"] == 4 and counted == {"__float__": reads["micro"]}, counted
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert "step 2/4 loss" in log and "step 4/4 loss" in log  # the window's sums still reach the log

@@ -26,29 +26,77 @@ class ExpertUsage:
 
     def __init__(self, tasks: Sequence[str]):
         self.tasks = list(tasks)
-        self.counts: dict[str, torch.Tensor] = {}  # layer → [T, E] float64 hard selections
-        self.mass: dict[str, torch.Tensor] = {}  # layer → [T, E] float64 soft probability sums
-        self.tokens: dict[str, torch.Tensor] = {}  # layer → [T] float64 tokens routed
+        self._counts: dict[str, torch.Tensor] = {}  # layer → [T, E] float64 hard selections
+        self._mass: dict[str, torch.Tensor] = {}  # layer → [T, E] float64 soft probability sums
+        self._tokens: dict[str, torch.Tensor] = {}  # layer → [T] float64 tokens routed
+        # layer → [counts, mass, tokens] summed where the statistics live (a GPU) since the tables were last read
+        self._pending: dict[str, list[torch.Tensor]] = {}
         self.kinds: dict[str, str] = {}
         self.top_k: dict[str, int] = {}
 
+    # The tables (host float64), with the statistics added since they were last read: reading them is the one host
+    # copy per layer and table, however many passes were added (`update` itself never waits for a GPU).
+    @property
+    def counts(self) -> dict[str, torch.Tensor]:
+        self._settle()
+        return self._counts
+
+    @counts.setter
+    def counts(self, value: dict[str, torch.Tensor]) -> None:
+        self._settle()
+        self._counts = value
+
+    @property
+    def mass(self) -> dict[str, torch.Tensor]:
+        self._settle()
+        return self._mass
+
+    @mass.setter
+    def mass(self, value: dict[str, torch.Tensor]) -> None:
+        self._settle()
+        self._mass = value
+
+    @property
+    def tokens(self) -> dict[str, torch.Tensor]:
+        self._settle()
+        return self._tokens
+
+    @tokens.setter
+    def tokens(self, value: dict[str, torch.Tensor]) -> None:
+        self._settle()
+        self._tokens = value
+
     def update(self, stats: Sequence[RouterStats]) -> None:
-        """Adds one forward pass's statistics."""
+        """Adds one forward pass's statistics (summed on their device: no host copy, no wait for a GPU)."""
         for s in stats:
-            counts = s.counts.detach().double().cpu()
-            if s.name not in self.counts:
-                self.counts[s.name] = torch.zeros_like(counts)
-                self.mass[s.name] = torch.zeros_like(counts)
-                self.tokens[s.name] = torch.zeros(len(self.tasks), dtype=torch.float64)
+            counts = s.counts.detach().double()
+            mass = s.mass.detach().double() if s.mass is not None else torch.zeros_like(counts)
+            tokens = s.tokens.detach().double()
+            if s.name not in self.kinds:
                 self.kinds[s.name] = s.kind
                 self.top_k[s.name] = s.top_k
-            self.counts[s.name] += counts
-            if s.mass is not None:
-                self.mass[s.name] += s.mass.detach().double().cpu()
-            self.tokens[s.name] += s.tokens.detach().double().cpu()
+            pending = self._pending.get(s.name)
+            if pending is None:
+                self._pending[s.name] = [counts.clone(), mass.clone(), tokens.clone()]
+            else:
+                for acc, value in zip(pending, (counts, mass, tokens), strict=True):
+                    acc += value
+
+    def _settle(self) -> None:
+        """Adds the pending device sums into the host tables."""
+        pending, self._pending = self._pending, {}
+        for name, (counts, mass, tokens) in pending.items():
+            if name not in self._counts:
+                self._counts[name] = torch.zeros(counts.shape, dtype=torch.float64)
+                self._mass[name] = torch.zeros(counts.shape, dtype=torch.float64)
+                self._tokens[name] = torch.zeros(len(self.tasks), dtype=torch.float64)
+            self._counts[name] += counts.cpu()
+            self._mass[name] += mass.cpu()
+            self._tokens[name] += tokens.cpu()
 
     def reset(self) -> None:
-        for table in (self.counts, self.mass, self.tokens):
+        self._pending = {}
+        for table in (self._counts, self._mass, self._tokens):
             for v in table.values():
                 v.zero_()
 

@@ -411,19 +411,34 @@ class Trainer:
                         self.writer.add_scalar(f"data/{name}/{kind}", getattr(data, kind), self.state.step)
 
     def _accumulate(self, logs, total, losses, weights, parts) -> None:
+        """Adds one micro-batch's losses, task weights and auxiliary terms to the logging window where they were
+        computed: one float64 stack per set of names, read on the host by `_log` (no host copy per micro-batch, so
+        the next forward is queued while this step's backward and optimizer still run on a GPU)."""
         logs["n"] = logs.get("n", 0) + 1
-        logs["loss/total"] = logs.get("loss/total", 0.0) + float(total.detach())
-        for t, v in losses.items():
-            logs[f"loss/{t}"] = logs.get(f"loss/{t}", 0.0) + float(v.detach())
-        for t, w in weights.items():
-            logs[f"weight/{t}"] = logs.get(f"weight/{t}", 0.0) + w
-        for k, v in parts.items():
-            logs[k] = logs.get(k, 0.0) + float(v.detach())
+        values = {"loss/total": total, **{f"loss/{t}": v for t, v in losses.items()},
+                  **{f"weight/{t}": w for t, w in weights.items()}, **parts}
+        host = {k: float(v) for k, v in values.items() if not torch.is_tensor(v)}
+        device = {k: v for k, v in values.items() if torch.is_tensor(v)}
+        for k, v in host.items():
+            logs[k] = logs.get(k, 0.0) + v
+        keys = tuple(device)
+        stack = torch.stack([v.detach().to(total.device, torch.float64) for v in device.values()])
+        sums = logs.setdefault("device", {})
+        sums[keys] = stack if keys not in sums else sums[keys] + stack
+
+    @staticmethod
+    def _read_window(logs: dict) -> dict[str, float]:
+        """The window's sums on the host (one copy per set of names)."""
+        for keys, stack in logs.pop("device", {}).items():
+            for k, v in zip(keys, stack.tolist(), strict=True):
+                logs[k] = logs.get(k, 0.0) + v
+        return logs
 
     def _log(self, logs: dict, images_per_s: float, bar) -> None:
         n = logs.pop("n", 0)
         if not n:
             return
+        logs = self._read_window(logs)
         keys = sorted(logs)
         mean = all_reduce_sum(torch.tensor([logs[k] / n for k in keys], dtype=torch.float64)) / self.world
         values = dict(zip(keys, mean.tolist(), strict=True))

@@ -131,7 +131,7 @@ class TaskWeighting(nn.Module):
         self.log_vars = nn.Parameter(torch.zeros(len(self.tasks))) if method != "equal" else None
 
     def forward(self, losses: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
-        """Returns (weighted total, the effective weight of each task)."""
+        """Returns (weighted total, the effective weight of each task: 1.0, or a detached 0-dim tensor)."""
         total = None
         weights = {}
         for name, loss in losses.items():
@@ -142,7 +142,7 @@ class TaskWeighting(nn.Module):
                 s = self.log_vars[self.tasks.index(name)]
                 w_t = 0.5 * torch.exp(-s)
                 reg = 0.5 * s if self.method == "uncertainty" else F.softplus(s)
-                term, w = w_t * loss + reg, float(w_t.detach())
+                term, w = w_t * loss + reg, w_t.detach()  # a tensor: read on the host only when logged
             total = term if total is None else total + term
             weights[name] = w
         if total is None:

@@ -17,6 +17,24 @@ from squad.layers.base import EXPERT_KINDS
 from squad.layers.context import RouterStats
 
 
+class _SettledTable:
+    """A table of `ExpertUsage` (``counts``, ``mass``, ``tokens``): the pending device sums are added to it before it
+    is read or replaced."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.attr = "_" + name
+
+    def __get__(self, usage: ExpertUsage | None, owner: type | None = None):
+        if usage is None:
+            return self
+        usage._settle()
+        return getattr(usage, self.attr)
+
+    def __set__(self, usage: ExpertUsage, value: dict[str, torch.Tensor]) -> None:
+        usage._settle()
+        setattr(usage, self.attr, value)
+
+
 class ExpertUsage:
     """Running sums of router statistics, keyed by layer name.
 
@@ -36,35 +54,9 @@ class ExpertUsage:
 
     # The tables (host float64), with the statistics added since they were last read: reading them is the one host
     # copy per layer and table, however many passes were added (`update` itself never waits for a GPU).
-    @property
-    def counts(self) -> dict[str, torch.Tensor]:
-        self._settle()
-        return self._counts
-
-    @counts.setter
-    def counts(self, value: dict[str, torch.Tensor]) -> None:
-        self._settle()
-        self._counts = value
-
-    @property
-    def mass(self) -> dict[str, torch.Tensor]:
-        self._settle()
-        return self._mass
-
-    @mass.setter
-    def mass(self, value: dict[str, torch.Tensor]) -> None:
-        self._settle()
-        self._mass = value
-
-    @property
-    def tokens(self) -> dict[str, torch.Tensor]:
-        self._settle()
-        return self._tokens
-
-    @tokens.setter
-    def tokens(self, value: dict[str, torch.Tensor]) -> None:
-        self._settle()
-        self._tokens = value
+    counts = _SettledTable()
+    mass = _SettledTable()
+    tokens = _SettledTable()
 
     def update(self, stats: Sequence[RouterStats]) -> None:
         """Adds one forward pass's statistics (summed on their device: no host copy, no wait for a GPU)."""

@@ -107,13 +107,7 @@ def prepare_environment() -> None:
     os.environ.setdefault("LOCAL_RANK", "0")
 
 
-_own_port: set[str] = set()  # the MASTER_PORT a one-process run picked for itself (another may take it first)
-
-
-def _may_move_port() -> bool:
-    """True when the rendezvous port may change after a failed listen: the run picked it itself, or the run has
-    one rank (rank 0 hosts the store and no other rank looks for it; an inherited or exported MASTER_PORT)."""
-    return os.environ.get("MASTER_PORT") in _own_port or os.environ.get("WORLD_SIZE") == "1"
+_own_port: set[str] = set()  # ports a one-process run picked itself: moving off one of them needs no message
 
 
 def check_accelerate_launch() -> None:
@@ -174,8 +168,9 @@ def init_distributed() -> tuple[int, int, torch.device]:
                 try:
                     deepspeed.init_distributed(dist_backend=process_group_backend(cuda), verbose=False)
                     break
-                except dist.DistNetworkError as e:  # a one-rank run's port is taken (no other rank looks for it)
-                    if attempt == 2 or not _may_move_port() or "EADDRINUSE" not in str(e):
+                except dist.DistNetworkError as e:  # a one-rank run's port is taken (rank 0 hosts the store and
+                    # no other rank looks for it, so it may listen elsewhere; a run of several ranks may not)
+                    if attempt == 2 or os.environ.get("WORLD_SIZE") != "1" or "EADDRINUSE" not in str(e):
                         raise
                     port = os.environ["MASTER_PORT"]
                     os.environ["MASTER_PORT"] = str(free_port())

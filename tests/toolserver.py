@@ -31,7 +31,7 @@ PRELOAD = ("numpy", "torch", "deepspeed", "squad", "squad.train.engine", "squad.
            "timm", "h5py")
 # Variables whose value at import time shapes those modules: a run with another value starts a fresh interpreter.
 IMPORT_TIME = ("TRITON_INTERPRET", "DS_ACCELERATOR", "PYTHONPATH", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES",
-               "PYTHONHASHSEED", "SQUAD_TEST_FORK")
+               "PYTHONHASHSEED")
 
 
 class ToolServer:

@@ -115,7 +115,7 @@ def _num_heads(path: Path, outer: Mapping, dim: int, given: int | None) -> int:
 def heads_in_file(path: Path, outer: Mapping, dim: int) -> tuple[int | None, str]:
     """The head count a timm ViT file records, and where it was read; ``(None, "")`` when it records none.
 
-    Read from a ``num_heads`` / ``model_opts.num_heads`` entry beside the weights (a checkpoint dict) or in the
+    Read from a ``num_heads`` / ``model_args.num_heads`` entry beside the weights (a checkpoint dict) or in the
     ``config.json`` beside the file (the layout timm models have on model hubs), else from the timm architecture
     named there (``arch`` / ``architecture``, e.g. ``vit_small_patch16_224.augreg_in21k``), whose definition in the
     installed timm gives the count. The checkpoint is read first.

@@ -130,7 +130,7 @@ class TaskWeighting(nn.Module):
         self.clamp = clamp
         self.log_vars = nn.Parameter(torch.zeros(len(self.tasks))) if method != "equal" else None
 
-    def forward(self, losses: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+    def forward(self, losses: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float | torch.Tensor]]:
         """Returns (weighted total, the effective weight of each task: 1.0, or a detached 0-dim tensor)."""
         total = None
         weights = {}

@@ -23,7 +23,7 @@ import numpy as np
 from torch.utils.data import DataLoader, Dataset
 
 from squad.config.tools import PackConfig
-from squad.data.benchmark import DATASETS, BenchmarkBase, check_dataset_tasks
+from squad.data.benchmark import BenchmarkBase, check_dataset_tasks
 from squad.data.nyud import NYUDDataset
 from squad.data.pascal import PascalContextDataset
 from squad.data.samples import CorruptFileError, EmptyDatasetError
@@ -186,16 +186,13 @@ def pack_shards(src: str | Path, out: str | Path, config: PackConfig | None = No
     if not src.is_dir():
         raise FileNotFoundError(f"source {src} does not exist. {make_data_hint(src)}")
     found = detect_dataset(src)
-    dataset = cfg.dataset or found
-    if dataset not in DATASETS:
-        raise ValueError(f"unknown dataset {dataset!r}; use one of {', '.join(DATASETS)}")
-    image_size, shard_size, compression, workers = cfg.image_size, cfg.shard_size, cfg.compression, cfg.workers
+    dataset = cfg.dataset or found  # a known name: checked by the config, or detected
     if dataset != "taskonomy" or found != "taskonomy":
         if found != dataset:
             raise ValueError(f"{src} holds a {found} layout, not {dataset}")
-        return pack_benchmark(src, out, dataset, splits=cfg.partitions, image_size=image_size, shard_size=shard_size,
-                              tasks=[d for d in cfg.domains or () if d != "rgb"] or None, compression=compression,
-                              workers=workers)
+        return pack_benchmark(src, out, dataset, splits=cfg.partitions, image_size=cfg.image_size,
+                              shard_size=cfg.shard_size, tasks=[d for d in cfg.domains or () if d != "rgb"] or None,
+                              compression=cfg.compression, workers=cfg.workers)
     domains = cfg.domains
     if domains is None:
         domains = ["rgb", *(t for t in TASK_NAMES if domain_dir(src, t) is not None)]
@@ -206,7 +203,7 @@ def pack_shards(src: str | Path, out: str | Path, config: PackConfig | None = No
     _start(out)
     written: list[Path] = []
     index: dict[str, Any] = {"format": FORMAT, "version": VERSION, "dataset": "taskonomy", "tasks": tasks,
-                             "image_size": image_size, "domains": domains,
+                             "image_size": cfg.image_size, "domains": domains,
                              "source": str(src), "split_csv": str(csv) if csv else None, "shards": [],
                              "shapes": {}, "corrupt": 0, "wrong_size": 0, "missing": 0, "no_target": 0}
     with removed_on_failure(written, f"the pack into {out}"):  # a full disk leaves no partial shard set
@@ -216,9 +213,9 @@ def pack_shards(src: str | Path, out: str | Path, config: PackConfig | None = No
             except EmptyDatasetError as e:
                 logger.warning("pack: split %s is empty, nothing packed (%s)", part, e)
                 continue
-            loader = DataLoader(_PackSource(tree, domains, image_size), batch_size=1, num_workers=workers,
+            loader = DataLoader(_PackSource(tree, domains, cfg.image_size), batch_size=1, num_workers=cfg.workers,
                                 collate_fn=_first)
-            writer = _ShardWriter(out, part, domains, shard_size, compression, index, written)
+            writer = _ShardWriter(out, part, domains, cfg.shard_size, cfg.compression, index, written)
             index["missing"] += tree.missing_files
             for sample_id, arrays, errors in loader:
                 for kind, e in errors:

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from .traffic import attention_flops
+from .flops import attention_flops
 
 
 @contextlib.contextmanager

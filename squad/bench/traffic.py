@@ -57,6 +57,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from .flops import attention_flops
+
 aten = torch.ops.aten
 
 _NO_KERNEL = {
@@ -226,15 +228,6 @@ def _matmul_flops(name: str, args: Sequence, out: torch.Tensor) -> float:
     if name in ("dot", "vdot", "mv", "addmv"):
         return 2.0 * a.numel()
     return 2.0 * out.numel() * a.shape[-1]  # mm / bmm: [.., m, k] x [.., k, n]
-
-
-def attention_flops(q: torch.Tensor, k: torch.Tensor, per_pair: float) -> float:
-    """``per_pair``·B·Hq·Nq·Nk·d from q [B, Hq, Nq, d] and k [B, Hkv, Nk, d]: 4 for a forward (QKᵀ and PV), 10 for a
-    flash backward (the scores recomputed, dV, dP, dQ, dK)."""
-    if q.dim() < 4 or k.dim() < 4:
-        return 0.0
-    b, h, nq, d = q.shape[0], q.shape[1], q.shape[-2], q.shape[-1]
-    return per_pair * b * h * nq * k.shape[-2] * d
 
 
 def _aten_attention_flops(name: str, args: Sequence) -> float:

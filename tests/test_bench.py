@@ -39,11 +39,32 @@ def test_quick_case_writes_table_and_json(tmp_path):
 
 
 @pytest.mark.slow
-def test_default_json_path_and_profile(tmp_path):
+def test_every_case_at_quick_sizes_in_one_run(tmp_path):
+    """The README's ``python tools/bench.py`` (every case, one invocation) at --quick sizes: no case errors, the table
+    and the traffic table reach stdout, the JSON goes where --json says and nothing else is written where it runs."""
+    work, out = tmp_path / "work", tmp_path / "out" / "all.json"
+    work.mkdir()
+    proc = run_tool("--quick", "--json", str(out), cwd=work)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "ERROR" not in proc.stdout and "traffic profile" in proc.stdout
+    rows = json.loads(out.read_text())["results"]
+    assert all(r["unit"] != "error" for r in rows), [r for r in rows if r["unit"] == "error"]
+    cases = [r["case"] for r in rows]
+    for prefix in ("moe_mlp", "moa", "fused_13_task", "train_step", "mod_vit_s", "mone_vit_s", "routed_attention",
+                   "traffic_", "hdf5", "engine", "extract_"):
+        assert any(c.startswith(prefix) for c in cases), prefix
+    assert list(work.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_no_json_unless_asked_and_profile(tmp_path):
     proc = run_tool("--profile", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert "modsquad_vit_b" in proc.stdout and "GMACs" in proc.stdout
-    report = json.loads((tmp_path / "bench.json").read_text())
+    assert "modsquad_vit_b" in proc.stdout and "GMACs" in proc.stdout and "wrote" not in proc.stdout
+    assert list(tmp_path.iterdir()) == []  # the table went to stdout; no unasked bench.json
+    out = tmp_path / "profile.json"
+    assert run_tool("--profile", "--json", str(out), cwd=tmp_path).returncode == 0
+    report = json.loads(out.read_text())
     assert report["results"] == []
     names = [r["config"] for r in report["profile"]]
     assert names == bench_cases.PROFILE_CONFIGS

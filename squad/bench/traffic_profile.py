@@ -213,7 +213,7 @@ def format_traffic(rows: Sequence[BenchResult]) -> str:
                              for r in group if r.target)
         lines.append(f"{'  ratio':<26}{ratio[0]:>8.2f}{'':>6}{'':>8}{'':>9}{ratio[1]:>9.2f}{ratio[2]:>7.2f}"
                      f"{ratio[3]:>10.2f}  {verdicts}")
-    model = next((r.details["model"] for r in rows if "model" in r.details), None)
+    model = next((g[0].details["model"] for g in groups.values()), None)  # other cases' "model" is a config name
     if model is not None:
         lines.append("model ms = " + costmodel.CostModel(**model).describe() + " (a MODEL, not a measurement)")
     return "\n".join(lines)

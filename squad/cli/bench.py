@@ -1,6 +1,7 @@
 """squad's performance table: every case of `squad.bench.cases.CASES`, ratios timed side by side in one run.
 
-    python tools/bench.py                       # all cases, table on stdout, bench.json in the current folder
+    python tools/bench.py                       # all cases, the table on stdout (no file written)
+    python tools/bench.py --json bench.json     # ... and every row with its details as JSON
     python tools/bench.py --quick --only moe_mlp mod --json out.json
     python tools/bench.py --profile             # params / MACs of every paper config (no timing)
     python tools/bench.py --list
@@ -42,7 +43,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 epilog="cases:\n" + "\n".join(f"  {c.name:<18}{c.help}" for c in CASES))
     p.add_argument("--quick", action="store_true", help="tiny sizes and few repeats (CI, smoke tests)")
     p.add_argument("--only", nargs="+", metavar="CASE", help=f"run these cases only ({', '.join(names)})")
-    p.add_argument("--json", type=Path, default=Path("bench.json"), help="where to write the results (bench.json)")
+    p.add_argument("--json", type=Path, default=None,
+                   help="also write the results as JSON to this file (default: none; the table goes to stdout)")
     p.add_argument("--profile", action="store_true",
                    help="print the params/MACs table of the paper configs; timing cases run only with --only")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
@@ -105,7 +107,8 @@ def _bench(argv: list[str] | None) -> int:
         for c in bench_cases.CASES:
             print(f"{c.name:<18}{c.ref:<48}{c.help}")
         return 0
-    check_writable(args.json, "--json")  # before minutes of timing
+    if args.json is not None:
+        check_writable(args.json, "--json")  # before minutes of timing
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     if not args.no_tuning:
@@ -147,8 +150,9 @@ def _bench(argv: list[str] | None) -> int:
             print(format_traffic(rows))
         report["environment_after"] = env
         report["results"] = [bench_cases.result_dict(r) for r in rows]
-    atomic_write_text(args.json, json.dumps(report, indent=2) + "\n", "the benchmark results")
-    print(f"wrote {args.json}")
+    if args.json is not None:
+        atomic_write_text(args.json, json.dumps(report, indent=2) + "\n", "the benchmark results")
+        print(f"wrote {args.json}")
     return 1 if any(r.unit == "error" for r in rows) else 0
 
 

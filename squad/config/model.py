@@ -89,6 +89,10 @@ class MoEConfig:
     # with all-to-all); it must divide num_experts and the number of ranks. 1: every rank holds every expert. Only
     # how a run is laid out: the model, its checkpoints and exported files are the same for every value.
     expert_parallel: int = 1
+    # the expert GEMMs on the CUDA path: `grouped_mm` (torch's grouped GEMM on tokens permuted into expert order),
+    # `triton` (squad's kernels that gather and scatter rows themselves), `auto` (the one `make gpu-check` measured
+    # faster at this shape on this GPU; grouped_mm until one has). The CPU algorithm is the same for all three.
+    kernel: Literal["auto", "grouped_mm", "triton"] = "auto"
     router: RouterConfig = dataclasses.field(default_factory=RouterConfig)
 
     def check(self, path: str) -> None:
@@ -164,6 +168,10 @@ class MoNEConfig:
     beta: float = 10.0
     delta: float = 2.0
     sample_capacity: list[float] | None = None  # e_c sampled per training step from these values
+    # MoNE inference on the CUDA path: `cublas` (a matmul per width slice), `triton` (the nested kernels: norms,
+    # projections and the MLP sublayer fused), `auto` (the one `make gpu-check` measured faster at this shape on this
+    # GPU; cublas until one has). Training always takes the width slices.
+    kernel: Literal["auto", "cublas", "triton"] = "auto"
 
     def check(self, path: str) -> None:
         if self.num_experts < 1:

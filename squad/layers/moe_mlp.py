@@ -16,9 +16,11 @@ import torch
 import torch.nn as nn
 
 from squad.config.model import MoEConfig
+from squad.kernels.choice import resolve
 from squad.layers.base import ExpertLayer, select_rows
 from squad.layers.context import ForwardContext
-from squad.layers.experts import expert_mlp, plan_dispatch
+from squad.layers.experts import expert_mlp, plan_dispatch, takes_kernel_path
+from squad.layers.experts.permuted import library_runs
 from squad.layers.parallel import SINGLE, routed
 from squad.layers.routing import Routing, TaskRouter
 
@@ -33,6 +35,8 @@ class ExpertMLP(nn.Module):
         bias: biases on both layers.
         expert_parallel: P, the ranks a training run spreads the experts over (`squad.layers.parallel.shard_model`;
             the layer is built whole and sharded then).
+        kernel: the expert GEMMs on the kernel path, ``auto | grouped_mm | triton`` (``model.moe.kernel``;
+            `backend` resolves ``auto``).
 
     Attributes:
         ep: the expert-parallel layout once sharded (`SINGLE` before): ``w1`` ... then hold this rank's E/P experts.
@@ -41,10 +45,12 @@ class ExpertMLP(nn.Module):
     expert_params = ("w1", "w2", "b1", "b2")  # stacked [E, ...] expert weights (what expert parallelism shards)
     expert_parallel_key = "model.moe.expert_parallel"
 
-    def __init__(self, num_experts: int, dim: int, hidden: int, bias: bool = True, expert_parallel: int = 1):
+    def __init__(self, num_experts: int, dim: int, hidden: int, bias: bool = True, expert_parallel: int = 1,
+                 kernel: str = "auto"):
         super().__init__()
         self.num_experts = num_experts
         self.expert_parallel = expert_parallel
+        self.kernel = kernel
         self.ep = SINGLE
         self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, dim))
@@ -62,6 +68,14 @@ class ExpertMLP(nn.Module):
             setattr(self, name, select_rows(getattr(self, name), index))
         self.num_experts = index.numel()
 
+    def backend(self, x: torch.Tensor, k: int) -> str:
+        """The expert GEMMs ``x`` [M, D] with k slots per token take on the kernel path: ``kernel`` unless it is
+        ``auto``, else what a GPU of this kind measured faster at this shape (`squad.kernels.choice`), else
+        ``grouped_mm`` where the library op runs these operands, else ``triton``. (The CPU algorithm has one.)"""
+        d, h = self.w1.shape[1:]
+        dims = {"E": self.num_experts, "D": d, "H": h, "k": k}
+        return resolve("moe_mlp", self.kernel, dims, x.dtype, x.device, library_runs(x.device, x.dtype, d, h))
+
     def forward(self, x: torch.Tensor, gates: torch.Tensor, experts: torch.Tensor, noop: bool = True) -> torch.Tensor:
         """x [M, D], gates/experts [M, k] → [M, D] = Σ_slots gate · expert(x); ``noop=False`` promises that no slot
         names a no-op expert.
@@ -73,11 +87,12 @@ class ExpertMLP(nn.Module):
         over ``self.ep`` the same steps run apart (`squad.layers.parallel.routed.expert_mlp`): the rows go to their
         experts' ranks by the plan's counts, the local experts run `expert_mlp` on what arrived, the outputs come
         back and are combined here."""
+        backend = self.backend(x, experts.shape[1]) if takes_kernel_path(x.device) else "triton"
         if self.ep.size > 1:  # float32 master shards, used in the tokens' dtype
             w = [None if t is None else t.to(x.dtype) for t in (self.w1, self.b1, self.w2, self.b2)]
-            return routed.expert_mlp(x, gates, experts, *w, self.ep, noop)
+            return routed.expert_mlp(x, gates, experts, *w, self.ep, noop, backend)
         plan = plan_dispatch(experts, self.num_experts, host_sizes=False, noop=noop)
-        return expert_mlp(x, self.w1, self.b1, self.w2, self.b2, gates, plan)  # [M, D]
+        return expert_mlp(x, self.w1, self.b1, self.w2, self.b2, gates, plan, backend)  # [M, D]
 
 
 def apply_capacity(routing: Routing, num_experts: int, capacity_factor: float) -> Routing:
@@ -115,7 +130,7 @@ class MoEMlp(ExpertLayer):
         super().__init__()
         self.cfg = cfg
         self.router = TaskRouter(num_tasks, dim, cfg.num_experts + cfg.noop_experts, cfg.top_k, cfg.router)
-        self.experts = ExpertMLP(cfg.num_experts, dim, hidden, cfg.bias, cfg.expert_parallel)
+        self.experts = ExpertMLP(cfg.num_experts, dim, hidden, cfg.bias, cfg.expert_parallel, cfg.kernel)
 
     @property
     def num_experts(self) -> int:

@@ -31,6 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from squad.config.model import MoNEConfig
+from squad.kernels.choice import resolve
 from squad.kernels.nested import nested_linear, nested_linear_, nested_mlp_, nested_mlp_config, nested_norm
 from squad.layers.attention import attend
 from squad.layers.base import RoutedLayer
@@ -193,7 +194,7 @@ class MoNEBlock(nn.Module):
             xt = xt.contiguous()
         x2 = xt.view(n * r, d)  # [T, D], T = N·R token-major
         blocks = [(s * r, e * r, w) for s, e, w in st.slices if e > s]
-        if not torch.is_grad_enabled() and takes_kernel_path(x.device):
+        if not torch.is_grad_enabled() and takes_kernel_path(x.device) and self.backend(x) == "triton":
             return self._forward_kernels(x2, blocks, st, ctx, key_mask, emb).view(n, r, d).transpose(0, 1)
         if emb is not None:
             x2 = (x2.view(n, r, d) + emb).view(n * r, d)
@@ -213,6 +214,13 @@ class MoNEBlock(nn.Module):
         y = nested_linear_out(hidden, self.mlp.fc2.weight, self.mlp.fc2.bias, blocks, residual=z, scale=scale,
                               inplace=not torch.is_grad_enabled())
         return y.view(n, r, d).transpose(0, 1)
+
+    def backend(self, x: torch.Tensor) -> str:
+        """What inference on the kernel path takes for tokens like ``x``: ``model.mone.kernel`` unless it is
+        ``auto``, else what a GPU of this kind measured faster at this width (`squad.kernels.choice`), else
+        ``cublas`` (the width slices, as training runs them)."""
+        dims = {"D": self.attn.qkv.in_features, "H": self.mlp.fc1.out_features, "heads": self.num_heads}
+        return resolve("mone", self.cfg.kernel, dims, x.dtype, x.device)
 
     def _forward_kernels(self, x2: torch.Tensor, blocks: list[tuple[int, int, int]], st: MoNEState,
                          ctx: ForwardContext, key_mask: torch.Tensor | None, emb: torch.Tensor | None) -> torch.Tensor:

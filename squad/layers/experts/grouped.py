@@ -23,13 +23,16 @@ from squad.kernels.grouped import grouped_wgrad as kernel_wgrad
 from squad.layers.experts.plan import Dispatch, Groups, takes_kernel_path
 
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# the library's grouped GEMM: `F.grouped_mm` where torch has the public name, else `torch._grouped_mm`
+library_grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
 def native_grouped_mm(*tensors: torch.Tensor) -> bool:
-    """Whether `torch.nn.functional.grouped_mm` takes these operands: float32/bf16/fp16, one dtype, 16-byte
-    aligned base pointers, each matrix row- or column-major with its other stride (and a batch stride) a multiple of
-    16 bytes (on CUDA only bf16, which is what its kernels support)."""
-    if not hasattr(F, "grouped_mm"):
+    """Whether the library's grouped GEMM (`torch.nn.functional.grouped_mm`, or ``torch._grouped_mm`` in a torch
+    without the public name) takes these operands: float32/bf16/fp16, one dtype, 16-byte aligned base pointers, each
+    matrix row- or column-major with its other stride (and a batch stride) a multiple of 16 bytes (on CUDA only
+    bf16, which is what its kernels support)."""
+    if library_grouped_mm is None:
         return False
     dtype = tensors[0].dtype
     if dtype not in _NATIVE_DTYPES or (tensors[0].is_cuda and dtype != torch.bfloat16):
@@ -55,7 +58,7 @@ def gmm(a: torch.Tensor, b: torch.Tensor, plan: Groups) -> torch.Tensor:
     if torch.compiler.is_exporting():  # torch.export (squad.deploy.export): no data pointers, no host reads
         return _gmm_exported(a, b, plan)
     if native_grouped_mm(a, b) and (b.shape[-1] * b.element_size()) % 16 == 0:  # its output's rows aligned too
-        out = F.grouped_mm(a, b, offs=plan.offsets)
+        out = library_grouped_mm(a, b, offs=plan.offsets)
         if b.dim() == 3 and plan.tail:  # grouped_mm leaves the rows past the last group unwritten
             used = sum(plan.host_sizes())
             out[used:].zero_()

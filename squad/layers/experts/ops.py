@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from squad.layers.experts import cpu, scatter
+from squad.layers.experts import cpu, permuted, scatter
 from squad.layers.experts.plan import Dispatch
 
 
@@ -60,17 +60,24 @@ def matmul_combine(rows: torch.Tensor, w: torch.Tensor, gates: torch.Tensor, pla
 
 
 def expert_mlp(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2: torch.Tensor,
-               b2: torch.Tensor | None, gates: torch.Tensor, plan: Dispatch) -> torch.Tensor:
+               b2: torch.Tensor | None, gates: torch.Tensor, plan: Dispatch, backend: str = "triton") -> torch.Tensor:
     """E two-layer GELU MLPs on routed tokens: Σ_slots gate · (gelu(x W1[e] + b1[e]) W2[e] + b2[e]).
 
     Args:
         x: [M, D] tokens; w1 [E, D, H], b1 [E, H] | None, w2 [E, H, D], b2 [E, D] | None.
         gates: [M, k]; plan: the layer's `Dispatch`.
+        backend: the kernel path's expert GEMMs (``plan.sync_free``): ``triton`` (`scatter`: two launches forward,
+            four backward, bias, GELU and the gate inside them) or ``grouped_mm`` (`permuted`: torch's grouped GEMM
+            on permuted rows); the CPU algorithm ignores it. Layers resolve ``auto`` first (`squad.kernels.choice`).
 
     Returns:
         [M, D].
     """
-    if plan.sync_free:  # two launches forward, four backward: bias, GELU and the gate inside them
+    if backend not in ("triton", "grouped_mm"):
+        raise ValueError(f"expert_mlp: backend must be 'triton' or 'grouped_mm', got {backend!r}")
+    if plan.sync_free and backend == "grouped_mm":
+        return permuted.permuted_mlp(x, w1, b1, w2, b2, gates, plan)
+    if plan.sync_free:
         return scatter.scatter_mlp(x, w1, b1, w2, b2, gates, plan)
     h = F.gelu(cpu.dispatch_matmul(x, w1, plan, b1))  # [M·k, H], rows grouped by expert
     return cpu.matmul_combine(h, w2, gates, plan, b2)  # [M, D]

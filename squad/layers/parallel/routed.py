@@ -50,7 +50,7 @@ def plan_exchange(experts: torch.Tensor, num_experts: int, ep: ExpertGroups,
 
 def expert_mlp(x: torch.Tensor, gates: torch.Tensor, experts: torch.Tensor, w1: torch.Tensor,
                b1: torch.Tensor | None, w2: torch.Tensor, b2: torch.Tensor | None, ep: ExpertGroups,
-               noop: bool = True) -> torch.Tensor:
+               noop: bool = True, backend: str = "triton") -> torch.Tensor:
     """An MoE MLP whose experts are spread over an expert-parallel group.
 
     Args:
@@ -59,13 +59,15 @@ def expert_mlp(x: torch.Tensor, gates: torch.Tensor, experts: torch.Tensor, w1: 
         w1: [E/P, D, H], b1 [E/P, H] | None, w2 [E/P, H, D], b2 [E/P, D] | None: this rank's experts.
         ep: the layout (P = ep.size).
         noop: slots may name no-op experts.
+        backend: the local experts' GEMMs on the kernel path (`squad.layers.experts.ops.expert_mlp`).
 
     Returns:
         [M, D] = Σ_slots gate · expert(x), as the single-process layer computes it.
     """
     plan, ex = plan_exchange(experts, w1.shape[0] * ep.size, ep, noop)
     rows = ex.to_experts(dispatch_tokens(x, plan))  # [A', D] received, source-major
-    y = local_expert_mlp(rows, w1, b1, w2, b2, ex.unit_gates(rows), ex.local_plan)  # [A', D] received order, ungated
+    y = local_expert_mlp(rows, w1, b1, w2, b2, ex.unit_gates(rows), ex.local_plan,
+                         backend)  # [A', D] received order, ungated
     return combine(ex.to_tokens(y), gates, plan)  # [M, D]
 
 

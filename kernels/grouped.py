@@ -21,42 +21,14 @@ Arguments shared by both ops: rows are in G consecutive groups, ``ends`` [G] int
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
+from .activation import gelu_grad
 from .device import triton_runs_on
+from .tiles import KERNEL_DTYPES, gate_tiles, mm_config, wgrad_config
 
 EPILOGUES = ("linear", "gelu", "gate_grad")
-KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def pow2_block(size: int, cap: int) -> int:
-    """A power of two >= 16 covering ``size``, at most ``cap``."""
-    return max(16, min(cap, 1 << max(size - 1, 0).bit_length()))
-
-
-def mm_config(k: int, n: int, dtype: torch.dtype) -> dict[str, object]:
-    """Tiles and launch settings of the grouped matmul kernel for a [*, K] × [K, N] product of ``dtype``: 128×128×32
-    tiles for 16-bit operands (64×64×32 for float32), narrower where N or K is. Block sizes are powers of two >= 16
-    and fit the 99 KiB of shared memory of an sm_86/sm_89 block (checked by compiling for sm_80 in the tests)."""
-    wide = dtype == torch.float32
-    return {"BLOCK_M": 64 if wide else 128, "BLOCK_N": pow2_block(n, 64 if wide else 128),
-            "BLOCK_K": pow2_block(k, 32), "num_warps": 4 if wide else 8, "num_stages": 2 if wide else 3}
-
-
-def wgrad_config(k: int, n: int, dtype: torch.dtype) -> dict[str, object]:
-    """Tiles of the weight-gradient kernel for a [K, N] gradient (the group's rows looped BLOCK_M at a time)."""
-    wide = dtype == torch.float32
-    return {"BLOCK_M": 32, "BLOCK_K": pow2_block(k, 64 if wide else 128),
-            "BLOCK_N": pow2_block(n, 64 if wide else 128), "num_warps": 4 if wide else 8,
-            "num_stages": 2 if wide else 3}
-
-
-def gate_tiles(n: int, dtype: torch.dtype) -> int:
-    """Columns of the gate-gradient partial sums ``gate_grad`` returns for an output width N (one per N tile)."""
-    return math.ceil(n / mm_config(1, n, dtype)["BLOCK_N"])
 
 
 def _use_triton(*tensors: torch.Tensor) -> bool:
@@ -75,11 +47,6 @@ def _check(epilogue: str, a: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) 
 
 
 # ------------------------------------------------------------------------------------------ PyTorch reference
-def gelu_grad(x: torch.Tensor) -> torch.Tensor:
-    """d gelu(x) / dx (exact GELU) = Φ(x) + x · φ(x)."""
-    return 0.5 * (1.0 + torch.erf(x * 0.5 ** 0.5)) + x * torch.exp(-0.5 * x * x) * (2 * math.pi) ** -0.5
-
-
 def _group_bounds(ends: torch.Tensor) -> list[tuple[int, int]]:
     """(first, end) rows of each group, read on the host."""
     stops = ends.tolist()

@@ -34,29 +34,8 @@ from __future__ import annotations
 import torch
 
 from .device import triton_runs_on
-from .grouped import KERNEL_DTYPES, pow2_block
-
-
-def select_config(k: int, d: int, dtype: torch.dtype) -> dict[str, object]:
-    """Tiles of `triton_heads`' head-select kernel for an [M, K] × [K, d] product per head: one head per N tile."""
-    wide = dtype == torch.float32
-    return {"BLOCK_M": 64 if wide else 128, "BLOCK_D": pow2_block(d, 128), "BLOCK_K": pow2_block(k, 32 if wide else 64),
-            "num_warps": 4 if wide else 8, "num_stages": 2 if wide else 3}
-
-
-def gather_config(n: int, d: int, k2: int, dtype: torch.dtype) -> dict[str, object]:
-    """Tiles of the head-gather kernel: K stepped one head (d features) at a time, then the dense K2 operand."""
-    wide = dtype == torch.float32
-    return {"BLOCK_M": 64 if wide else 128, "BLOCK_N": pow2_block(n, 64 if wide else 128),
-            "BLOCK_D": pow2_block(d, 128), "BLOCK_K": pow2_block(k2, 32), "num_warps": 4 if wide else 8,
-            "num_stages": 2}
-
-
-def wgrad_config(n: int, d: int, dtype: torch.dtype) -> dict[str, object]:
-    """Tiles of the head weight-gradient kernel: one program per (head, N tile), looping over the rows."""
-    wide = dtype == torch.float32
-    return {"BLOCK_M": 32 if wide else 64, "BLOCK_D": pow2_block(d, 128), "BLOCK_N": pow2_block(n, 64 if wide else 128),
-            "num_warps": 4 if wide else 8, "num_stages": 2 if wide else 3}
+from .tiles import KERNEL_DTYPES, gather_config, select_config
+from .tiles import head_wgrad_config as wgrad_config
 
 
 def _use_triton(*tensors: torch.Tensor) -> bool:

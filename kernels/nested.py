@@ -22,29 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .device import triton_runs_on
-from .grouped import KERNEL_DTYPES, pow2_block
-
-
-def nested_config(k: int, n: int, dtype: torch.dtype) -> dict[str, object]:
-    """Tiles of the nested projection kernel (powers of two >= 16; as `grouped.mm_config`)."""
-    wide = dtype == torch.float32
-    return {"BLOCK_M": 64 if wide else 128, "BLOCK_N": pow2_block(n, 64 if wide else 128),
-            "BLOCK_K": pow2_block(k, 32), "num_warps": 4 if wide else 8, "num_stages": 2 if wide else 3}
-
-
-MLP_MAX_CHUNKS = 8  # the fused MLP kernel's output accumulators (`triton_nested_mlp.MAX_CHUNKS`)
-
-
-def nested_mlp_config(d: int, hidden: int, dtype: torch.dtype) -> dict[str, object] | None:
-    """Tiles of the fused MLP kernel for width D and hidden width H (powers of two >= 16): output features in chunks
-    of BLOCK_W (64, or 128 past 8 · 64), first-projection K tiles of 16 (MoNE's widths are multiples of 16, so no
-    token pays for features past its width there). None where D exceeds 8 chunks of 128 (no fused kernel)."""
-    block_w = 64 if d <= MLP_MAX_CHUNKS * 64 else 128
-    if d > MLP_MAX_CHUNKS * block_w:
-        return None
-    wide = dtype == torch.float32
-    return {"BLOCK_M": 32 if wide else 64, "BLOCK_H": pow2_block(hidden, 64), "BLOCK_K": 16, "BLOCK_W": block_w,
-            "W_CHUNKS": -(-d // block_w), "num_warps": 4 if wide else 8, "num_stages": 2}
+from .tiles import KERNEL_DTYPES, nested_config, nested_mlp_config
 
 
 def nested_mlp_flops(groups: list[int], hidden: int, config: dict) -> float:

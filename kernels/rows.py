@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from .device import triton_runs_on
-from .grouped import KERNEL_DTYPES
+from .tiles import KERNEL_DTYPES
 
 
 def _use_triton(*tensors: torch.Tensor) -> bool:

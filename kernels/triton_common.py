@@ -3,7 +3,8 @@
 Kernel bodies are plain functions wrapped at first use for the compiler (`JITFunction`) or for Triton's CPU
 interpreter (`InterpretedFunction`), following the mode Triton itself was imported in; device helpers the kernels
 call are wrapped the same way at import (`device_function`), and the compiler inlines them. The helpers the grouped
-and nested kernels share live here: exact GELU and its derivative, and the row-tile → group lookup.
+and nested kernels share live here: exact GELU and its derivative, the row-tile → group lookup and the grouped
+launch order.
 """
 
 from __future__ import annotations
@@ -47,6 +48,20 @@ def gelu(x):
 def gelu_grad(x):
     """d gelu(x) / dx = Φ(x) + x · φ(x) of an fp32 tile."""
     return 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476)) + x * 0.3989422804014327 * tl.exp(-0.5 * x * x)
+
+
+@device_function
+def grouped_order(pid, tiles_m, tiles_n, GROUP_M: tl.constexpr):
+    """Program id → (row tile, N tile) in grouped launch order (the ``"grouped"`` order of `squad.kernels.tiles`):
+    programs come in groups of GROUP_M row tiles × every N tile, row tiles fastest inside a group, so a group's input
+    rows and each N column's weight tile are reused from L2 by the programs running beside them. GROUP_M = 1: a row
+    tile's N tiles one after another."""
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    size_m = tl.minimum(tiles_m - first_m, GROUP_M)
+    tile_m = first_m + (pid % per_group) % size_m
+    tile_n = (pid % per_group) // size_m
+    return tile_m, tile_n
 
 
 @device_function

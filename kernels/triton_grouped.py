@@ -10,8 +10,10 @@ the [M·k, N] rows.
 Rows are laid out in G consecutive groups (``ENDS[g]``: int32 cumulative end of group g, on the device); group g
 multiplies weight g. Rows past the last group (``ENDS[G-1] .. R``, slots of no-op experts and dropped slots) form a
 tail that multiplies nothing: every output row of it is zero. Nothing is read back to the host: the grid has an
-upper bound of row tiles (``cdiv(R, BLOCK_M) + G + 1``), and each program finds its group by a scan of the G ends;
-programs past the last tile return at once.
+upper bound of row tiles (``cdiv(R, BLOCK_M) + G + 1``) times the N tiles, and each program finds its group by a scan
+of the G ends; programs past the last tile return at once. The launch order is grouped (`squad.kernels.tiles`,
+``GROUP_M``): GROUP_M row tiles × every N tile run one after another, so a row tile's gathered input is read from
+HBM once and served from L2 to its N tiles, instead of once per N tile a whole pass apart.
 
 Kernels:
 
@@ -39,22 +41,23 @@ import torch
 import triton
 import triton.language as tl
 
-from .grouped import mm_config, wgrad_config
-from .triton_common import gelu, gelu_grad, interpreter_enabled, tile_group, wrap_kernels
+from .tiles import launch_settings, mm_config, wgrad_config
+from .triton_common import gelu, gelu_grad, grouped_order, interpreter_enabled, tile_group, wrap_kernels
 
 EPILOGUES = {"linear": 0, "gelu": 1, "gate_grad": 2}
 
 
 def _grouped_mm_kernel(A, A_ROWS, W, BIAS, ENDS, SCALE, OUT_ROWS, OUT, EXTRA, AUX,
-                       R, K, N, G,
+                       R, K, N, G, TILES_M,
                        stride_am, stride_ak, stride_wg, stride_wk, stride_wn, stride_bg, stride_bn,
                        stride_om, stride_on, stride_em, stride_en, stride_xm, stride_xn,
                        GATHER: tl.constexpr, SCATTER: tl.constexpr, HAS_BIAS: tl.constexpr,
                        HAS_SCALE: tl.constexpr, EPILOGUE: tl.constexpr, STORE_PRE: tl.constexpr,
                        AUX_GELU: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid_n = tl.program_id(1)
-    grp, first, end = tile_group(tl.program_id(0), ENDS, G, R, BLOCK_M)
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       GROUP_M: tl.constexpr):
+    tile_m, pid_n = grouped_order(tl.program_id(0), TILES_M, tl.cdiv(N, BLOCK_N), GROUP_M)
+    grp, first, end = tile_group(tile_m, ENDS, G, R, BLOCK_M)
     if grp < 0:
         return
     offs_m = first + tl.arange(0, BLOCK_M)  # sorted rows
@@ -198,8 +201,8 @@ def grouped_mm(a: torch.Tensor, a_rows: torch.Tensor | None, w: torch.Tensor, bi
         gradient partial sums [rows, N tiles] float32 for ``gate_grad``, else an empty tensor.
     """
     k, n = w.shape[1], w.shape[2]
-    cfg = dict(config or mm_config(k, n, a.dtype))
-    launch = {"num_warps": cfg.pop("num_warps"), "num_stages": cfg.pop("num_stages")}
+    cfg, launch = launch_settings(config or mm_config(k, n, a.dtype))
+    cfg.setdefault("GROUP_M", 1)  # a hand-made config without a launch order: a row tile's N tiles in turn
     out = torch.empty(rows, n, dtype=a.dtype, device=a.device)
     code = EPILOGUES[epilogue]
     if code == 1 and store_pre:
@@ -210,7 +213,8 @@ def grouped_mm(a: torch.Tensor, a_rows: torch.Tensor | None, w: torch.Tensor, bi
         extra = out.new_empty(0, 0)
     g = ends.shape[0]
     dummy = ends  # never read: the flag that would read it is off
-    grid = (triton.cdiv(rows, cfg["BLOCK_M"]) + g + 1, triton.cdiv(n, cfg["BLOCK_N"]))
+    tiles_m = triton.cdiv(rows, cfg["BLOCK_M"]) + g + 1  # an upper bound: each group's last tile may be partial
+    grid = (tiles_m * triton.cdiv(n, cfg["BLOCK_N"]),)
     if rows == 0:
         return out, extra
     bias_strides = bias.stride() if bias is not None else (0, 0)
@@ -220,7 +224,7 @@ def grouped_mm(a: torch.Tensor, a_rows: torch.Tensor | None, w: torch.Tensor, bi
         a, dummy if a_rows is None else a_rows, w, dummy if bias is None else bias, ends,
         dummy if scale is None else scale, dummy if out_rows is None else out_rows, out, extra,
         dummy if aux is None else aux,
-        rows, k, n, g, *a.stride(), *w.stride(), *bias_strides, *out.stride(), *extra_strides, *aux_strides,
+        rows, k, n, g, tiles_m, *a.stride(), *w.stride(), *bias_strides, *out.stride(), *extra_strides, *aux_strides,
         GATHER=a_rows is not None, SCATTER=out_rows is not None, HAS_BIAS=bias is not None,
         HAS_SCALE=scale is not None, EPILOGUE=code, STORE_PRE=bool(store_pre), AUX_GELU=bool(aux_gelu),
         **_flags(a.dtype), **cfg, **launch)
@@ -232,8 +236,7 @@ def grouped_wgrad(a: torch.Tensor, a_rows: torch.Tensor | None, b: torch.Tensor,
                   config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Launches `_grouped_wgrad_kernel`: (dW [G, K, N], db [G, N] or an empty tensor) in ``dtype``."""
     k, n, g = a.shape[1], b.shape[1], ends.shape[0]
-    cfg = dict(config or wgrad_config(k, n, a.dtype))
-    launch = {"num_warps": cfg.pop("num_warps"), "num_stages": cfg.pop("num_stages")}
+    cfg, launch = launch_settings(config or wgrad_config(k, n, a.dtype))
     dw = torch.empty(g, k, n, dtype=dtype, device=a.device)
     db = torch.empty(g, n, dtype=dtype, device=a.device) if bias_grad else dw.new_empty(0, 0)
     dummy = ends

@@ -28,7 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import device_function, interpreter_enabled, wrap_kernels
+from .tiles import launch_settings
+from .triton_common import device_function, grouped_order, interpreter_enabled, wrap_kernels
 
 
 @device_function
@@ -72,8 +73,8 @@ def _head_select_kernel(A, W, SLOTS, GATES, AUX, OUT, GATE_GRAD,
                         stride_qm, stride_qj,
                         GATED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr):
-    head = tl.program_id(1)
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    head = tl.program_id(0)  # a row tile's heads run one after another: its rows are read once into L2
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = offs_m < M
     rows = offs_m.to(tl.int64)
     slot = tl.load(SLOTS + rows * stride_sm + head * stride_se, mask=mask_m, other=-1)
@@ -102,11 +103,12 @@ def _head_gather_kernel(C, SLOTS, GATES, W, A2, W2, BIAS, OUT,
                         stride_om, stride_on,
                         GATED: tl.constexpr, HAS_A2: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr,
                         PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr):
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+                        BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    tile_m, tile_n = grouped_order(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = offs_m < M
     rows = offs_m.to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < DH
@@ -174,15 +176,10 @@ def _flags(dtype: torch.dtype) -> dict[str, object]:
     return {"UPCAST": bool(interpreter_enabled() and dtype == torch.bfloat16), "PRECISION": "ieee"}
 
 
-def _split(config: dict) -> tuple[dict, dict]:
-    cfg = dict(config)
-    return cfg, {"num_warps": cfg.pop("num_warps"), "num_stages": cfg.pop("num_stages")}
-
-
 def head_select_mm(a: torch.Tensor, w: torch.Tensor, slots: torch.Tensor, top_k: int, gates: torch.Tensor | None,
                    aux: torch.Tensor | None, config: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """Launches `_head_select_kernel` (arguments as ``squad::head_select_mm`` takes them, `squad.kernels.heads`)."""
-    cfg, launch = _split(config)
+    cfg, launch = launch_settings(config)
     m, k = a.shape
     e, _, d = w.shape
     out = torch.empty(m, top_k, d, dtype=a.dtype, device=a.device)
@@ -192,7 +189,7 @@ def head_select_mm(a: torch.Tensor, w: torch.Tensor, slots: torch.Tensor, top_k:
     if m == 0:
         return out, gate_grad
     dummy = slots
-    _kernels()["_head_select_kernel"][(triton.cdiv(m, cfg["BLOCK_M"]), e)](
+    _kernels()["_head_select_kernel"][(e, triton.cdiv(m, cfg["BLOCK_M"]))](
         a, w, slots, gates if gated else dummy, aux if gated else dummy, out, gate_grad if gated else dummy,
         m, k, d, *a.stride(), *w.stride(), *slots.stride(), *(gates.stride() if gated else (0, 0)),
         *(aux.stride() if gated else (0, 0, 0)), *out.stride(), *(gate_grad.stride() if gated else (0, 0)),
@@ -204,7 +201,7 @@ def head_gather_mm(c: torch.Tensor, slots: torch.Tensor, gates: torch.Tensor | N
                    a2: torch.Tensor | None, w2: torch.Tensor | None, bias: torch.Tensor | None,
                    config: dict) -> torch.Tensor:
     """Launches `_head_gather_kernel` (arguments as ``squad::head_gather_mm`` takes them)."""
-    cfg, launch = _split(config)
+    cfg, launch = launch_settings(config)
     m = c.shape[0]
     e, d, n = w.shape
     out = torch.empty(m, n, dtype=c.dtype, device=c.device)
@@ -212,7 +209,8 @@ def head_gather_mm(c: torch.Tensor, slots: torch.Tensor, gates: torch.Tensor | N
         return out
     dummy = slots
     k2 = a2.shape[1] if a2 is not None else 0
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))
+    cfg.setdefault("GROUP_M", 1)  # a hand-made config without a launch order: a row tile's N tiles in turn
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
     _kernels()["_head_gather_kernel"][grid](
         c, slots, dummy if gates is None else gates, w, dummy if a2 is None else a2, dummy if w2 is None else w2,
         dummy if bias is None else bias, out, m, n, e, d, k2,
@@ -227,7 +225,7 @@ def head_wgrad(c: torch.Tensor, slots: torch.Tensor, gates: torch.Tensor | None,
                transpose: bool, bias_grad: bool, dtype: torch.dtype,
                config: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """Launches `_head_wgrad_kernel`: (dW [E, d, N] — [E, N, d] with ``transpose`` — and db [N] or empty)."""
-    cfg, launch = _split(config)
+    cfg, launch = launch_settings(config)
     m, _, d = c.shape
     n = b.shape[1]
     dw = torch.empty(num_heads, n, d, dtype=dtype, device=c.device) if transpose else \

@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .tiles import launch_settings
 from .triton_common import gelu, interpreter_enabled, tile_group, wrap_kernels
 
 
@@ -135,8 +136,7 @@ def nested_mm(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, layou
               scale: torch.Tensor | None, out: torch.Tensor | None, config: dict) -> torch.Tensor:
     """Launches `_nested_mm_kernel` (arguments as ``squad::nested_linear`` takes them, `squad.kernels.nested`):
     ``a`` [T, K], [T / R, R, K] or [T / R, R, H, K / H]; ``out`` given: the residual itself (in place)."""
-    cfg = dict(config)
-    launch = {"num_warps": cfg.pop("num_warps"), "num_stages": cfg.pop("num_stages")}
+    cfg, launch = launch_settings(config)
     rows = a if a.dim() >= 3 else a.unsqueeze(1)  # [T / R, R, ...]
     feats = rows if rows.dim() == 4 else rows.unsqueeze(2)  # [T / R, R, H, K / H]
     a_div, col_div = feats.shape[1], feats.shape[3]

@@ -31,9 +31,10 @@ import torch
 import triton
 import triton.language as tl
 
+from .tiles import MLP_MAX_CHUNKS, launch_settings
 from .triton_common import device_function, gelu, interpreter_enabled, tile_group, wrap_kernels
 
-MAX_CHUNKS = 8
+MAX_CHUNKS = MLP_MAX_CHUNKS
 
 
 @device_function
@@ -175,8 +176,7 @@ def nested_mlp_(x: torch.Tensor, ln_w: torch.Tensor, ln_b: torch.Tensor, eps: fl
                 alpha: torch.Tensor | None, config: dict) -> None:
     """Launches `_nested_mlp_kernel` on x [T, D] in place (arguments as ``squad::nested_mlp_`` takes them,
     `squad.kernels.nested`; gate [R, N] with T = N·R token-major rows)."""
-    cfg = dict(config)
-    launch = {"num_warps": cfg.pop("num_warps"), "num_stages": cfg.pop("num_stages")}
+    cfg, launch = launch_settings(config)
     t, d = x.shape
     g = layout.shape[1]
     grid = (triton.cdiv(t, cfg["BLOCK_M"]) + g + 1,)

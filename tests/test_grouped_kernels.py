@@ -19,11 +19,13 @@ import torch.nn.functional as F
 
 from squad.kernels import grouped as G
 from squad.kernels.device import force_cuda_path, triton_available, triton_interpreting
+from squad.kernels.tiles import launch_settings
 from squad.layers.experts import expert_mlp, plan_dispatch
 from tests.helpers import compile_triton_for_gpu
 
 RUNNABLE = triton_available() and (torch.cuda.is_available() or triton_interpreting())
-SMALL_TILES = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1}
+# small tiles, launched in groups of 3 row tiles (partial groups at the end)
+SMALL_TILES = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 3, "num_warps": 4, "num_stages": 1}
 
 
 def _device() -> torch.device:
@@ -260,7 +262,7 @@ def test_triton_kernels_compile_for_gpu(case):
     else:
         cfg = G.wgrad_config(768, 768, torch_dtype)
         constexprs = {"GATHER_A": True, "GATHER_B": True, "HAS_SCALE": True, "HAS_DB": True}
-    options = {"num_warps": cfg.pop("num_warps"), "num_stages": cfg.pop("num_stages")}
+    cfg, options = launch_settings(cfg)
     constexprs.update(cfg, UPCAST=False, PRECISION="ieee")
     types = {"ENDS": "*i32", **dict.fromkeys(("A_ROWS", "OUT_ROWS", "B_ROWS"), "*i64"),
              **{n: f"*{dtype}" for n in ("A", "W", "BIAS", "SCALE", "OUT", "EXTRA", "AUX", "B", "DW", "DB")}}
@@ -291,3 +293,22 @@ def test_ops_take_triton_on_cuda_and_never_sync():
                                       torch.float32)
     torch.testing.assert_close(dw.float(), ref_w[0], rtol=3e-2, atol=0.5)
     torch.testing.assert_close(db.float(), ref_w[1], rtol=3e-2, atol=0.5)
+
+
+def test_tile_configs_name_their_launch_order():
+    """Every GEMM kernel's tile config says its launch order (what a cost model reads to count tile loads against the
+    L2, `squad.kernels.tiles`); the grouped ones say how many row tiles a group has, and the launch drops the key."""
+    from squad.kernels import tiles
+
+    dt = torch.bfloat16
+    configs = {"grouped_mm": tiles.mm_config(768, 192, dt), "grouped_wgrad": tiles.wgrad_config(768, 192, dt),
+               "head_select": tiles.select_config(768, 64, dt), "head_gather": tiles.gather_config(768, 64, 128, dt),
+               "head_wgrad": tiles.head_wgrad_config(768, 64, dt), "nested": tiles.nested_config(384, 1536, dt),
+               "nested_mlp": tiles.nested_mlp_config(384, 1536, dt)}
+    orders = {name: c["order"] for name, c in configs.items()}
+    assert orders == {"grouped_mm": "grouped", "grouped_wgrad": "rows_looped", "head_select": "heads_inner",
+                      "head_gather": "grouped", "head_wgrad": "rows_looped", "nested": "rows_outer",
+                      "nested_mlp": "rows_outer"}
+    assert configs["grouped_mm"]["GROUP_M"] == configs["head_gather"]["GROUP_M"] == 8
+    constexprs, launch = tiles.launch_settings(configs["grouped_mm"])
+    assert "order" not in constexprs and "order" not in launch and launch == {"num_warps": 8, "num_stages": 3}

@@ -12,6 +12,7 @@ import torch
 from squad.config.model import MoAConfig, RouterConfig
 from squad.kernels import heads as HK
 from squad.kernels.device import force_cuda_path, triton_available, triton_interpreting
+from squad.kernels.tiles import launch_settings
 from squad.layers.context import ForwardContext
 from squad.layers.experts.heads import head_slots
 from squad.layers.moe_attention import MoEAttention
@@ -20,7 +21,7 @@ from tests.helpers import assert_compiles_for_gpu
 
 RUNNABLE = triton_available() and (torch.cuda.is_available() or triton_interpreting())
 CASES = [(37, 20, 6, 3, 16, 24), (70, 33, 5, 2, 24, 40), (9, 16, 7, 1, 8, 17)]  # (M, K, E, k, d, N)
-SMALL = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}
+SMALL = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2}  # launch groups of 2 row tiles
 TOL = {torch.float32: {"rtol": 1e-4, "atol": 1e-4}, torch.bfloat16: {"rtol": 3e-2, "atol": 6e-2}}
 
 
@@ -203,7 +204,7 @@ def test_triton_head_kernels_compile_for_gpu(case):
     cfg = {"_head_select_kernel": HK.select_config(768, 64, torch_dtype),
            "_head_gather_kernel": HK.gather_config(768, 64, 128, torch_dtype),
            "_head_wgrad_kernel": HK.wgrad_config(768, 64, torch_dtype)}[kernel]
-    options = {"num_warps": cfg.pop("num_warps"), "num_stages": cfg.pop("num_stages")}
+    cfg, options = launch_settings(cfg)
     constexprs = {"GATED": True, "HAS_A2": True, "HAS_BIAS": True, "HAS_DB": True, "UPCAST": False,
                   "PRECISION": "ieee", **flags, **cfg}
     constexprs = {name: v for name, v in constexprs.items() if name in getattr(T, kernel).__code__.co_varnames}

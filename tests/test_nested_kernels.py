@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from squad.kernels import nested as NS
 from squad.kernels.device import force_cuda_path, triton_available, triton_interpreting
+from squad.kernels.tiles import launch_settings
 from squad.layers.nested import nested_linear_in, nested_linear_out
 from tests.helpers import compile_triton_for_gpu, routed_inference_model
 
@@ -217,11 +218,11 @@ def test_triton_nested_kernels_compile_for_gpu(case):
     if kernel == "_nested_mlp_kernel":
         T = triton_nested_mlp  # noqa: N806
         cfg = NS.nested_mlp_config(384, 1536, {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype])
-        options = {"num_warps": cfg.pop("num_warps"), "num_stages": cfg.pop("num_stages")}
+        cfg, options = launch_settings(cfg)
         constexprs = {"HAS_SCALE": True, "UPCAST": False, "PRECISION": "ieee", **cfg}
     elif kernel == "_nested_mm_kernel":
         cfg = NS.nested_config(384, 1536, {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype])
-        options = {"num_warps": cfg.pop("num_warps"), "num_stages": cfg.pop("num_stages")}
+        cfg, options = launch_settings(cfg)
         constexprs = {"HAS_BIAS": True, "HAS_EMB": True, "HAS_SCALE": True, "UPCAST": False, "PRECISION": "ieee",
                       **flags, **cfg}
     else:

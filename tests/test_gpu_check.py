@@ -73,3 +73,20 @@ def test_stage_outputs_are_parsed(tmp_path):
     xml = tmp_path / "junit.xml"
     xml.write_text('<testsuites><testsuite tests="5" failures="1" errors="0" skipped="2"/></testsuites>')
     assert gpucheck.junit_counts(xml) == {"tests": 5, "failures": 1, "errors": 0, "skipped": 2, "passed": 2}
+
+
+def test_kernel_backends_are_measured_at_the_shipped_shapes_and_reported():
+    """The ``kernels`` stage's shapes come from the shipped configs (modsquad_vit_b's MoE MLP, mone_vit_s), and its
+    rows (milliseconds per backend, the choice ``auto`` will take) reach the markdown report."""
+    from squad.bench import backends
+
+    assert "modsquad_vit_b" in backends.moe_shapes()[(16, 768, 768, 4)]
+    assert "mone_vit_s" in backends.mone_configs()
+    assert [s.name for s in gpucheck.STAGES][:2] == ["tests", "kernels"]  # measured before the bench runs `auto`
+    rows = [{"op": "moe_mlp", "dims": {"E": 16, "D": 768, "H": 768, "k": 4}, "configs": ["modsquad_vit_b"],
+             "ms": {"grouped_mm": 1.0, "triton": 2.0}, "choice": "grouped_mm"},
+            {"op": "mone", "dims": {"D": 384, "H": 1536, "heads": 6}, "configs": ["mone_vit_s"], "error": "OOM"}]
+    report = gpucheck.assemble({"kernels": {"status": "failed", "rows": rows, "choices": "/c.json"}}, {}, 1.0)
+    md = gpucheck.markdown(report)
+    assert "| moe_mlp | E16,D768,H768,k4 | modsquad_vit_b | grouped_mm 1.000, triton 2.000 | grouped_mm |" in md
+    assert "| mone | D384,H1536,heads6 | mone_vit_s | OOM | — |" in md and "/c.json" in md

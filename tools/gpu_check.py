@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""One GPU's check of squad: the GPU tests, the GPU bench rows beside the H100 cost model, train steps, a DeepSpeed run.
+"""One GPU's check of squad: the GPU tests, the routed ops' backends timed (the choice `auto` reads), the GPU bench
+rows beside the H100 cost model, train steps, a DeepSpeed run.
 
 The tool lives in `squad.cli.gpu_check` (also installed as `squad-gpu-check`; `make gpu-check` runs it); usage:
 ``python tools/gpu_check.py --help``.

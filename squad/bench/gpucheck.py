@@ -5,6 +5,9 @@ Stages, each in its own process with its own time limit (a stage that crashes or
 the next one runs; the whole check keeps to `TOTAL_S`):
 
 - ``tests``: ``pytest -m gpu`` (every test marked as needing a GPU);
+- ``kernels``: every backend of the routed ops timed at the shipped configs' shapes, the faster recorded in the
+  kernel choice file that ``auto`` reads (`squad.bench.backends`, `squad.kernels.choice`), so the stages after it
+  run what ``auto`` picks;
 - ``bench``: the GPU rows of ``tools/bench.py`` (MoE MLP, MoE attention, MoD, MoNE, routed attention: bf16, CUDA
   events), each beside the traffic profile's modelled figure for it (`squad.bench.traffic_profile.predictions`: the
   H100 cost model, measured against model);
@@ -47,7 +50,8 @@ class Stage:
     budget_s: float
 
 
-STAGES = [Stage("tests", 100.0), Stage("bench", 150.0), Stage("step", 170.0), Stage("deepspeed", 110.0)]
+STAGES = [Stage("tests", 100.0), Stage("kernels", 60.0), Stage("bench", 140.0), Stage("step", 140.0),
+          Stage("deepspeed", 100.0)]
 
 
 class NoGpu(RuntimeError):
@@ -84,6 +88,17 @@ def junit_counts(xml: Path) -> dict:
     counts = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
     counts["passed"] = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
     return counts
+
+
+def stage_kernels(work: Path) -> dict:
+    """Each routed op's backends timed, the winners written to the kernel choice file."""
+    from squad.kernels.choice import choices_path
+
+    from .backends import measure
+
+    rows = measure()
+    failed = [f"{r['op']} {r['dims']}" for r in rows if "error" in r]
+    return {"status": "failed" if failed else "ok", "errors": failed, "rows": rows, "choices": str(choices_path())}
 
 
 def stage_bench(work: Path) -> dict:
@@ -182,8 +197,9 @@ def parse_train_log(text: str) -> dict:
             "best_img_s": max(s[3] for s in steps), "finite": all(math.isfinite(s[2]) for s in steps)}
 
 
-STAGE_FUNCTIONS: dict[str, Callable[[Path], dict]] = {"tests": stage_tests, "bench": stage_bench,
-                                                      "step": stage_step, "deepspeed": stage_deepspeed}
+STAGE_FUNCTIONS: dict[str, Callable[[Path], dict]] = {"tests": stage_tests, "kernels": stage_kernels,
+                                                      "bench": stage_bench, "step": stage_step,
+                                                      "deepspeed": stage_deepspeed}
 
 
 # ----------------------------------------------------------------------------------------------- the parent
@@ -276,6 +292,15 @@ def markdown(report: dict) -> str:
     if "tests" in tests:
         lines += ["", f"GPU tests: {tests['passed']} passed, {tests['failures']} failed, {tests['errors']} errors, "
                       f"{tests['skipped']} skipped"]
+    kernels = stages.get("kernels", {}).get("rows")
+    if kernels:
+        lines += ["", f"## Routed-op backends (bf16; MoE MLP fwd+bwd, MoNE inference), recorded in "
+                      f"{stages['kernels'].get('choices')}", "",
+                  "| op | shape | configs | ms per backend | `auto` takes |", "| --- | --- | --- | --- | --- |"]
+        for r in kernels:
+            ms = ", ".join(f"{b} {v:.3f}" for b, v in r.get("ms", {}).items()) or r.get("error", "—")
+            shape = ",".join(f"{k}{v}" for k, v in r["dims"].items())
+            lines.append(f"| {r['op']} | {shape} | {', '.join(r['configs'])} | {ms} | {r.get('choice', '—')} |")
     joined = stages.get("bench", {}).get("joined")
     if joined:
         lines += ["", "## GPU rows, measured beside the H100 cost model (a MODEL: squad.bench.costmodel)", "",

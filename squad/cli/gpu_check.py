@@ -1,4 +1,5 @@
-"""One GPU's check of squad: the GPU tests, the GPU bench rows beside the H100 cost model, train steps, a DeepSpeed run.
+"""One GPU's check of squad: the GPU tests, the routed ops' backends timed (the choice `auto` reads), the GPU bench
+rows beside the H100 cost model, train steps, a DeepSpeed run.
 
     python tools/gpu_check.py                     # results in $OUT/gpu-check when $OUT is set, else reports/gpu_check
     python tools/gpu_check.py --out /tmp/check    # (make gpu-check runs the same)

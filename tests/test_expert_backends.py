@@ -153,6 +153,7 @@ def test_library_runs_follows_what_the_op_takes():
     assert not library_runs(torch.device("cpu"), torch.float64, 64, 128)
     assert not library_runs(torch.device("cpu"), torch.bfloat16, 64, 12)  # 24-byte rows
     assert not library_runs(torch.device("cuda"), torch.float32, 64, 128)  # CUDA: bf16 only
+    assert not library_runs(torch.device("meta"), torch.float32, 64, 128)  # meta tensors stand for CUDA ones
 
 
 @pytest.mark.parametrize("section,value", [("moe", "cutlass"), ("mone", "grouped_mm")])

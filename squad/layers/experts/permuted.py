@@ -17,7 +17,10 @@ gather by the inverse permutation, never an ``index_add``: no atomics, no host r
     out = Σ_slots (g · y)[inverse]              [M, D]   (g [R]: each row's gate; 0 on no-op rows)
 
 The backward is written out (four grouped GEMMs, two per-group bias sums, the gate's gradient <grad, y>), so what
-autograd would do with the gathers (atomic ``index_add`` into [M, D] and [E, H]) never happens.
+autograd would do with the gathers (atomic ``index_add`` into [M, D] and [E, H]) never happens. Rows of no group
+(no-op and dropped slots, after the last group) are left as the library op leaves them (unwritten) except where
+they would reach a token: the second projection's output and the input gradient are zeroed there; the weight
+gradients and bias sums only read rows inside the groups.
 
 Where the library op cannot take the operands (float64 anywhere; on CUDA anything but bf16; widths whose rows are
 not 16-byte aligned) `grouped_gemm` runs its per-group reference (`grouped_gemm_reference`, reading the group ends on
@@ -29,7 +32,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from squad.kernels.activation import gelu_grad
 from squad.layers.experts.grouped import library_grouped_mm, native_grouped_mm, segment_sum
 from squad.layers.experts.plan import Dispatch
 
@@ -42,8 +44,9 @@ def library_takes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def library_runs(device: torch.device, dtype: torch.dtype, *widths: int) -> bool:
     """Whether the library's grouped GEMM runs an MoE MLP of ``widths`` (D, H) in ``dtype`` on ``device`` itself
-    (what `library_takes` will find of its operands), so that ``auto`` may take it before a GPU has measured."""
-    on_cuda = torch.device(device).type == "cuda"
+    (what `library_takes` will find of its operands), so that ``auto`` may take it before a GPU has measured. Meta
+    tensors stand for CUDA ones (the traffic recorder runs the CUDA path on them)."""
+    on_cuda = torch.device(device).type in ("cuda", "meta")
     size = torch.empty(0, dtype=dtype).element_size()
     return (library_grouped_mm is not None and dtype in (torch.float32, torch.bfloat16, torch.float16)
             and (dtype == torch.bfloat16 or not on_cuda) and all((w * size) % 16 == 0 for w in widths))
@@ -104,22 +107,19 @@ class _PermutedMLP(torch.autograd.Function):
         offs = plan.offsets
         valid = (plan.row_expert < plan.num_experts).unsqueeze(1) if plan.tail else None  # [R, 1]
         xs = x.index_select(0, plan.token)  # [R, D] expert order
-        a = grouped_gemm(xs, w1, offs)  # [R, H]
+        a = grouped_gemm(xs, w1, offs)  # [R, H]; rows of no group unspecified (never read past the next mask)
         if b1 is not None:
-            a = a + _rows_bias(b1, plan)
-        _zero_tail_(a, valid)
+            a.add_(_rows_bias(b1, plan))
         h = F.gelu(a)
         y = grouped_gemm(h, w2, offs)  # [R, D]
         if b2 is not None:
-            y = y + _rows_bias(b2, plan)
+            y.add_(_rows_bias(b2, plan))
         _zero_tail_(y, valid)
         g = gates.reshape(-1).index_select(0, plan.order).to(x.dtype)  # [R] gate of each row
-        if valid is not None:
-            g = g.masked_fill(~valid[:, 0], 0)
         if any(ctx.needs_input_grad):
             ctx.save_for_backward(xs, w1, w2, a, h, y, g, valid if valid is not None else g.new_empty(0))
             ctx.plan, ctx.has_b1, ctx.has_b2, ctx.gates_dtype = plan, b1 is not None, b2 is not None, gates.dtype
-        return _slots_sum(y * g.unsqueeze(1), plan)  # [M, D]
+        return _slots_sum(y * g.unsqueeze(1), plan)  # [M, D]; no-op rows are zero
 
     @staticmethod
     def backward(ctx, grad):  # grad [M, D]
@@ -127,14 +127,14 @@ class _PermutedMLP(torch.autograd.Function):
         plan = ctx.plan
         offs = plan.offsets
         valid = valid if valid.numel() else None
-        ct = torch.float64 if a.dtype == torch.float64 else torch.float32  # element-wise math of 16-bit rows
         gs = grad.index_select(0, plan.token)  # [R, D]: each row's output gradient (its token's)
-        grad_gates = (gs.to(ct) * y.to(ct)).sum(1).index_select(0, plan.inverse).view(-1, plan.k)  # <grad, y>
-        dy = gs * g.unsqueeze(1)  # [R, D], zero on no-op rows
+        grad_gates = torch.bmm(gs.unsqueeze(1), y.unsqueeze(2)).view(-1)  # [R] <grad, y>, zero on no-op rows
+        grad_gates = grad_gates.index_select(0, plan.inverse).view(-1, plan.k)
+        dy = gs.mul_(g.unsqueeze(1))  # [R, D]; rows of no group meet only the group-bounded GEMMs below
         gw2 = grouped_gemm(h.t(), dy, offs)  # [E, H, D]
         gb2 = segment_sum(dy, plan) if ctx.has_b2 else None
-        dh = _zero_tail_(grouped_gemm(dy, w2.transpose(1, 2), offs), valid)  # [R, H]
-        da = dh * gelu_grad(a.to(ct)).to(dh.dtype)
+        dh = grouped_gemm(dy, w2.transpose(1, 2), offs)  # [R, H]
+        da = torch.ops.aten.gelu_backward(dh, a)  # dh · gelu'(a), one pass
         gw1 = grouped_gemm(xs.t(), da, offs)  # [E, D, H]
         gb1 = segment_sum(da, plan) if ctx.has_b1 else None
         dxs = _zero_tail_(grouped_gemm(da, w1.transpose(1, 2), offs), valid)  # [R, D]

@@ -35,10 +35,12 @@ def native_grouped_mm(*tensors: torch.Tensor) -> bool:
     if library_grouped_mm is None:
         return False
     dtype = tensors[0].dtype
-    if dtype not in _NATIVE_DTYPES or (tensors[0].is_cuda and dtype != torch.bfloat16):
+    compiling = torch.compiler.is_compiling()  # traced tensors: no address (the run checks its own), bf16 only
+    eager_cpu = tensors[0].device.type == "cpu" and not compiling  # float32/fp16 kernels: eager CPU tensors only
+    if dtype not in _NATIVE_DTYPES or (not eager_cpu and dtype != torch.bfloat16):
         return False
     for t in tensors:
-        if t.dtype != dtype or t.data_ptr() % 16:
+        if t.dtype != dtype or (not compiling and t.data_ptr() % 16):
             return False
         size = t.element_size()
         *batch, rows, cols = t.stride()

@@ -22,8 +22,8 @@ autograd would do with the gathers (atomic ``index_add`` into [M, D] and [E, H])
 they would reach a token: the second projection's output and the input gradient are zeroed there; the weight
 gradients and bias sums only read rows inside the groups.
 
-Where the library op cannot take the operands (float64 anywhere; on CUDA anything but bf16; widths whose rows are
-not 16-byte aligned) `grouped_gemm` runs its per-group reference (`grouped_gemm_reference`, reading the group ends on
+Where the library op cannot take the operands (float64 anywhere; on CUDA and in compiled code anything but bf16;
+widths whose rows are not 16-byte aligned) `grouped_gemm` runs its per-group reference (`grouped_gemm_reference`, reading the group ends on
 the host): the CPU tests force the CUDA path and check this backend's dispatch in float64 with it.
 """
 
@@ -44,12 +44,13 @@ def library_takes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def library_runs(device: torch.device, dtype: torch.dtype, *widths: int) -> bool:
     """Whether the library's grouped GEMM runs an MoE MLP of ``widths`` (D, H) in ``dtype`` on ``device`` itself
-    (what `library_takes` will find of its operands), so that ``auto`` may take it before a GPU has measured. Meta
-    tensors stand for CUDA ones (the traffic recorder runs the CUDA path on them)."""
-    on_cuda = torch.device(device).type in ("cuda", "meta")
+    (what `library_takes` will find of its operands), so that ``auto`` may take it before a GPU has measured: bf16, or
+    float32/fp16 in eager code on CPU tensors (meta tensors stand for CUDA ones: the traffic recorder runs the CUDA
+    path on them; compiled code traces the op's meta kernel, which takes bf16 only)."""
+    eager_cpu = torch.device(device).type == "cpu" and not torch.compiler.is_compiling()
     size = torch.empty(0, dtype=dtype).element_size()
     return (library_grouped_mm is not None and dtype in (torch.float32, torch.bfloat16, torch.float16)
-            and (dtype == torch.bfloat16 or not on_cuda) and all((w * size) % 16 == 0 for w in widths))
+            and (dtype == torch.bfloat16 or eager_cpu) and all((w * size) % 16 == 0 for w in widths))
 
 
 def grouped_gemm_reference(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:

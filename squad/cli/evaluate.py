@@ -121,9 +121,12 @@ def _evaluate(argv: list[str] | None) -> int:
 
     from squad.eval.evaluate import delta_against, evaluate_run, format_results, load_baseline
     from squad.io import load
-    from squad.io.files import atomic_write_text
+    from squad.io.files import atomic_write_text, check_writable
 
     cfg = from_namespace(EvaluateConfig, args)  # the options of every model's evaluation, checked, in one place
+    first = Path(args.checkpoint[0])
+    out = Path(args.out) if args.out else (first if first.is_dir() else first.parent) / f"eval_{args.split}.json"
+    check_writable(out, "--out")  # before the models are loaded and run (a read-only place is refused: exit 2)
     taken: set[str] = set()
     baseline = load_baseline(args.baseline) if args.baseline else None
     models = {}
@@ -151,8 +154,6 @@ def _evaluate(argv: list[str] | None) -> int:
             print(f"Δt {label}: mean {dt['mean']:+.2f}% ({parts})"
                   + (f"; no baseline for {', '.join(dt['tasks_without_baseline'])}"
                      if dt["tasks_without_baseline"] else ""))
-    first = Path(args.checkpoint[0])
-    out = Path(args.out) if args.out else (first if first.is_dir() else first.parent) / f"eval_{args.split}.json"
     result = {"split": args.split, "data": args.data}
     if len(models) == 1:
         result.update(next(iter(models.values())))

@@ -98,6 +98,9 @@ def _finetune(argv: list[str] | None) -> int:
     fractions = args.fractions if args.fractions is not None or args.shots is not None else [0.01]
     folder = Path(args.checkpoint) if Path(args.checkpoint).is_dir() else Path(args.checkpoint).parent
     out = Path(args.out) if args.out else folder / f"finetune_{args.task}.json"
+    from squad.io.files import check_writable
+
+    check_writable(out, "--out")  # before any training
     cfg = from_namespace(FinetuneConfig, args)  # the tool's options, checked, in one place
     check_request(args.task, modes, fractions, args.shots, cfg)  # before any work
     try:

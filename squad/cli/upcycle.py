@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _upcycle(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     opts = from_namespace(UpcycleConfig, args)  # checked before torch is imported
+    from squad.io.files import check_writable
+
+    check_writable(args.out, "--out")  # before the models are built
     import torch
 
     from squad import io

@@ -59,9 +59,12 @@ def _visualize(argv: list[str] | None) -> int:
     from squad.io import load_model
 
     cfg = from_namespace(VisualizeConfig, args)  # the tool's options, checked, in one place
-    model = load_model(args.checkpoint)  # checked before anything is created
     folder = Path(args.checkpoint) if Path(args.checkpoint).is_dir() else Path(args.checkpoint).parent
     out = Path(args.out) if args.out else folder / "figures"
+    from squad.io.files import check_writable
+
+    check_writable(out, "--out", folder=True)  # before the model is loaded and run
+    model = load_model(args.checkpoint)  # checked before anything is created
     tb = "" if args.tb and args.tb.lower() == "none" else args.tb
     if tb is None and Path(args.checkpoint).is_dir() and (folder / "tensorboard").is_dir():
         tb = folder / "tensorboard"  # the run's own TensorBoard

@@ -23,6 +23,7 @@ benchmarks' fit-and-pad of any aspect ratio (`squad.data.benchmark.BenchmarkPipe
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, Protocol
@@ -46,6 +47,19 @@ class CorruptFileError(OSError):
 
 class EmptyDatasetError(ValueError):
     """A split selects no samples."""
+
+
+class UnusableDataError(ValueError):
+    """Training met only unusable samples (every one of a small dataset, or `_MAX_SKIP` in a row): bad input (exit 2),
+    named with the last file found bad."""
+
+    def __init__(self, message: str):
+        # torch's DataLoader re-raises a worker's exception as ``type(text)`` with the worker's traceback in the text:
+        # keep the message alone (the tools print it as one ``error:`` line)
+        marker = f"{type(self).__name__}: "
+        if "Original Traceback" in message and marker in message:
+            message = message.rsplit(marker, 1)[1].strip()
+        super().__init__(message)
 
 
 class Pipeline(Protocol):
@@ -110,6 +124,7 @@ class SampleDataset(Dataset):
         self._ids = np.array([], dtype=str)
         self._present = np.zeros(0, dtype=np.int64)
         self.issues = FileIssues(0, len(self.domains))
+        self._last_problem = ""  # the last unusable file this process met, for `UnusableDataError`
 
     def _indexed(self, missing_files: int, unindexed: int, examples: Sequence[str]) -> None:
         """Finishes the index: the shared per-file record and the missing-file count (warned about once)."""
@@ -141,6 +156,20 @@ class SampleDataset(Dataset):
         """Distinct files refused for their size so far (this process and its workers)."""
         return self.issues.count("wrong_size")
 
+    def identity(self, probes: int = 4) -> dict:
+        """What a resume compares to know it reads the data a checkpoint was trained on
+        (`squad.train.checkpointer.check_same_data`): the sample count and a fingerprint of the index (every sample
+        id, in order) and of the raw rgb bytes of ``probes`` samples spread over it — the same data moved elsewhere
+        keeps it, another dataset (or another render of one) does not."""
+        digest = hashlib.sha256(np.ascontiguousarray(self._ids).tobytes())
+        n = len(self)
+        for index in sorted({k * n // probes for k in range(probes)}) if n else ():
+            try:
+                digest.update(np.ascontiguousarray(self._read(index, "rgb")).tobytes())
+            except (CorruptFileError, DecodeError) as e:  # counted when training meets it
+                digest.update(type(e).__name__.encode())
+        return {"samples": n, "fingerprint": digest.hexdigest()[:16]}
+
     def without_substitutes(self) -> SampleDataset:
         """The same dataset (sharing its file record) yielding None for an unusable sample instead of the next one.
 
@@ -168,8 +197,12 @@ class SampleDataset(Dataset):
             sample = self._load((index + attempt) % n, rng)
             if sample is not None:
                 return sample
-        raise RuntimeError(f"{min(_MAX_SKIP, n)} consecutive samples from index {index} are unreadable "
-                           f"({self.num_corrupt} corrupt and {self.num_wrong_size} wrong-size files so far)")
+        what = (f"every one of the {n} samples is" if n <= _MAX_SKIP else
+                f"{_MAX_SKIP} consecutive samples from index {index} are")
+        raise UnusableDataError(
+            f"{getattr(self, 'root', 'the data')}: {what} unusable ({self.num_corrupt} corrupt and "
+            f"{self.num_wrong_size} wrong-size files so far; the last: {self._last_problem or 'unknown'}); check the "
+            f"data (data.root, or re-make it)")
 
     # ---------------------------------------------------------------------------------------- internals
     def _read(self, index: int, domain: str) -> np.ndarray:
@@ -187,7 +220,9 @@ class SampleDataset(Dataset):
                 raws[domain] = None
                 continue
             bad = self.issues.known(index, k)
-            if bad is None:
+            if bad is not None:
+                self._last_problem = self._last_problem or f"{self._describe(index, domain)}: {bad}"
+            else:
                 try:
                     raws[domain] = self._read(index, domain)
                     continue
@@ -212,6 +247,7 @@ class SampleDataset(Dataset):
     def _note(self, index: int, domain: str, kind: str, what: str) -> None:
         """Records an unusable file once; the first of each kind is a warning, the others DEBUG lines."""
         k = self.domains.index(domain) if domain in self.domains else 0
+        self._last_problem = what
         if not self.issues.note(index, k, kind):
             return
         label = {"corrupt": "unreadable", "wrong_size": "wrong-size"}[kind]

@@ -135,6 +135,7 @@ def check_tag_file(tag_dir: Path, file: Path, names: set[str]) -> None:
 
 
 COMPLETE = "COMPLETE"  # marker file of a tag every rank finished saving
+TAG_CONFIG = "config.yaml"  # the resolved run config a tag was trained with (what a resume compares against)
 LATEST = "latest"  # names the newest complete tag
 SAVING = ".saving"  # saves in progress: <ckpt_dir>/.saving/<tag>
 CONVERTED = ".convert"  # tags converted for loading: <ckpt_dir>/.convert/<tag>

@@ -18,6 +18,7 @@ and number of ranks that wrote them.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -74,6 +75,36 @@ def assemble(pieces: list[dict], rows: range, tag_dir: str | Path, name: str):
         raise DamagedCheckpointError(f"{tag_dir}: experts {missing[:4]}{'...' if len(missing) > 4 else ''} of "
                                      f"{name} are in none of its {SHARD_GLOB} files", Path(tag_dir))
     return weight, None if moments is None else tuple(moments)
+
+
+def check_shards(tag_dir: str | Path, expected: Iterable[str] = ()) -> None:
+    """Checks that a tag's shard files hold every expert of every sharded weight (torch-level, the files mapped, not
+    read): a shard file removed, or replaced by another rank's, leaves some experts in none of them.
+
+    Args:
+        tag_dir: the tag folder.
+        expected: the weights the tag's marker says it keeps in shard files (``COMPLETE``'s ``expert_shards``).
+
+    Raises:
+        DamagedCheckpointError: a file that is not a shard file, or a weight with experts in no file (naming them).
+    """
+    tag_dir = Path(tag_dir)
+    cover: dict[str, tuple[int, set[int]]] = {}
+    for file in sorted(tag_dir.glob(SHARD_GLOB)):
+        content = load_checkpoint_file(file, mmap=True)
+        if not isinstance(content, dict) or content.get("format") != SHARD_FORMAT:
+            raise DamagedCheckpointError(f"{file}: not an expert shard file ({SHARD_FORMAT})", file)
+        for name, piece in content["shards"].items():
+            first, rows = int(piece["first"]), int(piece["weight"].shape[0])
+            cover.setdefault(name, (int(piece["num_experts"]), set()))[1].update(range(first, first + rows))
+    for name in sorted(set(expected) | set(cover)):
+        total, have = cover.get(name, (0, set()))
+        missing = [e for e in range(total) if e not in have]
+        if name not in cover or missing:
+            which = f"experts {missing[:4]}{'...' if len(missing) > 4 else ''} of {name} are" if missing else \
+                f"{name} is"
+            raise DamagedCheckpointError(f"{tag_dir}: {which} in none of its {SHARD_GLOB} files (a shard file is "
+                                         f"missing, or holds another rank's experts)", tag_dir)
 
 
 def shard_names(tag_dir: str | Path) -> set[str]:

@@ -78,11 +78,13 @@ def write_failure(what: str, path: str | Path, error: BaseException) -> str:
     path = Path(path)
     code = _errno(error)
     reason = os.strerror(code) if code else f"{type(error).__name__}: {str(error)[:200]}"
+    if code in PERMISSION_ERRNOS:  # a read-only filesystem or a folder without permission: space is not the cause
+        return f"could not write {what} to {path}: {reason}"
     free = free_space(path)
     space = ""
     if free is not None:
         space = f"; {free / 2**20:.1f} MiB free on that filesystem"
-        if free < 64 * 2**20 or code == errno.ENOSPC:
+        if code in (errno.ENOSPC, errno.EDQUOT) or free < 64 * 2**20:
             space += " (the disk is full or nearly: free some space)"
     return f"could not write {what} to {path}: {reason}{space}"
 
@@ -93,6 +95,25 @@ def _errno(error: BaseException) -> int | None:
         return error.errno
     found = re.search(r"\berrno = (\d+)", str(error))
     return int(found.group(1)) if found else None
+
+
+# how torch's C++ zip writer reports a write that failed under it (a full disk): no errno reaches Python
+_TORCH_WRITE_FAILURES = ("unexpected pos", "file write failed", "basic_ios::clear")
+
+
+def failed_write(error: BaseException) -> bool:
+    """Whether ``error`` (or one it was raised from) is a write that failed on the way — a full disk, a quota, an I/O
+    error — rather than bad input: an ``OSError`` with such an errno, or torch's writer's own words for one."""
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EFBIG):
+            return True
+        if any(text in str(e) for text in _TORCH_WRITE_FAILURES):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def fail(what: str, path: str | Path, error: BaseException) -> WriteError:

@@ -53,11 +53,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import io
 import json
 import logging
 import os
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -67,6 +69,7 @@ from squad.io.checkpoints import (
     CONVERTED,
     LATEST,
     SAVING,
+    TAG_CONFIG,
     ZERO_SHARD,
     CheckpointError,
     DamagedCheckpointError,
@@ -82,8 +85,8 @@ from squad.io.checkpoints import (
     tag_files,
     tag_for,
 )
-from squad.io.expert_files import shard_names
-from squad.io.files import atomic_write_text, write_failure
+from squad.io.expert_files import check_shards, shard_names
+from squad.io.files import WriteError, atomic_write_text, fail, failed_write, write_failure
 from squad.train.signals import SignalWatch, signal_name
 from squad.train.stops import EXIT_PREEMPTED, Preempted, TrainingError
 
@@ -213,6 +216,15 @@ def verify_tag(tag_dir: str | Path, rank: int = 0, world: int = 1) -> Checkpoint
             except CheckpointError as e:
                 found = (i, type(e).__name__, str(e), e.file)
                 break
+        if found is None and rank == 0:  # the layout: every expert of every sharded weight in some shard file
+            try:
+                record = read_marker(tag_dir) or {}
+                check_shards(tag_dir, record.get("expert_shards") or ())
+            except CheckpointError as e:
+                found = (len(files), type(e).__name__, str(e), e.file)
+            except (KeyError, TypeError, AttributeError, ValueError) as e:  # a shard file's index of another shape
+                found = (len(files), DamagedCheckpointError.__name__, f"{tag_dir}: unreadable expert shard index "
+                         f"({type(e).__name__}: {e})", str(tag_dir))
     if world > 1:
         problems = [p for p in gather_objects(found) if p is not None]
         found = min(problems) if problems else None
@@ -254,6 +266,49 @@ def select_tag(ckpt_dir: str | Path, tags: list[str], rank: int = 0, world: int 
             warn(f"checkpoint {ckpt_dir / tag} is damaged: {problem}; {then}")
     raise DamagedCheckpointError(f"no loadable checkpoint in {ckpt_dir}: " + "; ".join(problems) + " (remove the "
                                  "damaged checkpoints to start over, or train into a new --out folder)", ckpt_dir)
+
+
+# ------------------------------------------------------------------------------------------- the same data
+class DataChangedError(ValueError):
+    """A resume with other training data than the checkpoint was trained on (its sample count or fingerprint
+    differs): the saved data position would be applied to other data. Every rank raises it alike."""
+
+    every_rank = True
+
+
+def check_same_data(tag_dir: Path, data: dict | None, config: dict | None = None) -> None:
+    """Refuses to resume ``tag_dir`` on other training data than it was trained on.
+
+    Args:
+        tag_dir: the tag the run resumes from; its marker's ``data`` record (written by this version on) is compared.
+        data: this run's training data identity (``{"samples", "fingerprint"}``), or None (not checked).
+        config: this run's resolved config (its ``data.root`` named in the message).
+
+    Raises:
+        DataChangedError: the count or the fingerprint differs (the message names ``data.root``, old and new).
+    """
+    saved = (read_marker(tag_dir) or {}).get("data")
+    if data is None or not isinstance(saved, dict) or saved == data:
+        return
+    old_cfg = _tag_config(tag_dir)
+    old_root = ((old_cfg or {}).get("data") or {}).get("root", "?")
+    new_root = ((config or {}).get("data") or {}).get("root", "?")
+    raise DataChangedError(
+        f"data.root: {tag_dir} was trained on {old_root} ({saved.get('samples')} training samples, fingerprint "
+        f"{saved.get('fingerprint')}), this run reads {new_root} ({data.get('samples')} samples, fingerprint "
+        f"{data.get('fingerprint')}): the saved data position would be applied to other data. Resume with the data "
+        f"it was trained on (data.root may move the same data elsewhere), or start a new run (another --out)")
+
+
+def _tag_config(tag_dir: Path) -> dict | None:
+    """The run config a tag was trained with (its ``config.yaml``), or None for a tag written without one."""
+    import yaml
+
+    try:
+        data = yaml.safe_load((Path(tag_dir) / TAG_CONFIG).read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 # ------------------------------------------------------------------------------------------ converting on load
@@ -303,8 +358,12 @@ class Universal(Conversion):
             try:
                 ds_to_universal.main(args)
             except Exception as e:
+                if failed_write(e):  # a full disk under torch's zip writer: "[enforce fail ...] unexpected pos"
+                    raise fail(f"the universal checkpoint of {tag_dir.name}", out_dir, e) from e
+                log_text = "".join(line for line in err.getvalue().splitlines(keepends=True) if "it/s]" not in line
+                                   and "s/it]" not in line)  # the tail without tqdm's progress bars
                 raise RuntimeError(f"converting {tag_dir} to a universal checkpoint failed: {type(e).__name__}: "
-                                   f"{e} {err.getvalue()[-500:]}") from e
+                                   f"{e} {log_text[-500:]}".rstrip()) from e
 
     def after_load(self, engine: Any, tag_dir: Path) -> None:
         """The universal load restores the trained parameters from their fp32 copies; buffers and frozen parameters
@@ -331,6 +390,7 @@ class LoadPlan:
     skipped: list[Path]
     saved: Topology | None
     conversion: Conversion | None
+    candidates: list[str] = dataclasses.field(default_factory=list)  # every tag the resume may try, best first
 
     @property
     def tag_dir(self) -> Path:
@@ -398,10 +458,18 @@ class Checkpointer:
         rank, world: this process's rank and the number of ranks.
         train: the run's ``TrainConfig`` (``ckpt_every``, ``stop_at``, ``keep_checkpoints``, ``save_on_signal``).
         partitioned: this run's optimizer state is split by rank (ZeRO 1/2, or bf16).
+        config: the resolved run config (a plain dict), written into every tag (``config.yaml``: what a resume
+            compares against, `squad.train.run_folder`).
+
+    ``data`` is the training data's identity (`squad.data.samples.SampleDataset.identity`), set before
+    `plan_resume`: recorded in every tag's marker, and compared with the tag's on resume (`DataChangedError`).
     """
 
-    def __init__(self, run_dir: str | Path, rank: int, world: int, train: Any, partitioned: bool):
+    def __init__(self, run_dir: str | Path, rank: int, world: int, train: Any, partitioned: bool,
+                 config: dict | None = None):
         self.run_dir = Path(run_dir)
+        self.config = config
+        self.data: dict | None = None
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.rank, self.world = rank, world
         self.train = train
@@ -446,12 +514,15 @@ class Checkpointer:
             return None
         warn = log.warning if self.rank == 0 else None
         tag = select_tag(source.ckpt_dir, source.tags, self.rank, self.world, warn)
+        check_same_data(source.ckpt_dir / tag, self.data, self.config)
         saved = Topology.of_tag(source.ckpt_dir / tag)
-        conversion = next((c for c in self.conversions if saved is not None and c.needed(saved, self.topology)),
-                          None)
+        conversion = self._conversion(saved)
         skipped = [source.ckpt_dir / t for t in source.tags[: source.tags.index(tag)]]
-        self.plan = LoadPlan(source.ckpt_dir, tag, skipped, saved, conversion)
+        self.plan = LoadPlan(source.ckpt_dir, tag, skipped, saved, conversion, source.tags)
         return self.plan
+
+    def _conversion(self, saved: Topology | None) -> Conversion | None:
+        return next((c for c in self.conversions if saved is not None and c.needed(saved, self.topology)), None)
 
     def ds_config(self) -> dict:
         """DeepSpeed config keys the planned load needs (a converted tag's), merged into the run's."""
@@ -466,12 +537,61 @@ class Checkpointer:
 
     def load(self) -> dict | None:
         """Loads the planned tag (converted first when the plan says so); returns squad's client state, or None
-        without a plan. Every rank calls it."""
-        from squad.distributed import barrier, broadcast_object
+        without a plan. Every rank calls it.
 
+        A load that fails on some rank (a shard file that does not fit, a file that changed since it was verified) is
+        printed by that rank, and every rank falls back together to the next candidate tag that verifies and needs
+        the same conversion: the plan is updated in place (its tag, and the failed one among ``skipped``).
+
+        Raises:
+            WriteError: a conversion ran out of space (nothing of the run changed).
+            DamagedCheckpointError: no candidate loads on every rank (each rank's problem named).
+        """
         plan = self.plan
         if plan is None:
             return None
+        while True:
+            client, problem = self._load_tag(plan)
+            problems = gather_objects(problem)
+            if not any(problems):
+                break
+            failed = "; ".join(f"rank {r}: {p}" for r, p in enumerate(problems) if p)
+            if problem and self.rank != 0:  # rank 0 logs every rank's; this rank's own is printed here too
+                print(f"[squad] rank {self.rank}: checkpoint {plan.tag_dir} could not be loaded: {problem}",
+                      file=sys.stderr, flush=True)
+            rest = plan.candidates[plan.candidates.index(plan.tag) + 1:] if plan.tag in plan.candidates else []
+            tag = self._fallback(plan, rest)
+            if tag is None:
+                raise DamagedCheckpointError(
+                    f"checkpoint {plan.tag_dir} could not be loaded ({failed}) and no earlier checkpoint in "
+                    f"{plan.ckpt_dir} loads with this run's topology (remove the damaged checkpoints to start over, "
+                    f"or train into a new --out folder)", plan.tag_dir)
+            if self.rank == 0:
+                log.warning("checkpoint %s could not be loaded (%s); falling back to %s", plan.tag_dir, failed,
+                            plan.ckpt_dir / tag)
+            plan.skipped.append(plan.tag_dir)
+            plan.tag = tag
+            plan.saved = Topology.of_tag(plan.tag_dir)
+        if plan.ckpt_dir.resolve() == self.ckpt_dir.resolve():
+            self.last_saved = plan.step
+        return client
+
+    def _fallback(self, plan: LoadPlan, tags: list[str]) -> str | None:
+        """The first of ``tags`` that verifies on every rank and loads with the plan's conversion, or None."""
+        if not tags:
+            return None
+        try:
+            tag = select_tag(plan.ckpt_dir, tags, self.rank, self.world, log.warning if self.rank == 0 else None)
+        except DamagedCheckpointError:
+            return None
+        same = type(self._conversion(Topology.of_tag(plan.ckpt_dir / tag))) is type(plan.conversion)
+        return tag if same else None  # another conversion would need another DeepSpeed config
+
+    def _load_tag(self, plan: LoadPlan) -> tuple[dict | None, str | None]:
+        """Loads ``plan``'s tag on this rank (converted first); returns (client state, None), or (None, this rank's
+        problem) for a load that failed here. A conversion's failure is every rank's (rank 0 converts)."""
+        from squad.distributed import barrier, broadcast_object
+
         load_dir = plan.ckpt_dir
         scratch = self.ckpt_dir / CONVERTED
         if plan.conversion is not None:
@@ -484,29 +604,40 @@ class Checkpointer:
                              plan.saved.world_size if plan.saved else 0, self.world, plan.conversion.name)
                     plan.conversion.convert(plan.tag_dir, scratch / plan.tag)
                 except Exception as e:  # noqa: BLE001 - every rank must learn of it
-                    error = f"{type(e).__name__}: {e}"
+                    full = isinstance(e, WriteError) or failed_write(e)
+                    error = ("write", str(e) if isinstance(e, WriteError) else
+                             write_failure(f"the {plan.conversion.name} conversion of {plan.tag}", scratch, e)) \
+                        if full else ("other", f"{type(e).__name__}: {e}")
+                    shutil.rmtree(scratch, ignore_errors=True)  # frees what the conversion wrote before any message
             error = broadcast_object(error)
             if error:
-                if self.rank == 0:
-                    shutil.rmtree(scratch, ignore_errors=True)
-                raise RuntimeError(error)
+                kind, message = error
+                if kind == "write":
+                    raise WriteError(f"{message}; nothing of the run changed: {plan.tag_dir} is intact and the "
+                                     f"partial conversion is removed. Make room (about the size of the checkpoint) "
+                                     f"and rerun the same command", scratch, errno.ENOSPC)
+                raise RuntimeError(message)
             load_dir = scratch
+        client, problem = None, None
         try:
             _, client = self.engine.load_checkpoint(str(load_dir), tag=plan.tag)
-            if plan.conversion is not None:
-                plan.conversion.after_load(self.engine, plan.tag_dir)
-            for load in self._loaders:
-                load(load_dir / plan.tag, plan.tag_dir)
+            if client is None:
+                problem = "DeepSpeed found nothing to load"
+            else:
+                if plan.conversion is not None:
+                    plan.conversion.after_load(self.engine, plan.tag_dir)
+                for load in self._loaders:
+                    load(load_dir / plan.tag, plan.tag_dir)
+        except UnsafeCheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a rank-local failure: every rank learns of it and falls back together
+            problem = f"{type(e).__name__}: {e}"
         finally:
             if plan.conversion is not None:
                 barrier()
                 if self.rank == 0:
                     shutil.rmtree(scratch, ignore_errors=True)
-        if client is None:
-            raise RuntimeError(f"checkpoint {plan.tag_dir} could not be loaded")
-        if plan.ckpt_dir.resolve() == self.ckpt_dir.resolve():
-            self.last_saved = plan.step
-        return client
+        return (None, problem) if problem else (client, None)
 
     # ------------------------------------------------------------------------------------------------ saving
     def stop_requested(self) -> bool:
@@ -572,6 +703,7 @@ class Checkpointer:
         what = f"checkpoint {tag}"
         error = None
         asked = False
+        renamed = False  # the failure came after the tag was renamed into place
         if self.rank == 0:  # DeepSpeed's own mkdir failing on rank 0 alone would leave the others in its barrier
             try:
                 shutil.rmtree(staging, ignore_errors=True)
@@ -592,17 +724,20 @@ class Checkpointer:
                 try:
                     record = {"step": step, "world_size": self.world, "zero_stage": self.topology.zero_stage,
                               "expert_shards": sorted(self.topology.expert_shards)}
+                    if self.data is not None:
+                        record["data"] = self.data
+                    if self.config is not None:
+                        import yaml
+
+                        atomic_write_text(staging / TAG_CONFIG, yaml.safe_dump(self.config, sort_keys=False),
+                                          "the config of the checkpoint")
                     commit_tag(self.ckpt_dir, tag, record, self.train.keep_checkpoints)
                 except OSError as e:
-                    error = write_failure(what, self.ckpt_dir / tag, e)
+                    error = write_failure(what, getattr(e, "path", None) or self.ckpt_dir / tag, e)
+                    renamed = not staging.exists()
         if self.rank == 0:
             if error:
-                _remove_save(staging)  # never complete; frees what it held
-                previous = find_resume_tag(self.ckpt_dir)
-                error += (f"; {what} was not saved (its partial files are removed). The previous checkpoint "
-                          f"{self.ckpt_dir / previous} is intact: make room and rerun the same command to resume from "
-                          f"it" if previous else f"; {what} was not saved (its partial files are removed) and the run "
-                          f"has no earlier checkpoint")
+                error += self._after_failed_save(staging, step, renamed)
                 log.error(error)
             else:
                 log.info("checkpoint %s", self.ckpt_dir / tag)
@@ -612,6 +747,29 @@ class Checkpointer:
             raise TrainingError(error)
         self.last_saved = step
         return asked
+
+    def _after_failed_save(self, staging: Path, step: int, renamed: bool) -> str:
+        """Rank 0, after a save of ``step`` failed: removes what it left that no resume would use, and says what is on
+        disk. A tag renamed into place before the failure (``renamed``) is complete: it stays when a resume picks it
+        (`commit_tag` removes ``latest`` when it cannot point it there), else it is removed too, so that nothing
+        holds the space unused."""
+        _remove_save(staging)  # never complete; frees what it held
+        tag = tag_for(step)
+        final = self.ckpt_dir / tag
+        what = f"checkpoint {tag}"
+        resume = find_resume_tag(self.ckpt_dir)
+        gone = f"{what} was not saved (its partial files are removed)"
+        if renamed and resume == tag:
+            return (f"; {what} is complete in {final} nonetheless (the failure came after it was renamed into place; "
+                    f"{self.ckpt_dir / LATEST} is removed, so a resume picks the newest complete checkpoint, this "
+                    f"one): make room and rerun the same command to resume from it")
+        if renamed:
+            shutil.rmtree(final, ignore_errors=True)  # complete, but no resume would read it
+            gone = f"{what} was not saved ({final} is removed: {LATEST} could not be pointed at it)"
+        if resume:
+            return (f"; {gone}. The previous checkpoint {self.ckpt_dir / resume} is intact: make room and rerun the "
+                    f"same command to resume from it")
+        return f"; {gone} and the run has no earlier checkpoint"
 
     def discard(self) -> None:
         """Rank 0: removes a save in progress (an interrupt, a second signal); nothing in a tag folder changes."""
@@ -640,14 +798,22 @@ def commit_tag(ckpt_dir: Path, tag: str, record: dict, keep: int) -> None:
         shutil.rmtree(replaced, ignore_errors=True)
         final.rename(replaced)
     staging.rename(final)
-    for script in staging.parent.glob("*.py"):  # DeepSpeed's recovery scripts, copied beside the tag it wrote
-        os.replace(script, ckpt_dir / script.name)
-    atomic_write_text(ckpt_dir / LATEST, tag)
-    shutil.rmtree(replaced, ignore_errors=True)
-    with contextlib.suppress(OSError):
-        staging.parent.rmdir()  # when no other save is in progress
-    for old in complete_tags(ckpt_dir)[:-keep]:
-        shutil.rmtree(ckpt_dir / old, ignore_errors=True)
+    try:
+        for script in staging.parent.glob("*.py"):  # DeepSpeed's recovery scripts, copied beside the tag it wrote
+            os.replace(script, ckpt_dir / script.name)
+        atomic_write_text(ckpt_dir / LATEST, tag)
+    except OSError:
+        # the tag is complete in place: ``latest`` must not name an older one (without it a resume picks the newest
+        # complete tag); removing a file needs no room
+        with contextlib.suppress(OSError):
+            (ckpt_dir / LATEST).unlink(missing_ok=True)
+        raise
+    finally:
+        shutil.rmtree(replaced, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            staging.parent.rmdir()  # when no other save is in progress
+        for old in complete_tags(ckpt_dir)[:-keep]:
+            shutil.rmtree(ckpt_dir / old, ignore_errors=True)
 
 
 def _remove_save(staging: Path) -> None:

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from squad.analysis.figures import usage_figure
+from squad.config.base import to_dict
 from squad.config.run import RunConfig, deepspeed_config, precision
 from squad.data import build_dataset, build_loader, eval_loader, report, set_epoch
 from squad.distributed import (
@@ -115,7 +116,8 @@ class Trainer:
         self.prec = precision(cfg.train, self.cuda)
         self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.prec)
         self.checkpointer = Checkpointer(self.run_dir, self.rank, self.world, cfg.train,
-                                         partitioned=cfg.train.zero_stage > 0 or self.prec == "bf16")
+                                         partitioned=cfg.train.zero_stage > 0 or self.prec == "bf16",
+                                         config=to_dict(cfg))
         self.checkpointer.signals.at_exit(self.folder.release_lock)
         self.checkpointer.signals.install()
         self.tasks = cfg.train_tasks()
@@ -173,6 +175,7 @@ class Trainer:
             log.warning(note)
         torch.manual_seed(self.cfg.train.seed)
         self.train_set, self.val_set = self._datasets()
+        self.checkpointer.data = self.train_set.identity()  # recorded in each tag, compared on resume
         o = self.cfg.optim
         # the loader draws its workers' base seed from its own generator, never from the global RNG that the
         # step reseeds (router noise), so where an epoch starts does not shift the noise

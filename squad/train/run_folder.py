@@ -51,7 +51,7 @@ import yaml
 from squad.config.base import ConfigError, to_dict
 from squad.config.loading import load_config
 from squad.config.run import RunConfig
-from squad.io.checkpoints import complete_tags, read_marker
+from squad.io.checkpoints import TAG_CONFIG, complete_tags, read_marker
 from squad.io.files import atomic_write_text, fail
 from squad.runtime import launch_rank, pid_alive
 from squad.train.checkpointer import ResumeSource, remove_interrupted_saves, resolve_resume
@@ -403,11 +403,14 @@ def _holdings(run_dir: Path) -> str:
 
 
 def _source_config(source: ResumeSource, notes: list[str]) -> dict | None:
-    old_file = source.run_dir / "config.yaml"
-    if not old_file.is_file():
-        notes.append(f"{old_file} is missing: the config could not be compared with the checkpoint's")
-        return None
-    return read_run_config(old_file)
+    """The config the checkpoint was trained with: the one stored in its tag (`squad.train.checkpointer` writes it
+    into every tag), else (a tag of an earlier version) the run folder's ``config.yaml``."""
+    for old_file in (source.tag_dir / TAG_CONFIG, source.run_dir / "config.yaml"):
+        if old_file.is_file():
+            return read_run_config(old_file)
+    notes.append(f"neither {source.tag_dir / TAG_CONFIG} nor {source.run_dir / 'config.yaml'} exists: the config could "
+                 f"not be compared with the checkpoint's")
+    return None
 
 
 def _saved_world(source: ResumeSource) -> int | None:

@@ -263,3 +263,43 @@ def test_every_writing_tool_on_a_real_full_disk(full_disk, model_file, tiny_data
             assert not (full_disk / "pred" / "predictions.json").exists()
             shutil.rmtree(full_disk / "pred")
         assert [p for p in full_disk.rglob("*") if p.is_file()] == [], name
+
+
+# ------------------------------------------------------------------------- a read-only output (issue 37, item 13)
+def test_evaluate_onto_a_read_only_filesystem_is_refused_before_the_work(model_file, tiny_data, readonly_dir,
+                                                                          load_tool, capsys, monkeypatch):
+    """``--out`` on a read-only filesystem: refused before any model runs, saying what is true (read-only; not a
+    full disk); a failed write's own message never blames the space for a read-only place either."""
+    import importlib
+
+    ev = importlib.import_module("squad.eval.evaluate")  # the module (squad.eval.evaluate is also a function's name)
+    monkeypatch.setattr(ev, "evaluate_run", lambda *a, **k: pytest.fail("evaluated before --out was checked"))
+    out = readonly_dir / "eval.json"
+    code = load_tool("tools/evaluate.py").main(["--checkpoint", str(model_file), "--data", str(tiny_data),
+                                                "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert f"error: --out {out}: cannot write into {readonly_dir}" in err and "Traceback" not in err
+    reason = "Read-only file system" if os.geteuid() == 0 else "Permission denied"
+    assert reason in err and "full" not in err
+    for code_ in (errno.EROFS, errno.EACCES):
+        message = files.write_failure("the results", out, OSError(code_, os.strerror(code_)))
+        assert message == f"could not write the results to {out}: {os.strerror(code_)}"
+
+
+@pytest.mark.parametrize("tool, argv", [
+    ("extract", ["--task", "depth_euclidean"]),
+    ("visualize", []),
+    ("finetune_router", ["--task", "normal"]),
+])
+def test_other_tools_refuse_a_read_only_out_first(tool, argv, model_file, tiny_data, readonly_dir, load_tool,
+                                                  capsys, monkeypatch):
+    import squad.io
+
+    monkeypatch.setattr(squad.io, "load_model", lambda *a, **k: pytest.fail("the model was loaded before --out"))
+    out = readonly_dir / ("figs" if tool == "visualize" else "o.pt")
+    code = load_tool(f"tools/{tool}.py").main(["--checkpoint", str(model_file), "--data", str(tiny_data),
+                                               "--out", str(out), *argv])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert f"--out {out}: cannot write into {readonly_dir}" in err and "Traceback" not in err

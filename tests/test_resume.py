@@ -287,3 +287,97 @@ def test_disk_full_writing_model_pt(config, one_rank_run, tmp_path):
     _same_model(_model(one_rank_run), _model(run))
     rows = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert rows == [0, 4]
+
+
+# ------------------------------------------------- issue 37: the disk fills up after the tag is renamed into place
+@pytest.mark.slow
+def test_disk_full_writing_latest_keeps_the_complete_tag_resumable(config, one_rank_run, tmp_path):
+    """``latest`` cannot be written once step 4's tag is in place (``latest`` names step 2): the message says what
+    is on disk — step 4 complete, the one a resume picks — and no tag holds the space unused."""
+    script = tmp_path / "inject.py"
+    script.write_text(INJECT)
+    run = _copy(one_rank_run, tmp_path / "run")
+    (run / "model.pt").unlink()
+    shutil.rmtree(run / "checkpoints" / STEP4)
+    (run / "checkpoints" / "latest").write_text(STEP2)
+    res = _train(config, run, script=str(script), env={"SQUAD_TEST_FAIL": "latest.tmp:0:oserror"})
+    assert res.returncode == 3, res.stderr[-3000:]
+    ckpt_dir = run / "checkpoints"
+    assert f"could not write checkpoint {STEP4} to {ckpt_dir / 'latest'}: No space left on device" in res.stderr
+    assert f"{STEP4} is complete in {ckpt_dir / STEP4} nonetheless" in res.stderr, res.stderr[-3000:]
+    assert "was not saved" not in res.stderr and "Traceback" not in res.stderr
+    assert not (ckpt_dir / "latest").exists() and find_resume_tag(ckpt_dir) == STEP4
+    assert ckpt.verify_tag(ckpt_dir / STEP4) is None and not (ckpt_dir / SAVING).exists()
+
+
+def test_unit_a_latest_that_cannot_be_pointed_at_the_new_tag_removes_it(tmp_path, monkeypatch):
+    """When ``latest`` can be neither written nor removed, the new tag would never be resumed from: it is removed,
+    and the message says so (the previous tag stays the latest)."""
+    import errno
+    import os
+
+    d = tmp_path / "checkpoints"
+    for step in (2, 4):
+        (d / SAVING / tag_for(step)).mkdir(parents=True)
+        torch.save({"module": {"w": torch.ones(2)}, "ds_config": {}}, d / SAVING / tag_for(step) / MODEL_STATES)
+    ckpt.commit_tag(d, STEP2, {"step": 2}, keep=5)
+    real_write, real_unlink = ckpt.atomic_write_text, Path.unlink
+
+    def write(path, text, *args, **kwargs):
+        if Path(path).name == "latest":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(path, text, *args, **kwargs)
+
+    def unlink(self, *args, **kwargs):
+        if self.name == "latest":
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+        return real_unlink(self, *args, **kwargs)
+
+    monkeypatch.setattr(ckpt, "atomic_write_text", write)
+    monkeypatch.setattr(Path, "unlink", unlink)
+    with pytest.raises(OSError):
+        ckpt.commit_tag(d, STEP4, {"step": 4}, keep=5)
+    c = ckpt.Checkpointer.__new__(ckpt.Checkpointer)
+    c.ckpt_dir = d
+    message = c._after_failed_save(d / SAVING / STEP4, 4, renamed=True)
+    assert f"{d / STEP4} is removed" in message and f"previous checkpoint {d / STEP2} is intact" in message
+    assert not (d / STEP4).exists() and find_resume_tag(d) == STEP2 and complete_tags(d) == [STEP2]
+
+
+# ------------------------------------- issue 37: resume compares the tag's own config and the data it was trained on
+@pytest.mark.slow
+def test_resume_compares_the_config_and_data_the_tag_was_trained_with(config, one_rank_run, tmp_path):
+    """config.yaml deleted: a refused change is still refused (the config is in the tag), an allowed one recorded;
+    data.root pointing at another dataset is refused naming the key; the same data moved elsewhere resumes."""
+    import yaml
+
+    from squad.data.synthetic.taskonomy import render_dataset
+
+    run = _copy(one_rank_run, tmp_path / "run")
+    (run / "model.pt").unlink()
+    shutil.rmtree(run / "checkpoints" / STEP4)
+    (run / "checkpoints" / "latest").write_text(STEP2)
+    (run / "config.yaml").unlink()
+    trained = yaml.safe_load((run / "checkpoints" / STEP2 / "config.yaml").read_text())
+    assert trained["optim"]["lr"] == 5e-3 and trained["optim"]["steps"] == 4
+    before = (run / "run_history.jsonl").read_text()
+
+    res = _train(config, run, "--set", "optim.lr=5e-2")  # refused before torch is imported
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert "optim.lr: 0.005 → 0.05" in res.stderr and f"cannot resume {run / 'checkpoints' / STEP2}" in res.stderr
+
+    other = tmp_path / "other"
+    render_dataset(other, n=24, image_size=32, seed=1, buildings=4, workers=1)
+    res = _train(config, run, "--set", f"data.root={other}")
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert f"error: data.root: {run / 'checkpoints' / STEP2} was trained on" in res.stderr
+    assert "(8 training samples" in res.stderr and "(12 samples" in res.stderr and "Traceback" not in res.stderr
+    assert (run / "run_history.jsonl").read_text() == before and not (run / "config.yaml").exists()
+
+    moved = tmp_path / "moved"
+    shutil.copytree(yaml.safe_load(config.read_text())["data"]["root"], moved)
+    _ok(_train(config, run, "--set", f"data.root={moved}", "--set", "optim.steps=5"))
+    start = json.loads((run / "run_history.jsonl").read_text().splitlines()[-1])
+    assert start["config_changes"]["optim.steps"] == [4, 5] and start["start_step"] == 2
+    assert start["config_changes"]["data.root"][1] == str(moved)
+    assert yaml.safe_load((run / "checkpoints" / tag_for(5) / "config.yaml").read_text())["optim"]["steps"] == 5

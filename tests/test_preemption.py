@@ -197,10 +197,38 @@ def test_zero1_through_every_fault_ends_where_an_uninterrupted_run_does(config, 
     assert not (moved / "checkpoints" / ".convert").exists()
 
 
+# torch's zip writer on a full disk, met by the universal conversion's writes (issue 37, item 4)
+FULL_DISK = '''
+import sys, torch
+real = torch.save
+def save(obj, f, *args, **kwargs):
+    if "/.convert/" in str(f):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 4160 vs 4048")
+    return real(obj, f, *args, **kwargs)
+torch.save = save
+from squad.cli.train import main
+sys.exit(main(sys.argv[1:]))
+'''
+
+
 def test_zero2_moves_to_one_rank_and_back(config, reference, tmp_path):
+    """2 → 1 → 2 ranks at ZeRO-2; the move to 1 rank first meets a full disk during the conversion: exit 3 naming
+    the folder and the free space, nothing of the run changed."""
     run = tmp_path / "run"
     zero2 = ["--set", "train.zero_stage=2"]
     _ok(_train(config, run, *zero2, "--set", "train.stop_at=2"))
+    before = _contents(run)
+    (tmp_path / "full.py").write_text(FULL_DISK)
+    res = subprocess.run([PY, str(tmp_path / "full.py"), "--config", str(config), "--out", str(run),
+                          "--set", "optim.grad_accum=2", *zero2, "--set", "train.stop_at=4"], env=tool_env(),
+                         cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
+    out = _out(res)
+    assert res.returncode == 3, out[-3000:]
+    convert = run / "checkpoints" / ".convert"
+    assert f"error: could not write the universal checkpoint of {tag_for(2)} to {convert}" in out, out[-3000:]
+    assert "MiB free on that filesystem" in out and f"{run / 'checkpoints' / tag_for(2)} is intact" in out
+    assert "Traceback" not in out and "it/s" not in out, out[-3000:]
+    assert _contents(run) == before and not convert.exists()
     _ok(_train(config, run, *zero2, "--set", "train.stop_at=4", ranks=1))
     _ok(_train(config, run, *zero2))
     _close(logged_losses(run), logged_losses(reference), range(1, STEPS + 1))

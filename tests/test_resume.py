@@ -381,3 +381,87 @@ def test_resume_compares_the_config_and_data_the_tag_was_trained_with(config, on
     assert start["config_changes"]["optim.steps"] == [4, 5] and start["start_step"] == 2
     assert start["config_changes"]["data.root"][1] == str(moved)
     assert yaml.safe_load((run / "checkpoints" / tag_for(5) / "config.yaml").read_text())["optim"]["steps"] == 5
+
+
+# -------------------------------------------- issue 37: a missing or wrong expert shard file (expert parallelism)
+EP = ["--set", "model.moe.expert_parallel=2", "--set", "model.moa.expert_parallel=2", "--set", "train.ckpt_every=1",
+      "--set", "train.keep_checkpoints=5"]
+ONE_RANK = ["--set", "model.moe.expert_parallel=1", "--set", "model.moa.expert_parallel=1",
+            "--set", "optim.grad_accum=2"]  # the same global batch on 1 rank
+
+# rank 1 alone fails to load its experts from the tag named by SQUAD_TEST_FAIL (what a verified tag can still do)
+EP_INJECT = '''
+import os, sys
+from squad.io.checkpoints import DamagedCheckpointError
+from squad.train.expert_shards import ExpertShards
+real = ExpertShards.load
+def load(self, tag_dir, saved=None, optimizer=True):
+    if os.environ.get("RANK") == "1" and os.environ["SQUAD_TEST_FAIL"] in str(saved or tag_dir):
+        raise DamagedCheckpointError(f"{tag_dir}: injected: this rank's experts do not fit", tag_dir)
+    return real(self, tag_dir, saved, optimizer)
+ExpertShards.load = load
+from squad.cli.train import main
+sys.exit(main(sys.argv[1:]))
+'''
+
+
+@pytest.fixture(scope="module")
+def ep_run(tmp_path_factory, config) -> Path:
+    """2 ranks, experts sharded over both (expert_parallel 2), a checkpoint at every one of the 4 steps."""
+    out = tmp_path_factory.mktemp("runs") / "ep"
+    _ok(_train(config, out, *EP, ranks=2))
+    return out
+
+
+def _ep_copy(ep_run: Path, dest: Path) -> tuple[Path, dict[int, Path]]:
+    run = _copy(ep_run, dest)
+    (run / "model.pt").unlink()
+    return run, {s: run / "checkpoints" / tag_for(s) for s in range(1, 5)}
+
+
+@pytest.mark.slow
+def test_a_tag_is_complete_only_with_every_shard_file(ep_run, tmp_path):
+    run, tags = _ep_copy(ep_run, tmp_path / "run")
+    assert all(ckpt.verify_tag(t) is None for t in tags.values())
+    (tags[4] / "expert_shards_rank00001.pt").unlink()  # removed
+    shutil.copyfile(tags[3] / "expert_shards_rank00000.pt", tags[3] / "expert_shards_rank00001.pt")  # rank 0's
+    for tag in (tags[4], tags[3]):
+        problem = ckpt.verify_tag(tag)
+        assert isinstance(problem, DamagedCheckpointError), tag
+        assert "experts [2, 3] of blocks.0." in str(problem) and "in none of its expert_shards_rank*.pt" in str(problem)
+
+
+@pytest.mark.slow
+def test_a_missing_or_unloadable_shard_file_falls_back_on_every_rank(config, ep_run, tmp_path):
+    """Step 4's rank-1 shard file is gone (the tag check passes it over); step 3 verifies but rank 1 cannot load its
+    experts (rank 1 says so): both ranks fall back to step 2 together, and only step 2 is said to be resumed."""
+    run, tags = _ep_copy(ep_run, tmp_path / "run")
+    (tags[4] / "expert_shards_rank00001.pt").unlink()
+    script = tmp_path / "inject.py"
+    script.write_text(EP_INJECT)
+    res = _train(config, run, *EP, ranks=2, script=str(script), env={"SQUAD_TEST_FAIL": tag_for(3)})
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-4000:]
+    log = (run / "train.log").read_text()
+    assert f"checkpoint {tags[4]} is damaged" in log and "in none of its expert_shards_rank*.pt files" in log
+    assert f"[squad] rank 1: checkpoint {tags[3]} could not be loaded: DamagedCheckpointError" in out, out[-4000:]
+    assert "could not be loaded (rank 1: DamagedCheckpointError" in log and f"falling back to {tags[2]}" in log
+    assert [line.split("resumed from ")[1] for line in log.splitlines() if "resumed from" in line] == \
+        [f"{tags[2]} at step 2"]
+    history = [json.loads(line) for line in (run / "run_history.jsonl").read_text().splitlines()]
+    assert len(history) == 2 and history[-1]["resumed_from"] == str(tags[2]) and history[-1]["start_step"] == 2
+    assert history[-1]["skipped_damaged"] == [str(tags[4]), str(tags[3])]
+    assert (run / "model.pt").is_file() and ckpt.verify_tag(tags[4]) is None  # step 4 saved again, whole
+
+
+@pytest.mark.slow
+def test_a_wrong_shard_file_on_one_rank_falls_back(config, ep_run, tmp_path):
+    """Rank 0's shard file copied over rank 1's, resumed on 1 rank (the experts put back together): step 3 is
+    resumed from, no traceback."""
+    run, tags = _ep_copy(ep_run, tmp_path / "run")
+    shutil.copyfile(tags[4] / "expert_shards_rank00000.pt", tags[4] / "expert_shards_rank00001.pt")
+    res = _train(config, run, *ONE_RANK)
+    assert res.returncode == 0, res.stderr[-4000:]
+    log = (run / "train.log").read_text()
+    assert f"checkpoint {tags[4]} is damaged" in log and f"resumed from {tags[3]} at step 3" in log
+    assert "Traceback" not in res.stderr

@@ -44,6 +44,7 @@ from squad.config.run import RunConfig
 from squad.io.checkpoints import (
     COMPLETE,
     MODEL_STATES,
+    TAG_CONFIG,
     checkpoint_tag,
     load_checkpoint_file,
     marked_step,
@@ -255,16 +256,20 @@ def _checkpoint_tag(path: Path) -> Path | None:
 
 
 def _load_checkpoint(tag: Path) -> SquadViT:
-    """The `SquadViT` of a complete DeepSpeed checkpoint tag, configured by its run's ``config.yaml``."""
+    """The `SquadViT` of a complete DeepSpeed checkpoint tag, configured by the ``config.yaml`` in the tag (written
+    since issue 37), else by its run's."""
     if marked_step(tag) is None:
         raise ValueError(f"{tag}: incomplete checkpoint (no {COMPLETE} marker: the save was interrupted); load an "
                          f"earlier tag, or {tag.parent} for the latest complete one")
     file = model_states_file(tag)
     if not file.is_file():
         raise FileNotFoundError(f"{tag}: no {MODEL_STATES} in this checkpoint")
-    cfg_file = tag.parent.parent / "config.yaml"
+    cfg_file = tag / TAG_CONFIG  # the config it was trained with (tags of earlier versions: the run's only)
     if not cfg_file.is_file():
-        raise FileNotFoundError(f"{tag}: the run's {cfg_file} is missing (a checkpoint holds no model config)")
+        cfg_file = tag.parent.parent / "config.yaml"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"{tag}: the run's {cfg_file} is missing (the checkpoint holds no {TAG_CONFIG} of "
+                                f"its own)")
     try:
         run_cfg = load_config(cfg_file, cls=RunConfig)
     except ConfigError as e:

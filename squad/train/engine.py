@@ -474,7 +474,8 @@ class Trainer:
                     self.writer.add_scalar(f"val/{t}/{k}", v, step)
             summary = ", ".join(f"{t} {get_task(t).primary_metric}={m[get_task(t).primary_metric]:.4f}"
                                 for t, m in results.items() if m)
-            log.info("validation at step %d: %s", step, summary)
+            log.info("validation at step %d: %s", step, summary or "no sample could be scored (every one was "
+                     "unusable: see the data warnings)")
             import json
 
             with open(self.run_dir / "metrics.jsonl", "a") as f:

@@ -8,7 +8,10 @@ Layout of ``<run>/checkpoints/``::
     step00000060/             a complete tag: DeepSpeed's files and COMPLETE
         mp_rank_00_model_states.pt                  module weights, lr schedule, squad's loop state (client state)
         [bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt   ZeRO's optimizer shard of data-parallel rank r
-        COMPLETE                                    {"step", "world_size", "zero_stage"}: written last
+        [expert_shards_rank<i>.pt]                  the experts of an expert-parallel run (`squad.io.expert_files`)
+        config.yaml                                 the resolved run config it was trained with (a resume compares it)
+        COMPLETE                                    {"step", "world_size", "zero_stage", "expert_shards", "data": the
+                                                    training data's sample count and fingerprint}: written last
     latest                    the newest complete tag (replaced atomically)
     .saving/step00000080/     a save in progress; renamed to step00000080/ once every rank has written and COMPLETE
                               is in, so a save that is killed at any moment never leaves a file in a tag folder (the
@@ -19,9 +22,11 @@ Layout of ``<run>/checkpoints/``::
 Resuming: `resolve_resume` turns ``--resume`` (auto, none, a run, its checkpoints folder, a tag) into the candidate
 tags, best first (torch-free: the run folder's checks and the tools use it before anything heavy starts).
 `Checkpointer.plan_resume` reads every file of the first candidate with ``weights_only`` on all ranks together
-(`select_tag`): an unsafe file stops the run, a damaged tag is named and the one before it tried. If the tag was
-written on another topology, the plan names the conversion that lets this run load it; `Checkpointer.load` converts
-and loads it with DeepSpeed.
+(`select_tag`): an unsafe file stops the run, a damaged tag is named and the one before it tried (a tag is damaged
+too when its shard files miss an expert: `squad.io.expert_files.check_shards`); other training data than the tag's is
+refused (`check_same_data`). If the tag was written on another topology, the plan names the conversion that lets this
+run load it; `Checkpointer.load` converts and loads it with DeepSpeed, and a load that fails on some rank is printed
+by that rank and passed over by every rank together (the plan then names the tag actually loaded).
 
 **Converting on load** is the seam for every change of topology: a `Conversion` says when a tag needs it
 (`Conversion.needed`, from the saved and the current `Topology`), the DeepSpeed config it loads with, and how to write

@@ -126,7 +126,8 @@ def _evaluate(argv: list[str] | None) -> int:
     cfg = from_namespace(EvaluateConfig, args)  # the options of every model's evaluation, checked, in one place
     first = Path(args.checkpoint[0])
     out = Path(args.out) if args.out else (first if first.is_dir() else first.parent) / f"eval_{args.split}.json"
-    check_writable(out, "--out")  # before the models are loaded and run (a read-only place is refused: exit 2)
+    # before the models are loaded and run (a read-only place is refused: exit 2)
+    check_writable(out, "--out" if args.out else "the default --out")
     taken: set[str] = set()
     baseline = load_baseline(args.baseline) if args.baseline else None
     models = {}

@@ -77,7 +77,8 @@ def _extract(argv: list[str] | None) -> int:
     from squad.posttrain.extract import extract_to_file, format_report
 
     out = args.out or _default_out(args.checkpoint, args.task, cfg.theta, cfg.keep_top)
-    check_writable(out, "--out")  # before the model is loaded and calibrated
+    # before the model is loaded and calibrated
+    check_writable(out, "--out" if args.out else "the default --out")
     report = extract_to_file(load_model(args.checkpoint), args.task, out, cfg)
     print(format_report(report))
     print(f"model: {out}\nreport: {Path(out).with_suffix('.json')}")

@@ -100,7 +100,8 @@ def _finetune(argv: list[str] | None) -> int:
     out = Path(args.out) if args.out else folder / f"finetune_{args.task}.json"
     from squad.io.files import check_writable
 
-    check_writable(out, "--out")  # before any training
+    # before any training
+    check_writable(out, "--out" if args.out else "the default --out")
     cfg = from_namespace(FinetuneConfig, args)  # the tool's options, checked, in one place
     check_request(args.task, modes, fractions, args.shots, cfg)  # before any work
     try:

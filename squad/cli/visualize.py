@@ -63,7 +63,8 @@ def _visualize(argv: list[str] | None) -> int:
     out = Path(args.out) if args.out else folder / "figures"
     from squad.io.files import check_writable
 
-    check_writable(out, "--out", folder=True)  # before the model is loaded and run
+    # before the model is loaded and run
+    check_writable(out, "--out" if args.out else "the default --out", folder=True)
     model = load_model(args.checkpoint)  # checked before anything is created
     tb = "" if args.tb and args.tb.lower() == "none" else args.tb
     if tb is None and Path(args.checkpoint).is_dir() and (folder / "tensorboard").is_dir():

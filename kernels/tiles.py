@@ -114,11 +114,12 @@ def nested_config(k: int, n: int, dtype: torch.dtype) -> dict[str, object]:
 
 def nested_mlp_config(d: int, hidden: int, dtype: torch.dtype) -> dict[str, object] | None:
     """`triton_nested_mlp`'s fused MLP kernel for width D and hidden width H: output features in chunks of BLOCK_W
-    (64, or 128 past 8 · 64), first-projection K tiles of 16 (MoNE's widths are multiples of 16, so no token pays
-    for features past its width there). None where D exceeds 8 chunks of 128 (no fused kernel)."""
+    (64, or 128 past 8 · 64), first-projection K tiles of 64 features in 16-bit (32 in float32; a token of width w
+    reads its width rounded up to the tile). None where D exceeds 8 chunks of 128 (no fused kernel)."""
     block_w = 64 if d <= MLP_MAX_CHUNKS * 64 else 128
     if d > MLP_MAX_CHUNKS * block_w:
         return None
     wide = dtype == torch.float32
-    return {"BLOCK_M": 32 if wide else 64, "BLOCK_H": pow2_block(hidden, 64), "BLOCK_K": 16, "BLOCK_W": block_w,
-            "W_CHUNKS": -(-d // block_w), "num_warps": 4 if wide else 8, "num_stages": 2, "order": "rows_outer"}
+    return {"BLOCK_M": 32 if wide else 64, "BLOCK_H": pow2_block(hidden, 64),
+            "BLOCK_K": pow2_block(d, 32 if wide else 64), "BLOCK_W": block_w, "W_CHUNKS": -(-d // block_w),
+            "num_warps": 4 if wide else 8, "num_stages": 2, "order": "rows_outer"}

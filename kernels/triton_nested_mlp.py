@@ -9,8 +9,11 @@ first w_g features of its output. For a tile of rows of one group, `_nested_mlp_
 
 (without HAS_SCALE the factor is 1: a plain pre-norm MLP sublayer, e.g. MoD's inner block, one group of width D)
 
-- the layer norm's statistics over all D features (two passes over the row: mean, then the centred squares), the
-  normalised features produced as the first projection loads them (rounded to x's dtype, as a stored norm would be);
+- the layer norm's statistics over all D features (two passes over the row: mean, then the centred squares), then
+  the row's first w normalised features made once (rounded to x's dtype, as a stored norm would be) into a scratch
+  row (``NORMED``) that the tile's own threads read back for every hidden chunk — from L2, where the tile just wrote
+  it — instead of normalising the row again on CUDA cores for each of the HID / BLOCK_H chunks;
+- K tiles of 64 features for 16-bit operands (tensor-core sized; a token of width w reads ceil(w / 64) · 64);
 - the hidden layer (all of its features, MoNE's MLP hidden is full width) a BLOCK_H-wide chunk at a time: each chunk
   is made by the first projection, goes through GELU (rounded to x's dtype) and into the second projection's
   accumulators while it is in registers;
@@ -63,9 +66,9 @@ def _store_chunk(X, B2, acc, x_rows, mask_m, scale, chunk, width, BLOCK_W: tl.co
         tl.store(ptrs, (res + scale[:, None] * (acc + b2[None, :])).to(X.dtype.element_ty), mask=mask)
 
 
-def _nested_mlp_kernel(X, LN_W, LN_B, W1, B1, W2, B2, LAYOUT, GATE, ALPHA,
+def _nested_mlp_kernel(X, LN_W, LN_B, W1, B1, W2, B2, LAYOUT, GATE, ALPHA, NORMED,
                        T, D, HID, G, PERIOD, eps,
-                       stride_xm, stride_w1h, stride_w1k, stride_w2n, stride_w2h, stride_g0, stride_g1,
+                       stride_xm, stride_nm, stride_w1h, stride_w1k, stride_w2n, stride_w2h, stride_g0, stride_g1,
                        HAS_SCALE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
                        BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr, W_CHUNKS: tl.constexpr):
@@ -92,6 +95,17 @@ def _nested_mlp_kernel(X, LN_W, LN_B, W1, B1, W2, B2, LAYOUT, GATE, ALPHA,
         centred = tl.where(mask, x - mean[:, None], 0.0)
         squares += tl.sum(centred * centred, axis=1)
     rstd = 1.0 / tl.sqrt(squares / D + eps)
+    n_rows = NORMED + rows * stride_nm
+    for k0 in range(0, width, BLOCK_K):  # the normed features the first projection reads, made once per row
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < width
+        mask = mask_m[:, None] & mask_k[None, :]
+        x = tl.load(x_rows[:, None] + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+        gamma = tl.load(LN_W + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        beta = tl.load(LN_B + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        normed = (x - mean[:, None]) * rstd[:, None] * gamma[None, :] + beta[None, :]
+        tl.store(n_rows[:, None] + offs_k[None, :], normed.to(NORMED.dtype.element_ty), mask=mask)
+    tl.debug_barrier()  # the tile's normed rows, written by all of its threads, are read by all of them below
     acc0 = tl.zeros([BLOCK_M, BLOCK_W], tl.float32)
     acc1 = tl.zeros([BLOCK_M, BLOCK_W], tl.float32)
     acc2 = tl.zeros([BLOCK_M, BLOCK_W], tl.float32)
@@ -107,12 +121,7 @@ def _nested_mlp_kernel(X, LN_W, LN_B, W1, B1, W2, B2, LAYOUT, GATE, ALPHA,
         for k0 in range(0, width, BLOCK_K):  # the first projection over the group's first w normed features
             offs_k = k0 + tl.arange(0, BLOCK_K)
             mask_k = offs_k < width
-            x = tl.load(x_rows[:, None] + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :],
-                        other=0.0).to(tl.float32)
-            gamma = tl.load(LN_W + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-            beta = tl.load(LN_B + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-            normed = (x - mean[:, None]) * rstd[:, None] * gamma[None, :] + beta[None, :]
-            a = tl.where(mask_k[None, :], normed, 0.0).to(X.dtype.element_ty)
+            a = tl.load(n_rows[:, None] + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
             w1 = tl.load(W1 + offs_h[None, :] * stride_w1h + offs_k[:, None] * stride_w1k,
                          mask=mask_k[:, None] & mask_h[None, :], other=0.0)  # W1ᵀ tile [BLOCK_K, BLOCK_H]
             if UPCAST:
@@ -181,8 +190,10 @@ def nested_mlp_(x: torch.Tensor, ln_w: torch.Tensor, ln_b: torch.Tensor, eps: fl
     g = layout.shape[1]
     grid = (triton.cdiv(t, cfg["BLOCK_M"]) + g + 1,)
     scaled = gate is not None
+    normed = torch.empty_like(x)  # [T, D] scratch: each row's first w normed features, written and read by its tile
     _kernels()["_nested_mlp_kernel"][grid](
-        x, ln_w, ln_b, w1, b1, w2, b2, layout, gate if scaled else layout, alpha if scaled else layout, t, d,
-        w1.shape[0], g, gate.shape[0] if scaled else 1, eps, x.stride(0), *w1.stride(), *w2.stride(),
+        x, ln_w, ln_b, w1, b1, w2, b2, layout, gate if scaled else layout, alpha if scaled else layout, normed, t, d,
+        w1.shape[0], g, gate.shape[0] if scaled else 1, eps, x.stride(0), normed.stride(0), *w1.stride(),
+        *w2.stride(),
         *(gate.stride() if scaled else (0, 0)), HAS_SCALE=scaled,
         UPCAST=bool(interpreter_enabled() and x.dtype == torch.bfloat16), PRECISION="ieee", **cfg, **launch)

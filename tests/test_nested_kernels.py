@@ -230,7 +230,7 @@ def test_triton_nested_kernels_compile_for_gpu(case):
         constexprs = {"HAS_EMB": True, "BLOCK_M": 8, "BLOCK_D": 512}
     types = {"LAYOUT": "*i32", "eps": "fp32",
              **{n: f"*{dtype}" for n in ("A", "W", "BIAS", "RES", "EMB", "SCALE", "OUT", "X", "WEIGHT", "LN_W", "LN_B",
-                                         "W1", "B1", "W2", "B2", "GATE", "ALPHA")}}
+                                         "W1", "B1", "W2", "B2", "GATE", "ALPHA", "NORMED")}}
     compiled = compile_triton_for_gpu(getattr(T, kernel), types, constexprs, options, sm)
     assert len(compiled.asm["cubin"]) > 0
     assert compiled.metadata.shared <= 99 * 1024

@@ -189,7 +189,7 @@ def test_squads_ops_are_priced_by_what_their_kernels_do():
     layout = torch.zeros(2, 2, dtype=torch.int32, device="meta")
     t = record(lambda: nested.nested_mlp_(z, ln, ln, 1e-6, w1, b1, w2, ln, layout, groups, None, None))
     (mlp,) = t.records
-    cfg = nested.nested_mlp_config(dim, hidden, torch.bfloat16)  # K tile 16, output chunks of 64
-    assert (cfg["BLOCK_K"], cfg["BLOCK_W"]) == (16, 64)
-    assert mlp.flops == 2 * hidden * (40 * (32 + 64) + 60 * (64 + 64))
+    cfg = nested.nested_mlp_config(dim, hidden, torch.bfloat16)  # K tile 64, output chunks of 64
+    assert (cfg["BLOCK_K"], cfg["BLOCK_W"]) == (64, 64)
+    assert mlp.flops == 2 * hidden * (40 * (64 + 64) + 60 * (64 + 64))
     assert mlp.bytes_written == 2 * (40 * 24 + 60 * 64)

@@ -23,8 +23,9 @@ they would reach a token: the second projection's output and the input gradient 
 gradients and bias sums only read rows inside the groups.
 
 Where the library op cannot take the operands (float64 anywhere; on CUDA and in compiled code anything but bf16;
-widths whose rows are not 16-byte aligned) `grouped_gemm` runs its per-group reference (`grouped_gemm_reference`, reading the group ends on
-the host): the CPU tests force the CUDA path and check this backend's dispatch in float64 with it.
+widths whose rows are not 16-byte aligned) `grouped_gemm` runs its per-group reference (`grouped_gemm_reference`,
+reading the group ends on the host): the CPU tests force the CUDA path and check this backend's dispatch in float64
+with it.
 """
 
 from __future__ import annotations

@@ -170,6 +170,8 @@ def init_distributed() -> tuple[int, int, torch.device]:
                     break
                 except dist.DistNetworkError as e:  # a one-rank run's port is taken (rank 0 hosts the store and
                     # no other rank looks for it, so it may listen elsewhere; a run of several ranks may not)
+                    if "EADDRINUSE" in str(e) and os.environ.get("WORLD_SIZE") != "1":
+                        raise port_in_use() from None
                     if attempt == 2 or os.environ.get("WORLD_SIZE") != "1" or "EADDRINUSE" not in str(e):
                         raise
                     port = os.environ["MASTER_PORT"]
@@ -188,6 +190,15 @@ def init_distributed() -> tuple[int, int, torch.device]:
     else:
         device = torch.device("cpu")
     return dist.get_rank(), dist.get_world_size(), device
+
+
+def port_in_use() -> ValueError:
+    """The error of a launch whose rendezvous port another process holds (another run started on the default port,
+    29500): rank 0 cannot host the store there, and the ranks of several cannot move elsewhere on their own."""
+    addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), os.environ.get("MASTER_PORT", "?")
+    return ValueError(f"the rendezvous port {addr}:{port} (MASTER_PORT) is in use by another process, e.g. another "
+                      f"run started on the launcher's default port: give this launch a free one (deepspeed "
+                      f"--master_port N, torchrun --master_port N)")
 
 
 def on_every_rank(error: BaseException) -> BaseException:

@@ -56,20 +56,30 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def preflight(args: argparse.Namespace):
+def preflight(args: argparse.Namespace, signals=None):
     """Everything that can refuse the run before torch is imported: the config (keys, types, values), the data
     folder, ``train.init``, the run folder's lock (rank 0) and the resume against the folder (every rank reads it:
-    `squad.train.run_folder.assess`). A refusal exits 2 in a fraction of a second.
+    `squad.train.run_folder.assess`). A refusal exits 2 in a fraction of a second. Rank 0 of a launch holds the
+    lock before the rendezvous, a fresh folder's too: two runs started into one folder at once are told apart by it,
+    not by the port they both asked for.
+
+    Args:
+        args: the parsed arguments.
+        signals: the tool's `squad.train.signals.SignalWatch`: from here on it watches the config's
+            ``train.save_on_signal``, and a stop leaves its record in the locked folder.
 
     Returns:
         (config, run folder, the lock or None).
     """
     from squad.config.loading import load_config
     from squad.config.run import RunConfig
-    from squad.runtime import launch_world
-    from squad.train.run_folder import assess, init_file, lock_before_start
+    from squad.runtime import launch_rank, launch_world
+    from squad.train.run_folder import RunLock, assess, init_file, lock_before_start
+    from squad.train.stops import clear_stop_record, write_stop_record
 
     cfg = load_config(args.config, args.set, cls=RunConfig)
+    if signals is not None:
+        signals.watch(cfg.train.save_on_signal)
     out = Path(args.out or Path("runs") / Path(args.config).stem)
     missing_data(cfg.data.root, cfg.data.dataset)
     init_file(cfg, out, args.resume, args.overwrite)
@@ -77,16 +87,36 @@ def preflight(args: argparse.Namespace):
     try:
         assess(out, cfg, args.resume, launch_world() or 1, overwrite=args.overwrite,
                allow_world_size_change=args.allow_world_size_change)
+        if lock is None and launch_rank() == 0:  # a fresh folder: locked before the rendezvous too
+            try:
+                out.mkdir(parents=True, exist_ok=True)
+                lock = RunLock.acquire(out, {"world_size": launch_world()} if launch_world() else None)
+            except OSError as e:
+                raise PermissionError(f"run folder {out} is not writable: {e.strerror or e}") from e
     except BaseException:
         if lock is not None:
             lock.release()
         raise
+    if lock is not None:
+        clear_stop_record(out)
+        if signals is not None:
+            signals.at_exit(lock.release)
+            signals.on_stop(lambda message: write_stop_record(out, message))
     return cfg, out, lock
 
 
 def _train(argv: list[str] | None) -> int:
+    from squad.runtime import launch_rank
+    from squad.train.signals import DEFAULT_SIGNALS, SignalWatch
+
+    signals = SignalWatch(DEFAULT_SIGNALS, announce=not launch_rank())  # a stop from the first moment: exit 75
+    signals.install()
     args = build_parser().parse_args(argv)
-    cfg, out, lock = preflight(args)  # nothing heavy imported yet
+    try:
+        cfg, out, lock = preflight(args, signals)  # nothing heavy imported yet
+    except BaseException:
+        signals.restore()  # a refused run leaves the process as it found it (a tool called in-process)
+        raise
 
     from squad.distributed import prepare_environment
 
@@ -94,8 +124,7 @@ def _train(argv: list[str] | None) -> int:
     from squad.train.engine import train
 
     path = train(cfg, out, args.resume, overwrite=args.overwrite,
-                 allow_world_size_change=args.allow_world_size_change, lock=lock)
-    from squad.runtime import launch_rank
+                 allow_world_size_change=args.allow_world_size_change, lock=lock, signals=signals)
 
     if not launch_rank():  # once per launch, not once per rank (None: one plain process)
         print(f"model: {path}")

@@ -112,9 +112,14 @@ class TrainConfig:
     max_nonfinite: int = 5  # consecutive non-finite losses before the run stops
     stop_at: int = 0  # checkpoint and stop at this step (resume later, e.g. within a cluster's time limit)
     # signals that make every rank checkpoint at the next step boundary and exit 75 (preemption: SLURM sends TERM at
-    # the time limit and on scancel, and USR1 before it with --signal=USR1@120); [] leaves them to their default
-    # action. A second one exits at once. squad.train.checkpointer documents the protocol.
-    save_on_signal: list[str] = dataclasses.field(default_factory=lambda: ["TERM", "USR1"])
+    # the time limit and on scancel, and USR1 before it with --signal=USR1@120; a closed terminal sends HUP); []
+    # leaves them to their default action. Before the first training step one exits 75 at once (nothing to save);
+    # a second one exits at once. squad.train.checkpointer and squad.train.signals document the protocol.
+    save_on_signal: list[str] = dataclasses.field(default_factory=lambda: ["TERM", "USR1", "HUP"])
+    # seconds a peer rank may stay silent (stopped, hung, its node gone) before the run ends with a line naming it
+    # (exit 3; a rerun resumes from the newest checkpoint); 0 never ends it. squad.train.watchdog. Well under the
+    # grace a cluster gives between SIGTERM and SIGKILL, so a hung job still ends with a message.
+    peer_timeout: float = 60.0
     progress: bool = True
     # start from this model file instead of the fresh init: what tools/upcycle.py writes (or any squad model of the
     # same architecture and tasks), or a dense ViT (timm state dict, dense squad model) upcycled on the spot
@@ -142,6 +147,8 @@ class TrainConfig:
                 raise ConfigError(f"{path}.{key} must be >= 0, got {getattr(self, key)}")
         if self.log_every == 0:
             raise ConfigError(f"{path}.log_every must be >= 1")
+        if self.peer_timeout < 0:
+            raise ConfigError(f"{path}.peer_timeout must be >= 0 seconds (0: never), got {self.peer_timeout}")
         if self.keep_checkpoints < 1 or self.max_nonfinite < 1:
             raise ConfigError(f"{path}.keep_checkpoints and {path}.max_nonfinite must be >= 1")
         for name in self.save_on_signal:

@@ -46,8 +46,8 @@ its outcome and whether a stop was asked meanwhile, and rank 0 writes COMPLETE, 
 ``latest`` at it and prunes old tags. A failed write on any rank stops every rank with a `TrainingError` naming the
 file; the previous checkpoint stays the latest.
 
-Signals (`SignalWatch`): the first of ``train.save_on_signal`` (default SIGTERM, SIGUSR1) asks for a stop; the
-engine all-reduces the request with the step's loss check, so every rank agrees at the same step boundary with no
+Signals (`SignalWatch`): the first of ``train.save_on_signal`` (default SIGTERM, SIGUSR1, SIGHUP) asks for a stop;
+the engine all-reduces the request with the step's loss check, so every rank agrees at the same step boundary with no
 extra collective, and `Checkpointer.save` turns it into a save and `Preempted` (exit 75, EX_TEMPFAIL: rerun to resume).
 A signal during a save lets it finish, then stops. A second signal, at least `SignalWatch.REPEAT_S` after the first,
 exits at once (128 + its number), discarding a save in progress; launchers that forward a signal they received too
@@ -465,13 +465,14 @@ class Checkpointer:
         partitioned: this run's optimizer state is split by rank (ZeRO 1/2, or bf16).
         config: the resolved run config (a plain dict), written into every tag (``config.yaml``: what a resume
             compares against, `squad.train.run_folder`).
+        signals: the tool's `SignalWatch`, installed when the process started (else one is made here).
 
     ``data`` is the training data's identity (`squad.data.samples.SampleDataset.identity`), set before
     `plan_resume`: recorded in every tag's marker, and compared with the tag's on resume (`DataChangedError`).
     """
 
     def __init__(self, run_dir: str | Path, rank: int, world: int, train: Any, partitioned: bool,
-                 config: dict | None = None):
+                 config: dict | None = None, signals: SignalWatch | None = None):
         self.run_dir = Path(run_dir)
         self.config = config
         self.data: dict | None = None
@@ -479,7 +480,8 @@ class Checkpointer:
         self.rank, self.world = rank, world
         self.train = train
         self.topology = Topology(world, int(train.zero_stage), bool(partitioned))
-        self.signals = SignalWatch(train.save_on_signal, announce=rank == 0)
+        self.signals = signals or SignalWatch(train.save_on_signal, announce=rank == 0)
+        self.signals.announce = rank == 0
         self.signals.at_exit(self.discard)
         self.total_steps = 0
         self.plan: LoadPlan | None = None
@@ -681,18 +683,13 @@ class Checkpointer:
             self._write(step, client())
 
     def stop_before_training(self) -> None:
-        """At the start of the loop: a signal that arrived during start-up stops every rank at once (one collective
-        per run), with nothing new to save.
-
-        Raises:
-            Preempted: some rank was signalled.
-        """
-        if any(gather_objects(self.stop_requested())):
-            raise self._preempted(self.last_saved or 0, saved=False)
+        """At the start of the loop: from now on a signal asks for a checkpoint at the next step boundary (during
+        start-up, the step-0 validation included, it exits 75 at once: `SignalWatch`)."""
+        self.signals.start_training()
 
     def _preempted(self, step: int, saved: bool = True) -> Preempted:
-        signum = self.signals.requested
-        what = signal_name(signum) if signum else "a signal on another rank"
+        signum, reason = self.signals.requested, self.signals.reason
+        what = signal_name(signum) if signum else reason or "a signal on another rank"
         latest = find_resume_tag(self.ckpt_dir)
         where = (f"checkpoint {self.ckpt_dir / tag_for(step)} holds step {step}" if saved and latest else
                  f"the newest checkpoint is {self.ckpt_dir / latest}" if latest else "no checkpoint yet")

@@ -50,7 +50,9 @@ from squad.train.objective import MultiTaskObjective, nonfinite_stop
 from squad.train.optim import lr_lambda, param_groups, warmup_note
 from squad.train.run_folder import RunFolder, RunLock, init_file, lock_before_start
 from squad.train.shm import ShmSegments
-from squad.train.stops import Preempted, TrainingError
+from squad.train.signals import SignalWatch
+from squad.train.stops import PeerLost, Preempted, TrainingError, clear_stop_record, write_stop_record
+from squad.train.watchdog import PeerWatch
 
 log = logging.getLogger("squad.train")
 
@@ -89,11 +91,14 @@ class Trainer:
             checked), loaded before DeepSpeed takes the model; a run that resumes loads its checkpoint over them.
             ``train.init`` does the same from a file.
         lock: the run folder's lock when the caller took it already (`squad.cli.train`, before importing torch).
+        signals: the stop signals' watch when the caller installed it already (`squad.cli.train`, when the process
+            started); else one is installed here.
     """
 
     def __init__(self, cfg: RunConfig, run_dir: str | Path, resume: str | None = "auto", *,
                  overwrite: bool = False, allow_world_size_change: bool = False,
-                 init_state: Mapping[str, torch.Tensor] | None = None, lock: RunLock | None = None):
+                 init_state: Mapping[str, torch.Tensor] | None = None, lock: RunLock | None = None,
+                 signals: SignalWatch | None = None):
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.resume = resume
@@ -117,9 +122,13 @@ class Trainer:
         self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.prec)
         self.checkpointer = Checkpointer(self.run_dir, self.rank, self.world, cfg.train,
                                          partitioned=cfg.train.zero_stage > 0 or self.prec == "bf16",
-                                         config=to_dict(cfg))
-        self.checkpointer.signals.at_exit(self.folder.release_lock)
-        self.checkpointer.signals.install()
+                                         config=to_dict(cfg), signals=signals)
+        self.signals = self.checkpointer.signals
+        self.signals.at_exit(self.folder.release_lock)
+        self.signals.install()
+        self.watch = PeerWatch(self.rank, self.world, self.run_dir, self.signals, cfg.train.peer_timeout)
+        self.signals.at_exit(self.watch.mark_left)
+        self.watch.start()
         self.tasks = cfg.train_tasks()
         self.writer = None
         self.log_handler: logging.Handler | None = None
@@ -170,6 +179,9 @@ class Trainer:
         check_layout(self.cfg.model, self.world, self.prec)
         source = self.folder.prepare(self.cfg, self.resume, overwrite=self.overwrite,
                                      allow_world_size_change=self.allow_world_size_change)
+        if self.rank == 0:  # the folder is this run's now: an earlier stop's record goes, this run's may come
+            clear_stop_record(self.run_dir)
+            self.signals.on_stop(self.record_stop)
         self._setup_logging()
         for note in self.folder.notes:
             log.warning(note)
@@ -251,6 +263,27 @@ class Trainer:
         log.info("run %s: %d ranks on %s (%s), %d tasks, %d images/epoch, %d steps of %d images",
                  self.run_dir, self.world, self.device.type, self.prec, len(self.tasks), len(self.train_set),
                  self.total_steps, o.batch_per_rank * o.grad_accum * self.world)
+
+    def record_stop(self, message: str) -> None:
+        """Rank 0: leaves the record of a stop this run resumes from (`squad.train.stops.STOP_RECORD`)."""
+        if self.rank == 0:
+            write_stop_record(self.run_dir, message)
+
+    def lost_peer(self, error: BaseException) -> PeerLost | None:
+        """A collective call that failed because a peer died (gloo's "Connection closed by peer"): the error that
+        names it (`PeerWatch.lost_peer`), or None for any other error."""
+        import torch.distributed as dist
+
+        text = str(error).lower()
+        if self.world == 1 or not (isinstance(error, dist.DistError) or "gloo" in text or "connection" in text
+                                   or "peer" in text):
+            return None
+        found = self.watch.lost_peer()
+        if found is None:
+            return None
+        lost = PeerLost(found[0])
+        lost.every_rank = not found[1]  # the lowest rank still alive prints it
+        return lost
 
     def _forget_after(self, step: int) -> None:
         """Rank 0, on resuming at ``step``: drops the ``metrics.jsonl`` rows the stopped run logged after that
@@ -566,7 +599,7 @@ class Trainer:
 
 def train(cfg: RunConfig, run_dir: str | Path, resume: str | None = "auto", *, overwrite: bool = False,
           allow_world_size_change: bool = False, init_state: Mapping[str, torch.Tensor] | None = None,
-          lock: RunLock | None = None) -> Path:
+          lock: RunLock | None = None, signals: SignalWatch | None = None) -> Path:
     """Trains a run and returns the exported model's path.
 
     Args:
@@ -578,20 +611,33 @@ def train(cfg: RunConfig, run_dir: str | Path, resume: str | None = "auto", *, o
         allow_world_size_change: resume on another number of ranks with another global batch (`Trainer`).
         init_state: weights the fresh model starts from (`Trainer`).
         lock: the run folder's lock, if the caller took it (`Trainer`).
+        signals: the stop signals' watch, if the caller installed it (`Trainer`).
 
     Raises:
-        Preempted: a signal (``train.save_on_signal``) stopped the run after a complete checkpoint (exit 75).
-        TrainingError: the run cannot go on (exit 3).
+        Preempted: a signal (``train.save_on_signal``) stopped the run after a complete checkpoint (exit 75); rank
+            0 leaves the stop record (`squad.train.stops.STOP_RECORD`).
+        TrainingError: the run cannot go on (exit 3); `PeerLost` when another rank died.
     """
     trainer = Trainer(cfg, run_dir, resume, overwrite=overwrite, allow_world_size_change=allow_world_size_change,
-                      init_state=init_state, lock=lock)
+                      init_state=init_state, lock=lock, signals=signals)
     stopped = False
     try:
         return trainer.train()
-    except (KeyboardInterrupt, Preempted):
+    except Preempted as e:
         stopped = True  # on its way out, a launcher may signal this rank again: ignored then, not fatal
+        trainer.record_stop(str(e))
+        raise
+    except KeyboardInterrupt:
+        stopped = True
+        raise
+    except Exception as e:
+        lost = trainer.lost_peer(e)
+        if lost is not None:
+            stopped = True
+            raise lost from e
         raise
     finally:
+        trainer.watch.stop()
         trainer.folder.close()  # the lock first: nothing may stop this rank before it is released
         trainer.checkpointer.close(finished=not stopped)  # a save in progress discarded; the handlers restored
         if trainer.log_handler is not None:

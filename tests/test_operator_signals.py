@@ -61,7 +61,8 @@ if where == "init":
         return start(*args, **kwargs)
     d.init_distributed = init_distributed
 elif where == "validate":
-    import squad.eval.evaluate as e
+    import importlib
+    e = importlib.import_module("squad.eval.evaluate")  # the module (squad.eval's `evaluate` is the function)
     run = e.evaluate
     def evaluate(*args, **kwargs):
         fire()

@@ -87,7 +87,7 @@ def preflight(args: argparse.Namespace, signals=None):
     try:
         assess(out, cfg, args.resume, launch_world() or 1, overwrite=args.overwrite,
                allow_world_size_change=args.allow_world_size_change)
-        if lock is None and launch_rank() == 0:  # a fresh folder: locked before the rendezvous too
+        if lock is None and not launch_rank():  # a fresh folder (or a plain run): locked before the rendezvous too
             try:
                 out.mkdir(parents=True, exist_ok=True)
                 lock = RunLock.acquire(out, {"world_size": launch_world()} if launch_world() else None)

@@ -15,9 +15,10 @@ Exit codes, the same for every tool (`run`):
 - 3: training stopped (`squad.train.stops.TrainingError`, e.g. too many non-finite losses in a row), or a file
   could not be written (`squad.io.files.WriteError`: a full disk; the message names the file and the free space,
   and no partial file is left);
-- 75: training stopped on a signal (``train.save_on_signal``: SIGTERM, SIGUSR1) after a complete checkpoint
-  (`squad.train.stops.Preempted`); running the same command again resumes it. 75 is EX_TEMPFAIL, "try again later":
-  a requeue script requeues on 75 and treats 1–3 as failures;
+- 75: training stopped on a signal (``train.save_on_signal``: SIGTERM, SIGUSR1, SIGHUP) after a complete checkpoint
+  (`squad.train.stops.Preempted`), or before its first step with nothing to save; running the same command again
+  resumes it. 75 is EX_TEMPFAIL, "try again later"; the run also leaves ``<out>/STOPPED``, which a requeue script
+  reads where a launcher hides the ranks' code (the ``deepspeed`` runner returns 1 or 143);
 - 130: interrupted (Ctrl-C), one ``interrupted`` line per launch: a rank whose collective call failed because a peer
   left on the same Ctrl-C exits 130 too, without a traceback; 128 + N: a second ``train.save_on_signal`` signal N
   (143 for SIGTERM) ended the run at once.

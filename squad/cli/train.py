@@ -17,15 +17,18 @@ error saying so. The engine is DeepSpeed's under every launcher, and the precisi
 
 The run folder is locked while a run uses it (run.lock names the holder; a second run into it exits 2). A resume
 may change only the keys that keep it exact: optim.steps/epochs/min_lr/clip, train.log_every/eval_every/
-ckpt_every/keep_checkpoints/stop_at/max_nonfinite/progress/activation_checkpointing/checkpoint_every/save_on_signal,
-data.root/workers/val_split/val_batches, model.moe.expert_parallel and model.moa.expert_parallel (recorded in
-train.log, config.prev.yaml and run_history.jsonl), and optim.batch_per_rank/grad_accum when the global batch stays
-the same; any other change is refused — start a new run for it. A run resumes on any number of ranks that keeps
-its global batch (batch_per_rank × grad_accum × ranks), for every ZeRO stage.
+ckpt_every/keep_checkpoints/stop_at/max_nonfinite/progress/activation_checkpointing/checkpoint_every/save_on_signal/
+peer_timeout, data.root/workers/val_split/val_batches, model.moe.expert_parallel and model.moa.expert_parallel
+(recorded in train.log, config.prev.yaml and run_history.jsonl), and optim.batch_per_rank/grad_accum when the
+global batch stays the same; any other change is refused — start a new run for it. A run resumes on any number of
+ranks that keeps its global batch (batch_per_rank × grad_accum × ranks), for every ZeRO stage.
 
-SIGTERM and SIGUSR1 (train.save_on_signal) make every rank checkpoint at the next step boundary and exit 75: run the
-same command again to resume. A second signal exits at once (128 + its number). Under the deepspeed runner, signal
-the ranks (pkill -USR1 -f "tools/train.py --local_rank"): the runner passes nothing on. Ctrl-C exits 130.
+SIGTERM, SIGUSR1 and SIGHUP (train.save_on_signal) make every rank checkpoint at the next step boundary and exit 75,
+leaving <out>/STOPPED: run the same command again to resume. Before the first training step (start-up, the step-0
+validation) they exit 75 at once, with nothing to save. A second signal exits at once (128 + its number). Under the
+deepspeed runner, signal the ranks (pkill -USR1 -f "tools/train.py --local_rank"): the runner passes nothing on, and
+ranks whose runner is gone stop as on a signal. A peer rank silent for train.peer_timeout seconds (stopped, hung) or
+dead ends the run with a line naming it (exit 3). Ctrl-C exits 130.
 Arguments, config, paths and the run folder are checked before torch is imported: bad input exits 2 at once.
 """
 

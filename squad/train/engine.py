@@ -278,6 +278,7 @@ class Trainer:
         if self.world == 1 or not (isinstance(error, dist.DistError) or "gloo" in text or "connection" in text
                                    or "peer" in text):
             return None
+        self.signals.ignore()  # leaving: the launcher's SIGTERM, which follows a dead rank, asks for nothing more
         found = self.watch.lost_peer()
         if found is None:
             return None

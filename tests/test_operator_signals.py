@@ -293,3 +293,19 @@ def test_every_operator_signal_is_documented():
     for name in ("SIGTERM", "SIGUSR1", "SIGHUP", "SIGINT", "SIGKILL", "SIGSTOP"):
         assert re.search(rf"^\| `{name}`", section, re.M), name
     assert sys.platform != "win32"
+
+
+def test_a_signal_ignored_at_start_stays_ignored():
+    """``nohup`` starts a run with SIGHUP ignored: the run keeps ignoring it (a closed terminal does not stop it)."""
+    from squad.train.signals import SignalWatch
+
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        watch = SignalWatch(["HUP", "USR2"])
+        watch.install()
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGUSR2) == watch._handle
+        watch.restore()
+        assert signal.getsignal(signal.SIGUSR2) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGHUP, before)

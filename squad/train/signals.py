@@ -96,6 +96,11 @@ class SignalWatch:
         if threading.current_thread() is not threading.main_thread() or self._previous:
             return
         for s in self.signals:
+            self._take(s)
+
+    def _take(self, s: int) -> None:
+        # a process started with the signal ignored keeps ignoring it (``nohup`` ignores SIGHUP), as Python does
+        if signal.getsignal(s) is not signal.SIG_IGN:
             self._previous[s] = signal.signal(s, self._handle)
 
     def watch(self, names: list[str] | tuple[str, ...]) -> None:
@@ -110,7 +115,7 @@ class SignalWatch:
         if installed:
             for s in wanted:
                 if s not in self._previous:
-                    self._previous[s] = signal.signal(s, self._handle)
+                    self._take(s)
 
     def wakeup_fd(self) -> int | None:
         """The read end of a pipe that receives one byte (the signal's number) for every signal, even while the main

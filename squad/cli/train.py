@@ -37,8 +37,12 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from squad.cli import missing_data, rerun_with_passive_omp, run
+
+if TYPE_CHECKING:
+    from squad.train.signals import SignalWatch
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def preflight(args: argparse.Namespace, signals=None):
+def preflight(args: argparse.Namespace, signals: SignalWatch | None = None):
     """Everything that can refuse the run before torch is imported: the config (keys, types, values), the data
     folder, ``train.init``, the run folder's lock (rank 0) and the resume against the folder (every rank reads it:
     `squad.train.run_folder.assess`). A refusal exits 2 in a fraction of a second. Rank 0 of a launch holds the

@@ -274,9 +274,11 @@ class Trainer:
         names it (`PeerWatch.lost_peer`), or None for any other error."""
         import torch.distributed as dist
 
+        from squad.runtime import interrupted
+
         text = str(error).lower()
-        if self.world == 1 or not (isinstance(error, dist.DistError) or "gloo" in text or "connection" in text
-                                   or "peer" in text):
+        collective = isinstance(error, dist.DistError) or any(w in text for w in ("gloo", "connection", "peer"))
+        if self.world == 1 or interrupted() or not collective:
             return None
         self.signals.ignore()  # leaving: the launcher's SIGTERM, which follows a dead rank, asks for nothing more
         found = self.watch.lost_peer()

@@ -156,6 +156,11 @@ class SignalWatch:
         with its own code when a launcher, seeing another rank leave, signals this one too."""
         self._ignoring = True
 
+    @property
+    def ignoring(self) -> bool:
+        """Whether the run is on its way out (`ignore`)."""
+        return self._ignoring
+
     def start_training(self) -> None:
         """The first training step begins: from now on a stop is a checkpoint at the next step boundary."""
         self.starting = False

@@ -202,6 +202,8 @@ class PeerWatch:
     def _check_stuck(self, now: float) -> None:
         """A stop signal the main thread has not handled `STUCK_S` after it arrived: it waits in C code."""
         self._arrived = [(t, s) for t, s in self._arrived if self.signals.handled_at < t]
+        if self.signals.ignoring:  # on its way out: the signals that follow ask for nothing
+            self._arrived = []
         if not self._arrived or now - self._arrived[0][0] < self.STUCK_S:
             return
         first, signum = self._arrived[0]

@@ -309,3 +309,23 @@ def test_a_signal_ignored_at_start_stays_ignored():
         assert signal.getsignal(signal.SIGUSR2) is signal.SIG_DFL
     finally:
         signal.signal(signal.SIGHUP, before)
+
+
+def test_a_taken_rendezvous_port_is_an_error_line(monkeypatch):
+    """A rank 0 of several whose port another run holds: a `ValueError` naming the port and what to pass (exit 2 with
+    an ``error:`` line), not DeepSpeed's EADDRINUSE traceback."""
+    import deepspeed
+    import torch.distributed as dist
+
+    from squad.distributed import init_distributed
+
+    def taken(**kwargs):
+        raise dist.DistNetworkError("The server socket has failed to listen on any local network address. port: "
+                                    "29500, code: -98, name: EADDRINUSE, message: address already in use")
+
+    monkeypatch.setattr(deepspeed, "init_distributed", taken)
+    for key, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ValueError, match=r"rendezvous port 127.0.0.1:29500 .* in use .* --master_port"):
+        init_distributed()

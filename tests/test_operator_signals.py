@@ -289,7 +289,7 @@ def test_every_operator_signal_is_documented():
     """TERM, USR1, HUP and INT each have a line in the README's operator section saying what they do."""
     text = (ROOT / "README.md").read_text()
     section = text[text.index("### Preemption, interrupts and resuming anywhere"):]
-    section = section[:section.index("\n## ")]
+    section = section[:section.index("\n### ", 10)]
     for name in ("SIGTERM", "SIGUSR1", "SIGHUP", "SIGINT", "SIGKILL", "SIGSTOP"):
         assert re.search(rf"^\| `{name}`", section, re.M), name
     assert sys.platform != "win32"

@@ -1,10 +1,12 @@
 """The traffic recorder (squad.bench.traffic): exact FLOP, byte, kernel, sync and atomic counts from op shapes."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from squad.bench.traffic import HostReadOnMeta, TrafficRecorder, record
+from squad.bench.traffic import HostReadOnMeta, TrafficRecorder, nested_mlp_row_ops, record
 from squad.kernels import device
 
 
@@ -173,7 +175,7 @@ def test_squads_ops_are_priced_by_what_their_kernels_do():
     slots = torch.zeros(m, e, dtype=torch.int32, device="meta")
     t = record(lambda: heads.head_select_mm(x, w, slots, k, None, None))
     (sel,) = t.records
-    assert sel.kind == "gemm" and sel.flops == 2 * m * dim * e * d
+    assert sel.kind == "squad_gemm" and sel.flops == 2 * m * dim * e * d
     assert (sel.bytes_read, sel.bytes_written) == (2 * (m * dim + e * dim * d) + 4 * m * e, 2 * m * k * d)
     xr, idx, emb = torch.randn(4, 50, dim, **bf), torch.zeros(4, 7, dtype=torch.long, device="meta"), None
     ln, ln_b = torch.randn(dim, **bf), torch.randn(dim, **bf)
@@ -193,3 +195,66 @@ def test_squads_ops_are_priced_by_what_their_kernels_do():
     assert (cfg["BLOCK_K"], cfg["BLOCK_W"]) == (64, 64)
     assert mlp.flops == 2 * hidden * (40 * (64 + 64) + 60 * (64 + 64))
     assert mlp.bytes_written == 2 * (40 * 24 + 60 * 64)
+    assert mlp.cuda_core_ops == 40 * nested_mlp_row_ops(24, dim, hidden, cfg) + 60 * nested_mlp_row_ops(64, dim, hidden,
+                                                                                                         cfg)
+
+
+def _bf16_meta(*shape):
+    return torch.randn(*shape, device="meta", dtype=torch.bfloat16)
+
+
+def test_what_squads_gemm_tiles_load_is_read_from_their_tile_config(monkeypatch):
+    """squad's grouped GEMM launched on (row tiles, N tiles), row tiles first: its gathered input is re-read once per
+    N tile past the first, a whole pass apart; a tile config that names a grouped launch order (GROUP_M, an L2
+    swizzle) keeps the re-reads a few row tiles apart, which the L2 model turns into fewer DRAM bytes. The library's
+    grouped GEMM is its own kind (its own rate)."""
+    from squad.bench.costmodel import KernelModel
+    from squad.kernels import grouped
+
+    rows, tokens, k, n, g = 65536, 16384, 256, 512, 4
+    a, w = _bf16_meta(tokens, k), _bf16_meta(g, k, n)
+    a_rows = torch.zeros(rows, dtype=torch.long, device="meta")
+    ends = torch.zeros(g, dtype=torch.int32, device="meta")
+
+    def launch():
+        (rec,) = record(lambda: grouped.grouped_mm(a, a_rows, w, None, ends, None, None, None, rows, "linear",
+                                                   False, False)).records
+        return rec
+
+    plain = launch()
+    cfg = grouped.mm_config(k, n, torch.bfloat16)
+    tiles_m, tiles_n = rows // cfg["BLOCK_M"] + g - 1, n // cfg["BLOCK_N"]
+    assert plain.kind == "squad_gemm" and plain.programs == tiles_m * tiles_n
+    gathered = rows * k * 2  # every routed row, as its tiles read it
+    (size, extra, distance), (w_size, w_extra, _) = plain.reloads
+    assert (size, extra) == (gathered, tiles_n - 1)
+    assert distance == tokens * k * 2 + (g * k * n * 2 + rows * n * 2) / tiles_n  # distinct bytes of one pass
+    assert (w_size, w_extra) == (g * k * n * 2, (tiles_m - g) / g)
+    assert plain.tile_bytes == plain.bytes + gathered * (tiles_n - 1) + w_size * w_extra
+
+    monkeypatch.setattr(grouped, "mm_config", lambda *args: {**cfg, "GROUP_M": 8})
+    swizzled = launch()
+    assert swizzled.tile_bytes == plain.tile_bytes and swizzled.reloads[0][2] < distance / 10
+    small_l2 = dataclasses.replace(KernelModel.at(), l2_mb=distance / 2e6, l2_retention=0.0)
+    assert small_l2.dram_bytes(plain) == plain.bytes + gathered * (tiles_n - 1)  # every re-read a pass apart misses
+    assert small_l2.dram_bytes(swizzled) == swizzled.bytes  # a few row tiles apart: all hit
+    big_l2 = dataclasses.replace(small_l2, l2_mb=2 * distance / 1e6)
+    assert big_l2.dram_bytes(plain) == plain.bytes
+
+    offs, sorted_rows = torch.full((g,), rows, dtype=torch.int32, device="meta"), _bf16_meta(rows, k)
+    (library,) = record(lambda: torch._grouped_mm(sorted_rows, w, offs=offs)).records
+    assert library.kind == "grouped_gemm" and library.flops == 2 * rows * k * n
+
+
+def test_head_wgrad_counts_its_programs_and_its_per_head_reads():
+    """MoE attention's weight gradient: one program per (head, N tile) looping over every row, so b is read once per
+    head and the grid is heads × N tiles programs (the wave term's input)."""
+    from squad.kernels import heads
+
+    m, e, kk, d, n = 1000, 24, 12, 64, 768
+    c, b = _bf16_meta(m, kk, d), _bf16_meta(m, n)
+    slots = torch.zeros(m, e, dtype=torch.int32, device="meta")
+    (rec,) = record(lambda: heads.head_wgrad(c, slots, None, b, e, False, False, torch.bfloat16)).records
+    tiles_n = n // heads.wgrad_config(n, d, torch.bfloat16)["BLOCK_N"]
+    assert rec.programs == e * tiles_n == 144
+    assert rec.reloads[0][:2] == [m * n * 2, e - 1]

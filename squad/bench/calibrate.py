@@ -4,10 +4,12 @@ H100 measured there (`squad.bench.costmodel.MEASURED_CASES`), and refitted on de
 - `record_commit`: extracts the commit with ``git archive`` into a temporary folder (tasks/, kernels/ and configs/
   linked under squad/ where the package installs them), and runs `squad.bench.legacy` there in a subprocess whose
   ``squad`` is the old package; returns its recordings. Everything runs on the meta device: about ten seconds.
-- `calibration_rows`: the rows `tools/bench.py --only traffic` adds: modelled / measured for every case, with the
-  stored constants (`costmodel.FITTED`); one "skipped" row where git or the commit is not at hand.
-- `fit_report`: ``tools/bench.py --fit-traffic``: refits the constants and reports both fits' residuals (what
-  ``reports/bench/traffic_fit.json`` holds and `costmodel.FITTED` copies).
+- `calibration_rows`: the rows `tools/bench.py --only traffic` adds: the kernel model's (`costmodel.KernelModel`,
+  what the traffic table prices with) central figure / measured for every case, its low and high in the details;
+  one "skipped" row where git or the commit is not at hand.
+- `fit_report`: ``tools/bench.py --fit-traffic``: refits the fitted model's constants and reports both fits'
+  residuals (what ``reports/bench/traffic_fit.json`` holds and `costmodel.FITTED` copies), and the kernel model's
+  low / central / high against each measured figure.
 """
 
 from __future__ import annotations
@@ -80,16 +82,17 @@ def _cached(commit: str) -> dict[str, list[OpRecord]]:
     return record_commit(commit)
 
 
-def calibration_rows(commit: str = COMMIT, model: costmodel.CostModel = costmodel.FITTED) -> list[BenchResult]:
-    """Modelled / measured for every measured case (informational rows, unit ``x measured (H100 model)``)."""
+def calibration_rows(commit: str = COMMIT) -> list[BenchResult]:
+    """The kernel model's central figure / measured for every measured case (informational rows, unit ``x measured
+    (H100 model)``; ``details`` has low, central and high)."""
     try:
         recordings = _cached(commit)
     except (CalibrationUnavailable, OSError, subprocess.SubprocessError) as e:
         return [BenchResult("traffic_model_calibration", math.nan, "", "skipped", None, {"reason": str(e)})]
     rows = []
-    for r in costmodel.residual_rows(model, recordings):
+    for r in costmodel.kernel_residual_rows(recordings):
         rows.append(BenchResult(f"traffic_calibration_{r['name']}", r["modelled"] / r["measured"], "",
-                                "x measured (H100 model)", None, {**r, "commit": commit, "model": model.as_dict()}))
+                                "x measured (H100 model)", None, {**r, "commit": commit}))
     return rows
 
 
@@ -101,10 +104,12 @@ def fit_report(commit: str = COMMIT) -> dict:
     from .traffic import Traffic
 
     return {"commit": commit, "measured": "shared/gpu/MEASURED.md (one H100 80GB HBM3, bf16)",
-            "model": costmodel.__doc__.split("\n\n")[1], "fitted": fitted.as_dict(),
+            "model": costmodel.__doc__.split("\n\n")[2], "fitted": fitted.as_dict(),
             "residuals": costmodel.residual_rows(fitted, recordings),
             "stored": costmodel.FITTED.as_dict(),
             "stored_residuals": costmodel.residual_rows(costmodel.FITTED, recordings),
+            "kernel_model": costmodel.KernelModel.at().as_dict(),
+            "kernel_model_residuals": costmodel.kernel_residual_rows(recordings),
             "cases": {name: Traffic(recs).totals() for name, recs in recordings.items()}}
 
 
@@ -116,4 +121,13 @@ def format_fit(report: dict) -> str:
     for r in report["residuals"]:
         lines.append(f"{r['name']:<30}{r['unit']:>6}{r['measured']:>10.2f}{r['modelled']:>10.2f}"
                      f"{r['error'] * 100:>7.1f}%")
+    if "kernel_model_residuals" in report:
+        lines.append("")
+        lines.append("the kernel model (what the traffic table prices with; not fitted): low / central / high")
+        head = (f"{'measured case':<30}{'unit':>6}{'measured':>10}{'low':>9}{'central':>9}{'high':>9}{'error':>8}"
+                "  inside")
+        lines += [head, "-" * len(head)]
+        for r in report["kernel_model_residuals"]:
+            lines.append(f"{r['name']:<30}{r['unit']:>6}{r['measured']:>10.2f}{r['low']:>9.2f}{r['modelled']:>9.2f}"
+                         f"{r['high']:>9.2f}{r['error'] * 100:>7.1f}%  {'yes' if r['inside'] else 'no'}")
     return "\n".join(lines)

@@ -1,6 +1,13 @@
-"""A small H100 cost model that prices a `squad.bench.traffic` recording in milliseconds — a MODEL, not a measurement.
+"""H100 cost models that price a `squad.bench.traffic` recording in milliseconds — MODELS, not measurements.
 
-Every recorded kernel costs the longer of its arithmetic and its memory traffic, plus a fixed launch cost::
+- `KernelModel` (what ``tools/bench.py --only traffic`` prices with): each kernel at the rate of what runs it
+  (cuBLAS, the library's grouped GEMM, squad's Triton GEMMs, flash, squad's Triton attention), the loads of its
+  tiles through an L2 model, a wave term, element-wise work on CUDA cores; every constant a range with its source
+  (`CONSTANTS`), every time low / central / high (`time_range`, `ratio_range`).
+- `CostModel`, the fitted model below (six constants fitted to what one H100 measured; ``--fit-traffic``).
+
+The fitted model: every recorded kernel costs the longer of its arithmetic and its memory traffic, plus a fixed
+launch cost::
 
     t(op) = max(FLOPs / rate(kind), bytes / bandwidth) + launch          gemm, attention, triton
     t(op) = bytes / bandwidth + launch                                   memory (element-wise, copies, gathers)
@@ -28,6 +35,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from .traffic import OpRecord
 
 SCATTER_OPS = ("_embedding_bag", "embedding_bag")
+FITTED_KINDS = {"grouped_gemm": "gemm", "squad_gemm": "gemm"}  # the fitted model prices every GEMM at one rate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +64,8 @@ class CostModel:
         if is_scatter(r):
             memory *= self.scatter_penalty
         rate = {"gemm": self.gemm_tflops, "attention": self.attention_tflops, "triton": self.triton_tflops}
-        compute = r.flops / (rate[r.kind] * 1e12) if r.kind in rate else 0.0
+        kind = FITTED_KINDS.get(r.kind, r.kind)
+        compute = r.flops / (rate[kind] * 1e12) if kind in rate else 0.0
         return max(compute, memory) + self.launch_us * 1e-6
 
     def seconds(self, records: Iterable[OpRecord]) -> float:
@@ -166,7 +175,7 @@ def _case_arrays(records: Sequence[OpRecord]):
     """(FLOPs, bytes × scatter multiplier flag, kind index, scatter flags) of a recording, as numpy arrays."""
     import numpy as np
 
-    kinds = {"gemm": 0, "attention": 1, "triton": 2}
+    kinds = {"gemm": 0, "grouped_gemm": 0, "squad_gemm": 0, "attention": 1, "triton": 2}
     flops = np.array([r.flops for r in records], dtype=float)
     nbytes = np.array([r.bytes for r in records], dtype=float)
     kind = np.array([kinds.get(r.kind, 3) for r in records], dtype=int)
@@ -229,4 +238,214 @@ def residual_rows(model: CostModel, recordings: Mapping[str, Sequence[OpRecord]]
         value = predict(model, m, recordings)
         rows.append({"name": m.name, "unit": m.unit, "measured": m.value, "modelled": value,
                      "error": value / m.value - 1.0, "source": m.source})
+    return rows
+
+
+# ================================================================================================ the kernel model
+# What `tools/bench.py --only traffic` prices with: each kernel at the rate of what runs it, its tiles' loads through
+# an L2 model, a wave term and CUDA-core work, every constant a range (its source beside it). Not fitted: the fitted
+# model above stays for `--fit-traffic`, which reports this model's residuals against MEASURED.md too.
+
+
+@dataclasses.dataclass(frozen=True)
+class Constant:
+    """An uncertain constant of `KernelModel`: its central value and the two ends of its range.
+
+    Attributes:
+        central: the value the central estimate takes.
+        fast: the end of its range that gives the shorter modelled time.
+        slow: the end that gives the longer one.
+        source: where the values come from.
+    """
+
+    central: float
+    fast: float
+    slow: float
+    source: str
+
+
+CONSTANTS: dict[str, Constant] = {
+    "cublas_tflops": Constant(
+        667.8, 790.0, 600.0,
+        "central: the fit to 16 figures one H100 measured at 84de653, where cuBLAS ran every GEMM "
+        "(reports/bench/traffic_fit.json, shared/gpu/MEASURED.md); fast: a dense bf16 8192^3 matmul on the same kind "
+        "of machine (MEASURED.md, ~790); slow: -10 %, inside the fit's +-15 % residuals on the GEMM-bound blocks"),
+    "grouped_mm_tflops": Constant(
+        580.0, 667.8, 500.0,
+        "central: aten::_grouped_mm (CUTLASS) on these very shapes, both MoE projections fwd+bwd, 4.5 ms for 3 "
+        "iterations of 870 GFLOP (MEASURED.md); fast: the dense cuBLAS rate above; slow: -14 %, one profiled "
+        "measurement with no spread and near-balanced groups (a trained router's uneven groups add partial tiles)"),
+    "squad_gemm_tflops": Constant(
+        367.0, 468.0, 267.0,
+        "f = 0.55 (0.4-0.7) of the cuBLAS rate 668 (shared/gpu/ESTIMATED.md): published Triton gather/scatter grouped "
+        "GEMMs on H100 reach 0.45-0.75 of cuBLAS (Liger-Kernel's tuned one 501 TFLOP/s forward, 413 fwd+bwd; "
+        "ScatterMoE-style kernels ~0.54 of SonicMoE's throughput); 128x128x32 tiles without TMA sit low in it"),
+    "flash_tflops": Constant(
+        64.1, 80.0, 51.0,
+        "central: the fit (flash attention on ViT's 197 tokens leaves tiles mostly empty); range +-25 %, the fit's "
+        "residuals on the attention-kernel ratios (-24 ... +42 %, traffic_fit.json)"),
+    "triton_attention_tflops": Constant(
+        63.2, 79.0, 50.6,
+        "central: the fit; range +-25 %, the fit's residuals on the attention-kernel ratios"),
+    "cuda_core_tops": Constant(
+        33.5, 67.0, 16.7,
+        "H100 SXM: 132 SMs x 128 FP32 lanes x 1.98 GHz = 33.5 T instructions/s, the datasheet's 67 TFLOP/s counting "
+        "an FMA as two (fast: every op an FMA-able pair); slow: half, the conversions, masks and address arithmetic "
+        "issuing on the same pipes"),
+    "bandwidth_tbs": Constant(
+        2.49, 3.0, 2.2,
+        "central: the fit; fast: 0.9 of the H100 SXM's 3.35 TB/s HBM3 peak (what streaming kernels reach); slow: "
+        "0.66 of peak, short kernels of tens of MB (ramp-up and tail)"),
+    "launch_us": Constant(
+        5.16, 2.5, 7.0,
+        "central: the fit; fast: ~2.5 us, back-to-back kernels when the GPU sets the pace (CUDA graphs); slow: "
+        "MEASURED.md's eager MoE MLP spent 38 ms of CPU against 28 ms of CUDA time, the host setting the pace "
+        "(5.16 x 38 / 28)"),
+    "scatter_penalty": Constant(
+        11.2, 5.0, 25.0,
+        "central: the fit; slow: MEASURED.md's embedding_bag ran ~25x slower than its bytes; fast: 5"),
+    "l2_mb": Constant(
+        50.0, 50.0, 25.0,
+        "the H100 SXM's 50 MB L2 (NVIDIA H100 whitepaper); slow: 25 MB, one of its two partitions (an SM's near half)"),
+    "l2_retention": Constant(
+        0.5, 1.0, 0.0,
+        "of a sweep longer than L2, the share C/D of a re-read that still hits: 1 under random replacement, 0 under "
+        "LRU (a cyclic sweep past capacity misses every time); NVIDIA does not document its policy: 0.5 central"),
+}
+"""The kernel model's constants, each with its range and source (`Constant`)."""
+
+SMS = 132  # streaming multiprocessors of an H100 SXM (NVIDIA H100 whitepaper)
+
+RATE_OF_KIND = {"gemm": "cublas_tflops", "grouped_gemm": "grouped_mm_tflops", "squad_gemm": "squad_gemm_tflops",
+                "attention": "flash_tflops", "triton": "triton_attention_tflops"}
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelModel:
+    """An H100 cost model that prices what each recorded kernel does (values of `CONSTANTS`; `at` picks them)::
+
+        t(op) = max(FLOPs / rate(kind) · waves + cuda_core_ops / cuda_core_rate, DRAM bytes / bandwidth) + launch
+
+    - rate(kind): cuBLAS for ``gemm``, the library grouped GEMM (``aten::_grouped_mm``) for ``grouped_gemm``,
+      squad's Triton GEMMs for ``squad_gemm``, flash and squad's Triton attention;
+    - DRAM bytes: the op's bytes, plus each tile-level re-read (`OpRecord.reloads`) that misses L2: none when the
+      bytes touched between two reads fit L2 (D <= C), else 1 - retention · C / D of it;
+    - waves: a grid of P equal programs (`OpRecord.programs`) on `SMS` SMs takes ceil(P / SMS) rounds, so it runs
+      at P / (ceil(P / SMS) · SMS) of the rate (1 for a grid of whole waves, 0.55 for 144 programs);
+    - CUDA-core work (element-wise operations in a GEMM kernel: MoNE's re-normalisation, GELU) adds to the arithmetic;
+    - atomic and bag-reducing kernels pay their bytes ``scatter_penalty`` times.
+    """
+
+    cublas_tflops: float
+    grouped_mm_tflops: float
+    squad_gemm_tflops: float
+    flash_tflops: float
+    triton_attention_tflops: float
+    cuda_core_tops: float
+    bandwidth_tbs: float
+    launch_us: float
+    scatter_penalty: float
+    l2_mb: float
+    l2_retention: float
+
+    @classmethod
+    def at(cls, ends: str | Mapping[str, str] = "central") -> KernelModel:
+        """The model with every constant at ``ends`` (``"central"``, ``"fast"`` or ``"slow"``), or each named one at
+        its own (the rest central)."""
+        pick = {name: ends for name in CONSTANTS} if isinstance(ends, str) else dict(ends)
+        return cls(**{name: getattr(c, pick.get(name, "central")) for name, c in CONSTANTS.items()})
+
+    def miss(self, distance: float) -> float:
+        """Share of a re-read that misses L2 when ``distance`` bytes are touched between the two reads."""
+        capacity = self.l2_mb * 1e6
+        return 0.0 if distance <= capacity else 1.0 - self.l2_retention * capacity / distance
+
+    def dram_bytes(self, r: OpRecord) -> float:
+        """The op's bytes and every re-read of its tiles that misses L2."""
+        return r.bytes + sum(size * extra * self.miss(distance) for size, extra, distance in r.reloads)
+
+    @staticmethod
+    def waves(programs: int) -> float:
+        """How much longer than its work at the full rate a grid of ``programs`` equal programs takes (>= 1)."""
+        if programs <= 0:
+            return 1.0
+        return math.ceil(programs / SMS) * SMS / programs
+
+    def compute_seconds(self, r: OpRecord) -> float:
+        rate = RATE_OF_KIND.get(r.kind)
+        tensor = r.flops / (getattr(self, rate) * 1e12) * self.waves(r.programs) if rate else 0.0
+        return tensor + r.cuda_core_ops / (self.cuda_core_tops * 1e12)
+
+    def memory_seconds(self, r: OpRecord) -> float:
+        memory = self.dram_bytes(r) / (self.bandwidth_tbs * 1e12)
+        return memory * self.scatter_penalty if is_scatter(r) else memory
+
+    def op_seconds(self, r: OpRecord) -> float:
+        """Modelled seconds of one recorded kernel (launch included)."""
+        return max(self.compute_seconds(r), self.memory_seconds(r)) + self.launch_us * 1e-6
+
+    def seconds(self, records: Iterable[OpRecord]) -> float:
+        """Modelled seconds of a recording."""
+        return sum(self.op_seconds(r) for r in records)
+
+    def breakdown(self, records: Iterable[OpRecord]) -> dict[str, float]:
+        """Modelled milliseconds by what bounds each kernel (``compute``, ``memory``, ``scatter``, ``launch``)."""
+        out = {"compute": 0.0, "memory": 0.0, "scatter": 0.0, "launch": 0.0}
+        for r in records:
+            compute, memory = self.compute_seconds(r), self.memory_seconds(r)
+            key = "compute" if compute > memory else ("scatter" if is_scatter(r) else "memory")
+            out[key] += max(compute, memory) * 1e3
+            out["launch"] += self.launch_us * 1e-3
+        return out
+
+    def as_dict(self) -> dict[str, float]:
+        return dataclasses.asdict(self)
+
+    def describe(self) -> str:
+        """The constants in one line, for the tables."""
+        return (f"cuBLAS {self.cublas_tflops:.0f}, grouped_mm {self.grouped_mm_tflops:.0f}, squad Triton GEMMs "
+                f"{self.squad_gemm_tflops:.0f}, flash {self.flash_tflops:.0f}, Triton attention "
+                f"{self.triton_attention_tflops:.0f} TFLOP/s, CUDA cores {self.cuda_core_tops:.1f} Tops/s, "
+                f"{self.bandwidth_tbs:.2f} TB/s, L2 {self.l2_mb:.0f} MB (retention {self.l2_retention:.1f}), "
+                f"{self.launch_us:.1f} us a kernel, atomics {self.scatter_penalty:.0f}x, {SMS} SMs")
+
+
+def time_range(records: Sequence[OpRecord]) -> dict[str, float]:
+    """Modelled milliseconds of a recording at every constant's fast end, centre and slow end (``low``,
+    ``central``, ``high``)."""
+    return {label: KernelModel.at(end).seconds(records) * 1e3
+            for label, end in (("low", "fast"), ("central", "central"), ("high", "slow"))}
+
+
+def ratio_range(num: Sequence[OpRecord], den: Sequence[OpRecord]) -> dict[str, float]:
+    """The modelled time ratio num / den: ``central`` with every constant central; ``low`` / ``high`` with each
+    constant at whichever end of its range lowers / raises the ratio (each end found with the others central: the
+    ratio moves one way along each constant's range), so a ratio's range holds every combination of the constants'
+    ends, not only the all-fast and all-slow ones."""
+    def ratio(model: KernelModel) -> float:
+        return model.seconds(num) / model.seconds(den)
+
+    central = ratio(KernelModel.at())
+    lower, upper = {}, {}
+    for name in CONSTANTS:
+        fast, slow = ratio(KernelModel.at({name: "fast"})), ratio(KernelModel.at({name: "slow"}))
+        lower[name], upper[name] = ("fast", "slow") if fast <= slow else ("slow", "fast")
+    low, high = ratio(KernelModel.at(lower)), ratio(KernelModel.at(upper))
+    return {"low": min(low, central), "central": central, "high": max(high, central)}
+
+
+def kernel_residual_rows(recordings: Mapping[str, Sequence[OpRecord]],
+                         cases: Sequence[Measured] = tuple(MEASURED_CASES)) -> list[dict]:
+    """The kernel model against what an H100 measured, case by case: ``measured``, ``low`` / ``modelled`` (central) /
+    ``high`` (`time_range`, or `ratio_range` for a ratio), ``error`` (central / measured − 1) and ``inside`` (the
+    measured figure within low..high)."""
+    rows = []
+    for m in cases:
+        if m.unit == "ratio":
+            r = ratio_range(recordings[m.cases[0]], recordings[m.cases[1]])
+        else:
+            r = time_range(recordings[m.cases[0]])
+        rows.append({"name": m.name, "unit": m.unit, "measured": m.value, "low": r["low"], "modelled": r["central"],
+                     "high": r["high"], "error": r["central"] / m.value - 1.0,
+                     "inside": r["low"] <= m.value <= r["high"], "source": m.source})
     return rows

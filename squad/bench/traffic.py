@@ -25,9 +25,15 @@ What counts as what:
   attention forward and 10·B·H·Nq·Nk·d for a flash backward (squad's two-kernel Triton backward: 14, see
   `_squad_attention`), convolution by its output; element-wise work is not counted as FLOPs (it is priced by its
   bytes).
-- **kind**: ``gemm`` (matmuls, convolutions), ``attention`` (PyTorch's fused attention), ``triton`` (squad's
-  attention kernels; the CPU's ``chunked_attention`` stands for the Triton op CUDA runs there) or ``memory``
-  (everything else: element-wise, reductions, copies, gathers) — what `squad.bench.costmodel` prices differently.
+- **kind**: ``gemm`` (cuBLAS: matmuls, convolutions), ``grouped_gemm`` (the library's grouped GEMM,
+  ``aten::_grouped_mm`` / ``F.grouped_mm``, CUTLASS), ``squad_gemm`` (squad's own Triton GEMMs: grouped, head and
+  nested ops), ``attention`` (PyTorch's fused attention), ``triton`` (squad's attention kernels; the CPU's
+  ``chunked_attention`` stands for the Triton op CUDA runs there) or ``memory`` (everything else: element-wise,
+  reductions, copies, gathers) — what `squad.bench.costmodel` prices at different rates.
+- **tiles** (squad's Triton GEMMs): what the kernel's tiles load beyond the op's bytes, read from its tile config
+  (`OpRecord.reloads`: an operand re-read once per tile of the other dimension, with the bytes the launch order
+  touches between two reads of it, which decides whether the re-read hits L2), its programs (the wave term) and the
+  element-wise work it does on CUDA cores (`OpRecord.cuda_core_ops`).
 - **host sync**: an op whose result the host must wait for on CUDA (``_local_scalar_dense`` behind
   ``.item()``/``int()``/``bool()``, ``nonzero``, ``masked_select``, ``unique``, indexing with a boolean mask,
   ``repeat_interleave`` without an output size, ``bincount`` — CUDA's reads the input's min and max to size its
@@ -79,7 +85,8 @@ _GATHER = {"gather": 0, "index_select": 0, "index": 0, "take": 0, "take_along_di
 _MATMUL = {"mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "grouped_mm", "_scaled_grouped_mm", "addmv", "mv",
            "dot", "vdot", "_addmm_activation"}
 _CONV = {"convolution", "_convolution", "conv2d"}
-KINDS = ("gemm", "attention", "triton", "memory")
+KINDS = ("gemm", "grouped_gemm", "squad_gemm", "attention", "triton", "memory")
+_GROUPED = {"_grouped_mm", "grouped_mm", "_scaled_grouped_mm"}
 
 
 class HostReadOnMeta(RuntimeError):
@@ -89,7 +96,14 @@ class HostReadOnMeta(RuntimeError):
 
 @dataclasses.dataclass
 class OpRecord:
-    """One launched op: its aten name, FLOPs, bytes, kind (one of `KINDS`) and flags."""
+    """One launched op: its aten name, FLOPs, bytes, kind (one of `KINDS`) and flags.
+
+    Squad's Triton GEMMs also carry what their tiles do (module docstring, "tiles"): ``reloads``, one
+    ``[bytes, extra reads, reuse distance in bytes]`` per operand the kernel's tiles read more than once (the
+    operand's bytes, how many times more its tiles load it than `bytes` counts, and what the launch order touches
+    between two loads of the same bytes); ``programs``, the programs of its grid that do work; ``cuda_core_ops``,
+    element-wise operations it runs outside the tensor cores.
+    """
 
     op: str
     flops: float = 0.0
@@ -100,6 +114,14 @@ class OpRecord:
     pin: bool = False
     kind: str = "memory"
     dtype: str = ""
+    reloads: list = dataclasses.field(default_factory=list)
+    programs: int = 0
+    cuda_core_ops: float = 0.0
+
+    @property
+    def tile_bytes(self) -> float:
+        """Bytes its tiles load and store with no cache between them: `bytes` plus every re-read."""
+        return self.bytes + sum(size * extra for size, extra, _ in self.reloads)
 
     @property
     def bytes(self) -> float:
@@ -264,6 +286,8 @@ def _one_tile_keys(out: torch.Tensor) -> int:
 
 def _kind(name: str) -> str:
     base = name.rstrip("_")
+    if base in _GROUPED:
+        return "grouped_gemm"
     if base in _MATMUL or name in _CONV or name == "convolution_backward":
         return "gemm"
     if name.startswith(("triton_attention", "chunked_attention")):
@@ -299,7 +323,10 @@ class TrafficRecorder(TorchDispatchMode):
         self._paused = 0
         self._stack = contextlib.ExitStack()
 
+    _active: list[TrafficRecorder] = []  # the recorders entered, innermost last (`current_recorder`)
+
     def __enter__(self):
+        TrafficRecorder._active.append(self)
         if self.cuda_path:
             from .cuda_path import CudaKernels, force_cuda_path
 
@@ -312,6 +339,7 @@ class TrafficRecorder(TorchDispatchMode):
         try:
             return super().__exit__(*exc)
         finally:
+            TrafficRecorder._active.remove(self)
             self._stack.close()
 
     def summary(self) -> Traffic:
@@ -404,6 +432,8 @@ class TrafficRecorder(TorchDispatchMode):
         base = name.rstrip("_")  # in-place forms (addmm_) cost what their functional form does
         if func.namespace == "squad" and name in SQUAD_OPS:  # squad's grouped and nested GEMMs: their own prices
             SQUAD_OPS[name](record, args)
+            if record.matmul:
+                record.kind = "squad_gemm"
         elif base in _MATMUL:
             record.flops = _matmul_flops(base, args, outputs[0] if outputs else written[0])
         elif name in _CONV:
@@ -441,6 +471,12 @@ def _meta_bincount(args: Sequence, kwargs: dict, record: OpRecord) -> torch.Tens
     out = torch.empty(minlength, dtype=dtype, device=values.device)
     record.bytes_written = _logical_bytes(out)
     return out
+
+
+def current_recorder() -> TrafficRecorder | None:
+    """The innermost recorder running now (None outside a recording): what a module that records its own kernels
+    (`squad.bench.twins`) launches them into."""
+    return TrafficRecorder._active[-1] if TrafficRecorder._active else None
 
 
 def force_cuda_path() -> contextlib.AbstractContextManager[None]:
@@ -493,6 +529,46 @@ def record(fn: Callable[[], object], cuda_path: bool = True) -> Traffic:
 # multiply-adds of every sorted row (rows past the last group, zero-filled, counted too: an upper bound), and an
 # input read through a row index (a token's row gathered once per slot) is counted once per row that reads it, the
 # traffic a GPU pays when the gathered rows miss in cache.
+#
+# What their tiles load beyond that (`OpRecord.reloads`) comes from each kernel's tile config and grid, read from
+# squad.kernels as the kernels read them: a program computes one [BLOCK_M, BLOCK_N] output tile, so it loads its
+# rows' input once per N tile of the output and its weight tile once per row tile; ``program_id(0)`` is the fastest
+# index of the launch order (CUDA starts blocks in linear order, x first), so with the row tiles on axis 0 the
+# input is re-read one whole pass over every row tile later, unless the config names a grouped launch order
+# (``GROUP_M``, Triton's L2-swizzled matmul: GROUP_M row tiles run over every N tile before the next rows start),
+# which re-reads it GROUP_M row tiles later.
+
+
+def _launch_group(config: dict) -> int:
+    """Row tiles a grouped (L2-swizzled) launch order runs together over every N tile (the config's ``GROUP_M`` or
+    ``GROUP_SIZE_M``); 1: the row tiles of one N tile all run before the next N tile's."""
+    return int(config.get("GROUP_M") or config.get("GROUP_SIZE_M") or 1)
+
+
+def _gemm_reloads(a_bytes: float, w_bytes: float, out_bytes: float, tiles_m: int, tiles_n: int, weights: int,
+                  group_m: int, a_distinct: float | None = None) -> list[list[float]]:
+    """Re-reads of a GEMM launched on a (row tiles, N tiles) grid, row tiles first: the input (``a_bytes`` as its
+    tiles read it, ``a_distinct`` the distinct bytes behind them when rows are gathered) once per N tile past the
+    first; each of ``weights`` weights (one per expert or head; a dense weight is 1) once per row tile past its
+    first. Reuse distances, in distinct bytes (what decides whether a line is still in L2): the row-tile walk
+    touches the whole input, an N tile's share of the weights and of the output between two reads of the same
+    input rows; a grouped walk touches GROUP_M row tiles' inputs and outputs and one weight."""
+    a_distinct = a_bytes if a_distinct is None else min(a_bytes, a_distinct)
+    group = min(max(group_m, 1), tiles_m)
+    swept = (a_distinct + out_bytes) * group / tiles_m + w_bytes / weights  # a row-tile group over every N tile
+    out = []
+    if tiles_n > 1:
+        far = a_distinct + (w_bytes + out_bytes) / tiles_n
+        out.append([a_bytes, float(tiles_n - 1), swept if group > 1 else far])
+    if tiles_m > weights:
+        near = (a_bytes + out_bytes / tiles_n) / tiles_m + w_bytes / weights / tiles_n  # the next row tile's
+        out.append([w_bytes, (tiles_m - weights) / weights, swept if group > 1 else near])
+    return out
+
+
+def _row_tiles(rows: int, block: int, groups: int = 1) -> int:
+    """Row tiles with work: every group's last tile may be partial (at most one more tile a group boundary)."""
+    return -(-rows // block) + (groups - 1 if groups > 1 else 0)
 
 
 def _rows_read(t: torch.Tensor, rows: torch.Tensor | None) -> float:
@@ -503,18 +579,44 @@ def _rows_read(t: torch.Tensor, rows: torch.Tensor | None) -> float:
 
 
 def _price_grouped_mm(record: OpRecord, args: Sequence) -> None:
+    from squad.kernels.grouped import mm_config
+
     a, a_rows, w, rows = args[0], args[1], args[2], args[8]
+    g, k, n = w.shape
     record.matmul = True
-    record.flops = 2.0 * rows * w.shape[1] * w.shape[2]
+    record.flops = 2.0 * rows * k * n
     record.bytes_read += _rows_read(a, a_rows) - _logical_bytes(a)
+    config = mm_config(k, n, a.dtype)
+    tiles_m, tiles_n = _row_tiles(rows, config["BLOCK_M"], g), -(-n // config["BLOCK_N"])
+    item = a.element_size()
+    record.reloads = _gemm_reloads(rows * k * item, g * k * n * item, rows * n * item, tiles_m, tiles_n, g,
+                                   _launch_group(config), _logical_bytes(a))
+    record.programs = tiles_m * tiles_n
 
 
 def _price_grouped_wgrad(record: OpRecord, args: Sequence) -> None:
-    a, a_rows, b, b_rows = args[0], args[1], args[2], args[3]
+    """One program per (group, dW tile) loops over its group's rows: A's K slice is read once per N tile, B's N
+    slice once per K tile. The grid is (groups, dW tiles), groups first: between two reads of a slice every group's
+    rows pass for one dW tile (A's slice again after one such pass, B's after a row of N tiles)."""
+    from squad.kernels.grouped import wgrad_config
+
+    a, a_rows, b, b_rows, ends = args[0], args[1], args[2], args[3], args[5]
     rows = (a_rows if a_rows is not None else a).shape[0]
+    k, n, g = a.shape[1], b.shape[1], ends.shape[0]
     record.matmul = True
-    record.flops = 2.0 * rows * a.shape[1] * b.shape[1]
+    record.flops = 2.0 * rows * k * n
     record.bytes_read += _rows_read(a, a_rows) - _logical_bytes(a) + _rows_read(b, b_rows) - _logical_bytes(b)
+    config = wgrad_config(k, n, a.dtype)
+    tiles_k, tiles_n = -(-k // config["BLOCK_K"]), -(-n // config["BLOCK_N"])
+    a_bytes, b_bytes = rows * k * a.element_size(), rows * n * b.element_size()
+    a_distinct, b_distinct = min(a_bytes, _logical_bytes(a)), min(b_bytes, _logical_bytes(b))
+    distinct = a_distinct / tiles_k + b_distinct / tiles_n
+    grouped = _launch_group(config) > 1  # a grouped order runs one group's dW tiles together
+    near = (a_distinct + b_distinct) / g  # one group's rows over every dW tile
+    record.reloads = [[a_bytes, float(tiles_n - 1), near if grouped else distinct],
+                      [b_bytes, float(tiles_k - 1), near if grouped else tiles_n * distinct]]
+    record.reloads = [r for r in record.reloads if r[1] > 0]
+    record.programs = g * tiles_k * tiles_n
 
 
 def _nested_groups(groups: Sequence[int]) -> list[tuple[int, int]]:
@@ -548,6 +650,17 @@ def _price_nested_linear(record: OpRecord, args: Sequence) -> None:
         touched = sum(n * width for n, width in groups) * residual.element_size()
         record.bytes_read += touched - _logical_bytes(residual)
         record.bytes_written += touched - _logical_bytes(residual)
+    # tiles: (row tiles, N tiles), row tiles first; an output projection's N tiles stop at each group's width
+    rows = sum(n for n, _ in groups)
+    block_n = config["BLOCK_N"]
+    tiles_n = (-(-n_out // block_n) if in_mode else
+               max(1, round(sum(n * -(-min(n_out, width) // block_n) for n, width in groups) / max(rows, 1))))
+    tiles_m = _row_tiles(rows, config["BLOCK_M"], len(groups))
+    a_bytes = sum(n * width for n, width in groups) * item if in_mode else rows * k * item
+    out_bytes = rows * n_out * item if in_mode else sum(n * width for n, width in groups) * item
+    record.reloads = _gemm_reloads(a_bytes, n_out * k * w.element_size(), out_bytes, tiles_m, tiles_n, 1,
+                                   _launch_group(config))
+    record.programs = tiles_m * tiles_n
 
 
 def _price_nested_norm(record: OpRecord, args: Sequence) -> None:
@@ -567,8 +680,38 @@ def _price_nested_mlp(record: OpRecord, args: Sequence) -> None:
     record.matmul = True
     if config is None:  # the op runs its reference there: price the useful work
         config = {"BLOCK_K": 1, "BLOCK_W": 1}
+        record.flops = nested_mlp_flops(groups, w1.shape[0], config)
+        record.bytes_written = sum(n * width for n, width in _nested_groups(groups)) * x.element_size()
+        return
     record.flops = nested_mlp_flops(groups, w1.shape[0], config)
-    record.bytes_written = sum(n * width for n, width in _nested_groups(groups)) * x.element_size()
+    sizes = _nested_groups(groups)
+    record.bytes_written = sum(n * width for n, width in sizes) * x.element_size()
+    d, hidden = x.shape[1], w1.shape[0]
+    # tiles: one program per row tile, each loading all of W1 and W2 (every hidden chunk): the weights re-read once
+    # per row tile, the next row tile's loads a weight pass later (2 · D · H elements; they stay in L2)
+    tiles_m = _row_tiles(sum(n for n, _ in sizes), config["BLOCK_M"], len(sizes))
+    w_bytes = 2.0 * d * hidden * w1.element_size()
+    record.reloads = [[w_bytes, float(tiles_m - 1), w_bytes]] if tiles_m > 1 else []
+    record.programs = tiles_m
+    record.cuda_core_ops = sum(n * nested_mlp_row_ops(width, d, hidden, config) for n, width in sizes)
+
+
+NORM_STATS_OPS = 6  # per feature, both statistics passes: convert, add (mean); convert, subtract, mask, FMA (variance)
+NORMALISE_OPS = 6  # per feature: convert, subtract, two multiplies and an add ((x - μ)·rstd·γ + β), round to 16 bits
+GELU_OPS = 23  # per hidden feature: bias add, exact GELU 0.5·x·(1 + erf(x/√2)) (erf ≈ 15 instructions), round
+RESIDUAL_OPS = 5  # per output feature: bias, residual load convert, scale FMA, round
+
+
+def nested_mlp_row_ops(width: int, d: int, hidden: int, config: dict) -> float:
+    """Element-wise operations the fused MoNE MLP kernel runs on CUDA cores for one token of width ``width``: the
+    norm statistics over all D features once, the normalisation of the token's first w features once per hidden
+    chunk (BLOCK_H wide; the kernel normalises as it loads each K tile of the first projection, whose loop runs once
+    per chunk), GELU on every hidden feature, the residual add of the w output features. A config that says
+    ``NORM_ONCE`` (normalised row kept across chunks) normalises once."""
+    k, block_w = config["BLOCK_K"], config["BLOCK_W"]
+    chunks = 1 if config.get("NORM_ONCE") else -(-hidden // config["BLOCK_H"])
+    return (NORM_STATS_OPS * d + NORMALISE_OPS * chunks * -(-width // k) * k + GELU_OPS * hidden
+            + RESIDUAL_OPS * -(-width // block_w) * block_w)
 
 
 def _price_row_norm(record: OpRecord, args: Sequence) -> None:
@@ -588,26 +731,62 @@ def _price_row_scatter_lerp(record: OpRecord, args: Sequence) -> None:
 def _price_head_select_mm(record: OpRecord, args: Sequence) -> None:
     """MoE attention's all-head GEMM (`squad.kernels.heads`): every head's product is computed (2·M·K·E·d) and only
     the selected heads written; each operand read once (the slot map, the gates and the compact rows too)."""
-    a, w = args[0], args[1]
+    from squad.kernels.heads import select_config
+
+    a, w, slots = args[0], args[1], args[2]
     record.matmul = True
     record.flops = 2.0 * a.shape[0] * a.shape[1] * w.shape[0] * w.shape[2]
+    # grid (row tiles, heads), row tiles first: the input re-read once per head
+    m, e = a.shape[0], w.shape[0]
+    config = select_config(w.shape[1], w.shape[2], a.dtype)
+    item = a.element_size()
+    tiles_m = -(-m // config["BLOCK_M"])
+    out_bytes = _logical_bytes(slots) + m * args[3] * w.shape[2] * item
+    record.reloads = _gemm_reloads(m * a.shape[1] * item, _logical_bytes(w), out_bytes, tiles_m, e, e,
+                                   _launch_group(config))
+    record.programs = tiles_m * e
 
 
 def _price_head_gather_mm(record: OpRecord, args: Sequence) -> None:
     """The GEMM over the virtual [M, E·d] operand (2·M·E·d·N, plus 2·M·K2·N for the dense second operand): the
     compact [M, k, d] rows read once."""
-    c, w, a2 = args[0], args[3], args[4]
+    from squad.kernels.heads import gather_config
+
+    c, slots, gates, w, a2, w2 = args[0], args[1], args[2], args[3], args[4], args[5]
     record.matmul = True
     record.flops = 2.0 * c.shape[0] * w.shape[0] * w.shape[1] * w.shape[2]
     if a2 is not None:
         record.flops += 2.0 * a2.shape[0] * a2.shape[1] * w.shape[2]
+    # grid (row tiles, N tiles), row tiles first: a row tile's compact rows, slots, gates and a2 once per N tile
+    m, n = c.shape[0], w.shape[2]
+    config = gather_config(n, w.shape[1], a2.shape[1] if a2 is not None else 16, c.dtype)
+    rows_bytes = _distinct_bytes([c, slots, gates, a2])
+    weights = _distinct_bytes([w, w2])
+    tiles_m, tiles_n = -(-m // config["BLOCK_M"]), -(-n // config["BLOCK_N"])
+    record.reloads = _gemm_reloads(rows_bytes, weights, m * n * c.element_size(), tiles_m, tiles_n, 1,
+                                   _launch_group(config))
+    record.programs = tiles_m * tiles_n
 
 
 def _price_head_wgrad(record: OpRecord, args: Sequence) -> None:
     """The weight gradient through the virtual operand: 2·M·E·d·N."""
-    c, b, heads = args[0], args[3], args[4]
+    from squad.kernels.heads import wgrad_config
+
+    c, slots, gates, b, heads = args[0], args[1], args[2], args[3], args[4]
     record.matmul = True
     record.flops = 2.0 * c.shape[0] * heads * c.shape[2] * b.shape[1]
+    # grid (heads, N tiles), heads first; each program loops over every row: b's N slice is read once per head (the
+    # heads of one N tile run side by side: an N slice of b apart), the compact rows and slots once per N tile (a
+    # pass over every head apart)
+    n = b.shape[1]
+    config = wgrad_config(n, c.shape[2], c.dtype)
+    tiles_n = -(-n // config["BLOCK_N"])
+    rows_bytes, b_bytes = _distinct_bytes([c, slots, gates]), _logical_bytes(b)
+    one_pass = rows_bytes + b_bytes / tiles_n
+    record.reloads = [[b_bytes, float(heads - 1), b_bytes / tiles_n + rows_bytes / heads]]
+    if tiles_n > 1:
+        record.reloads.append([rows_bytes, float(tiles_n - 1), one_pass])
+    record.programs = heads * tiles_n
 
 
 SQUAD_OPS: dict[str, Callable[[OpRecord, Sequence], None]] = {

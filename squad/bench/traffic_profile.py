@@ -1,6 +1,11 @@
 """The traffic profile of `tools/bench.py` (``--only traffic``): what each routed layer asks of a GPU, against its
 dense twin, counted on the CPU (`squad.bench.traffic`, the CUDA path, meta tensors at full size, bf16) and priced
-by the H100 cost model (`squad.bench.costmodel`, a MODEL fitted to what an H100 measured).
+by the H100 kernel model (`squad.bench.costmodel.KernelModel`, a MODEL: each kernel at the rate of what runs it, its
+tiles' loads through an L2 model, a wave term, CUDA-core work; low / central / high from its constants' ranges).
+
+Each layer and its twin run on inputs of their own (no gradient accumulates from one into the other), and the twins
+are recorded with the fusions a dense layer has (`squad.bench.twins`: cuBLASLt's bias + GELU epilogues both ways, as
+the routed kernels fuse bias, GELU and gate).
 
 Layers, at the GPU rows' shapes (DESIGN.md "Traffic contract"):
 
@@ -14,9 +19,10 @@ Layers, at the GPU rows' shapes (DESIGN.md "Traffic contract"):
   SDPA without scores.
 
 Each layer gives three rows: bytes moved over the twin's (targets ≤ 1.6 for MoE MLP and MoE attention, ≤ 0.6 for
-MoNE), the modelled H100 time over the twin's (a speed-up for MoD and MoNE: targets as the GPU contract's), and host
-syncs plus atomic ops writing ≥ 1 MB (target 0). Every count (kernels, syncs, atomics, GFLOP, GB, modelled ms, for
-the layer and its twin) is in the rows' details; `format_traffic` prints them as one table.
+MoNE), the modelled H100 time over the twin's, central (a speed-up for MoD and MoNE: targets as the GPU contract's;
+low and high in ``details["model_ratio"]``), and host syncs plus atomic ops writing ≥ 1 MB (target 0). Every count
+(kernels, syncs, atomics, GFLOP, GB, tile-level GB, DRAM GB, modelled ms low / central / high, for the layer and its
+twin) is in the rows' details; `format_traffic` prints them as one table.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from squad.timing import BenchResult, check
 
 from . import costmodel
 from .traffic import Traffic, record
+from .twins import fuse_dense
 
 BF16 = torch.bfloat16
 META = torch.device("meta")
@@ -78,15 +85,18 @@ def _blocks() -> dict[str, tuple[Callable[[], None], Callable[[], None]]]:
     cfg = _config("modsquad_vit_b")
     tasks, images = len(cfg.head_configs()), 12
     torch.manual_seed(0)
+    def tokens() -> torch.Tensor:  # each layer and each twin its own input: no gradient accumulates into another's
+        return torch.randn(images * tasks, cfg.num_tokens, cfg.embed_dim, dtype=BF16, requires_grad=True)
+
     with META:
-        x = torch.randn(images * tasks, cfg.num_tokens, cfg.embed_dim, dtype=BF16, requires_grad=True)
         moe = MoEMlp(cfg.embed_dim, cfg.moe_hidden(), cfg.moe, tasks).to(BF16)
-        dense = Mlp(cfg.embed_dim, cfg.moe.top_k * cfg.moe_hidden()).to(BF16)
+        dense = fuse_dense(Mlp(cfg.embed_dim, cfg.moe.top_k * cfg.moe_hidden()).to(BF16))
         moa = MoEAttention(cfg.embed_dim, cfg.moa, tasks, cfg.qkv_bias).to(BF16)
-        mqa = MultiQueryAttention(cfg.embed_dim, cfg.moa.top_k, cfg.moa.head_dim).to(BF16)
+        mqa = fuse_dense(MultiQueryAttention(cfg.embed_dim, cfg.moa.top_k, cfg.moa.head_dim).to(BF16))
+        inputs = [tokens() for _ in range(4)]
     ctx = _segment_context(images, tasks, META)
-    return {"moe_mlp": (_fwd_bwd(lambda x: moe(x, ctx()), x), _fwd_bwd(dense, x)),
-            "moa": (_fwd_bwd(lambda x: moa(x, ctx()), x), _fwd_bwd(mqa, x))}
+    return {"moe_mlp": (_fwd_bwd(lambda x: moe(x, ctx()), inputs[0]), _fwd_bwd(dense, inputs[1])),
+            "moa": (_fwd_bwd(lambda x: moa(x, ctx()), inputs[2]), _fwd_bwd(mqa, inputs[3]))}
 
 
 def _inference(name: str, images: int = 256, size: int = 224) -> tuple[Callable[[], None], Callable[[], None]]:
@@ -96,7 +106,7 @@ def _inference(name: str, images: int = 256, size: int = 224) -> tuple[Callable[
         model = _build(name, [f"model.img_size={size}"]).to(BF16).eval()
         if name == "mone_vit_s":
             model.set_mone_capacity(0.3)
-        dense = _dense_vit_s(size).to(BF16)
+        dense = fuse_dense(_dense_vit_s(size).to(BF16))
         x = torch.randn(images, 3, size, size, dtype=BF16)
     task = model.task_names[0]
 
@@ -143,22 +153,33 @@ LAYERS = [
 ]
 
 
-def _counts(t: Traffic, model: costmodel.CostModel) -> dict:
+def _counts(t: Traffic) -> dict:
     counts = t.totals()
+    central = costmodel.KernelModel.at()
     counts["large_atomics"] = sum(r.atomic and r.bytes_written >= LARGE_ATOMIC_BYTES for r in t.records)
-    counts["model_ms"] = model.seconds(t.records) * 1e3
-    counts["model_breakdown_ms"] = model.breakdown(t.records)
+    counts["tile_gbytes"] = sum(r.tile_bytes for r in t.records) / 1e9
+    counts["dram_gbytes"] = sum(central.dram_bytes(r) for r in t.records) / 1e9
+    counts["model_ms"] = costmodel.time_range(t.records)
+    counts["model_breakdown_ms"] = central.breakdown(t.records)
+    counts["by_kind_ms"] = {kind: central.seconds([r for r in t.records if r.kind == kind]) * 1e3
+                            for kind in sorted({r.kind for r in t.records})}
     return counts
 
 
-def profile_layer(layer: Layer, model: costmodel.CostModel = costmodel.FITTED) -> list[BenchResult]:
-    """The three rows of one layer (module docstring), every count in their details."""
+def profile_layer(layer: Layer) -> list[BenchResult]:
+    """The three rows of one layer (module docstring), every count in their details; the time row's value is the
+    central modelled ratio, its ``details["model_ratio"]`` the low / central / high (`costmodel.ratio_range`)."""
     run, twin_run = layer.build()
-    mine, twin = _counts(record(run), model), _counts(record(twin_run), model)
+    mine_t, twin_t = record(run), record(twin_run)
+    mine, twin = _counts(mine_t), _counts(twin_t)
+    ratio = (costmodel.ratio_range(twin_t.records, mine_t.records) if layer.speedup
+             else costmodel.ratio_range(mine_t.records, twin_t.records))
     details = {"name": layer.name, "layer": mine, "twin": twin, "twin_name": layer.twin, "gpu_case": layer.gpu_case,
-               "dtype": "bfloat16", "path": "cuda (recorded on meta)", "model": model.as_dict()}
+               "dtype": "bfloat16", "path": "cuda (recorded on meta)", "model_ratio": ratio,
+               "model": costmodel.KernelModel.at().as_dict(),
+               "constants": {name: dataclasses.asdict(c) for name, c in costmodel.CONSTANTS.items()}}
     byte_ratio = mine["gbytes"] / twin["gbytes"]
-    time_ratio = (twin["model_ms"] / mine["model_ms"]) if layer.speedup else (mine["model_ms"] / twin["model_ms"])
+    time_ratio = ratio["central"]
     bad = mine["host_syncs"] + mine["large_atomics"]
     return [
         BenchResult(f"traffic_{layer.name}_bytes_vs_{layer.twin}", byte_ratio, layer.bytes_target, "x bytes",
@@ -188,35 +209,56 @@ def predictions(rows: Sequence[BenchResult]) -> dict[str, dict]:
     for r in rows:
         gpu = r.details.get("gpu_case")
         if gpu and "(H100 model)" in r.unit:
-            out[gpu] = {"modelled": r.value, "traffic_row": r.case, "unit": r.unit}
+            ratio = r.details["model_ratio"]
+            out[gpu] = {"modelled": r.value, "low": ratio["low"], "high": ratio["high"], "traffic_row": r.case,
+                        "unit": r.unit}
     return out
 
 
 def format_traffic(rows: Sequence[BenchResult]) -> str:
     """The traffic rows as one wide table: each layer and its twin with kernels, syncs, atomics (all, and those
-    writing ≥ 1 MB), GFLOP, GB and modelled ms, then the ratios (layer / twin) and each target's figure and verdict
-    (MoD and MoNE: the modelled speed-up, twin / layer)."""
+    writing >= 1 MB), GFLOP, GB (each operand once), tile GB (what the tiles load with no cache), DRAM GB (the tiles'
+    loads through the central L2 model) and modelled ms (low / central / high), then the ratios (layer / twin) and
+    each target's figure with its range and verdict (MoD and MoNE: the modelled speed-up, twin / layer)."""
     head = (f"{'layer (vs dense twin)':<26}{'kernels':>8}{'syncs':>6}{'atomics':>8}{'big atom':>9}{'GFLOP':>9}"
-            f"{'GB':>7}{'model ms':>10}  targets")
+            f"{'GB':>7}{'tile GB':>8}{'DRAM GB':>8}{'model ms low/central/high':>27}  targets")
     lines = [head, "-" * (len(head) + 40)]
     groups: dict[str, list[BenchResult]] = {}
     for r in rows:
-        if "layer" in r.details and "name" in r.details:
+        if "layer" in r.details and "model_ratio" in r.details:
             groups.setdefault(r.details["name"], []).append(r)
+
+    def ms(c: dict) -> str:
+        m = c["model_ms"]
+        return f"{m['low']:.2f} / {m['central']:.2f} / {m['high']:.2f}"
+
     for name, group in groups.items():
         layer, twin = group[0].details["layer"], group[0].details["twin"]
         for label, c in ((name, layer), (f"  {group[0].details['twin_name']}", twin)):
             lines.append(f"{label:<26}{c['kernels']:>8}{c['host_syncs']:>6}{c['atomics']:>8}{c['large_atomics']:>9}"
-                         f"{c['gflop']:>9.1f}{c['gbytes']:>7.2f}{c['model_ms']:>10.2f}")
-        ratio = [layer[k] / twin[k] if twin[k] else float("nan") for k in ("kernels", "gflop", "gbytes", "model_ms")]
-        verdicts = "; ".join(f"{_short(r)} {r.value:.2f} (target {r.target}) {'yes' if r.ok else 'NO'}"
-                             for r in group if r.target)
+                         f"{c['gflop']:>9.1f}{c['gbytes']:>7.2f}{c['tile_gbytes']:>8.2f}{c['dram_gbytes']:>8.2f}"
+                         f"{ms(c):>27}")
+        ratio = [layer[k] / twin[k] if twin[k] else float("nan")
+                 for k in ("kernels", "gflop", "gbytes", "tile_gbytes", "dram_gbytes")]
+        model = group[0].details["model_ratio"]
+        verdicts = "; ".join(_verdict(r) for r in group if r.target)
         lines.append(f"{'  ratio':<26}{ratio[0]:>8.2f}{'':>6}{'':>8}{'':>9}{ratio[1]:>9.2f}{ratio[2]:>7.2f}"
-                     f"{ratio[3]:>10.2f}  {verdicts}")
-    model = next((g[0].details["model"] for g in groups.values()), None)  # other cases' "model" is a config name
-    if model is not None:
-        lines.append("model ms = " + costmodel.CostModel(**model).describe() + " (a MODEL, not a measurement)")
+                     f"{ratio[3]:>8.2f}{ratio[4]:>8.2f}"
+                     f"{model['low']:>11.2f} / {model['central']:.2f} / {model['high']:.2f}  {verdicts}")
+    if groups:
+        lines.append("model ms = H100 kernel model (squad.bench.costmodel.KernelModel; a MODEL, not a measurement), "
+                     "central: " + costmodel.KernelModel.at().describe())
+        lines.append("low / high: every constant at the end of its range that lowers / raises the time (for ratios: "
+                     "the ratio); the ranges and their sources are in squad/bench/costmodel.py CONSTANTS")
     return "\n".join(lines)
+
+
+def _verdict(row: BenchResult) -> str:
+    ok = "yes" if row.ok else "NO"
+    if "(H100 model)" in row.unit:
+        r = row.details["model_ratio"]
+        return f"{_short(row)} {row.value:.2f} [{r['low']:.2f}-{r['high']:.2f}] (target {row.target}) {ok}"
+    return f"{_short(row)} {row.value:.2f} (target {row.target}) {ok}"
 
 
 def _short(row: BenchResult) -> str:

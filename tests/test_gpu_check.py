@@ -48,17 +48,20 @@ def test_measured_rows_are_joined_with_the_modelled_figures():
         {"case": "attention_fwd_bwd_n197_vs_sdpa", "value": 1.01, "unit": "x time", "target": "<= 1.02", "ok": True,
          "details": {}},
     ]
-    predicted = {"moe_mlp_fwd_bwd_vs_dense_gpu": {"modelled": 2.5, "traffic_row": "x", "unit": "x time (H100 model)"}}
+    predicted = {"moe_mlp_fwd_bwd_vs_dense_gpu": {"modelled": 2.5, "low": 1.5, "high": 3.5, "traffic_row": "x",
+                                                  "unit": "x time (H100 model)"}}
     traffic = [{"case": "traffic_moe_mlp_bytes_vs_dense_mlp", "details": {
-        "gpu_case": "moe_mlp_fwd_bwd_vs_dense_gpu", "layer": {"model_ms": 5.0}, "twin": {"model_ms": 2.0}}}]
+        "gpu_case": "moe_mlp_fwd_bwd_vs_dense_gpu", "layer": {"model_ms": {"low": 4.0, "central": 5.0, "high": 6.0}},
+        "twin": {"model_ms": {"low": 1.0, "central": 2.0, "high": 3.0}}}}]
     moe, attention = gpucheck.join_predictions(measured, predicted, traffic)
     assert moe["modelled"] == 2.5 and moe["model_error"] == pytest.approx(0.25)
+    assert (moe["modelled_low"], moe["modelled_high"], moe["inside"]) == (1.5, 3.5, True)
     assert moe["measured_ms"] == (4.0, 2.0) and moe["modelled_ms"] == (5.0, 2.0)
     assert attention["modelled"] is None and attention["model_error"] is None
     report = gpucheck.assemble({"bench": {"status": "ok", "joined": [moe, attention], "wall_s": 3.0}},
                                {"gpu": "NVIDIA H100 80GB HBM3", "commit": "abc"}, 3.0)
     md = gpucheck.markdown(report)
-    assert "NVIDIA H100" in md and "| moe_mlp_fwd_bwd_vs_dense_gpu | 2.000 | 2.500 | +25 % |" in md
+    assert "NVIDIA H100" in md and "| moe_mlp_fwd_bwd_vs_dense_gpu | 2.000 | 2.500 | 1.50–3.50 (inside) | +25 % |" in md
     assert "| 4.00 / 2.00 | 5.00 / 2.00 |" in md
 
 

@@ -123,21 +123,28 @@ def join_predictions(measured: Sequence[dict], predicted: dict[str, dict], traff
         traffic: the traffic rows, for the modelled milliseconds of candidate and baseline.
 
     Returns:
-        One dict per measured row: ``case``, ``unit``, ``target``, ``ok``, ``measured``, ``modelled`` (None where
-        nothing is predicted), ``model_error`` (modelled / measured − 1), and measured / modelled milliseconds of
-        candidate and baseline where both exist.
+        One dict per measured row: ``case``, ``unit``, ``target``, ``ok``, ``measured``, ``modelled`` (central; None
+        where nothing is predicted) with ``modelled_low`` / ``modelled_high`` (the model's range) and ``inside``
+        (the measured figure within it), ``model_error`` (modelled / measured − 1), and measured / modelled (central)
+        milliseconds of candidate and baseline where both exist.
     """
+    def central(ms):  # the kernel model's {low, central, high}, or one figure
+        return ms["central"] if isinstance(ms, dict) else ms
+
     modelled_ms = {}
     for t in traffic:
         layer, twin = t["details"].get("layer"), t["details"].get("twin")
         if layer is not None and t["details"].get("gpu_case"):
-            modelled_ms[t["details"]["gpu_case"]] = (layer["model_ms"], twin["model_ms"])
+            modelled_ms[t["details"]["gpu_case"]] = (central(layer["model_ms"]), central(twin["model_ms"]))
     out = []
     for r in measured:
         p = predicted.get(r["case"])
         value, model = r["value"], p["modelled"] if p else None
         entry = {"case": r["case"], "unit": r["unit"], "target": r["target"], "ok": r["ok"], "measured": value,
                  "modelled": model, "model_error": (model / value - 1) if model is not None and value else None}
+        if p and "low" in p:
+            entry.update(modelled_low=p["low"], modelled_high=p["high"],
+                         inside=bool(value is not None and p["low"] <= value <= p["high"]))
         d = r.get("details", {})
         if "candidate_s" in d and r["case"] in modelled_ms:
             cand, base = modelled_ms[r["case"]]
@@ -304,15 +311,17 @@ def markdown(report: dict) -> str:
     joined = stages.get("bench", {}).get("joined")
     if joined:
         lines += ["", "## GPU rows, measured beside the H100 cost model (a MODEL: squad.bench.costmodel)", "",
-                  "| case | measured | modelled | model error | target | ok | ms measured (cand / base) | "
-                  "ms modelled |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "| case | measured | modelled | model range | model error | target | ok | "
+                  "ms measured (cand / base) | ms modelled |", "|" + " --- |" * 9]
         for j in joined:
             ms = " / ".join(f"{v:.2f}" for v in j["measured_ms"]) if "measured_ms" in j else "—"
             model_ms = " / ".join(f"{v:.2f}" for v in j["modelled_ms"]) if "modelled_ms" in j else "—"
             err = f"{j['model_error'] * 100:+.0f} %" if j["model_error"] is not None else "—"
             ok = "" if j["ok"] is None else ("yes" if j["ok"] else "NO")
-            lines.append(f"| {j['case']} | {_fmt(j['measured'])} | {_fmt(j['modelled'])} | {err} | {j['target']} | "
-                         f"{ok} | {ms} | {model_ms} |")
+            span = (f"{j['modelled_low']:.2f}–{j['modelled_high']:.2f} ({'inside' if j['inside'] else 'OUTSIDE'})"
+                    if "modelled_low" in j else "—")
+            lines.append(f"| {j['case']} | {_fmt(j['measured'])} | {_fmt(j['modelled'])} | {span} | {err} | "
+                         f"{j['target']} | {ok} | {ms} | {model_ms} |")
     rows = stages.get("step", {}).get("rows")
     if rows:
         lines += ["", "## Training step (13 tasks, AdamW, bf16)", "", "| case | value | unit | MFU | peak GiB |",

@@ -205,6 +205,10 @@ def test_fused_twins_equal_the_plain_layers_and_record_the_epilogue_kernels():
     assert first.bytes_read == 8 * (t * d + hidden * d + hidden) and first.bytes_written == 8 * 2 * t * hidden
     assert all(r.kind == "gemm" and r.flops == 2 * t * d * hidden for r in recording.records)
     torch.testing.assert_close(fused(x), ref)  # no recorder: the plain module
+    with torch.no_grad():
+        inference = record_traffic(lambda: fused(x))
+    assert [r.op for r in inference.records] == ["cublaslt_gemm_bias_gelu", "cublaslt_gemm_bias"]
+    assert inference.records[0].bytes_written == 8 * t * hidden  # no pre-activation kept
 
     mqa = MultiQueryAttention(d, 2, 4).double()
     x2 = torch.randn(2, 5, d, dtype=torch.float64)

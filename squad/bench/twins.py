@@ -33,8 +33,7 @@ def _rows(x: torch.Tensor) -> int:
 
 class _MlpFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w1, b1, w2, b2, recorder):
-        training = any(ctx.needs_input_grad[:5])
+    def forward(ctx, x, w1, b1, w2, b2, recorder, training):
         with recorder.paused():
             pre = F.linear(x, w1, b1)
             h = F.gelu(pre)
@@ -65,7 +64,7 @@ class _MlpFunction(torch.autograd.Function):
         recorder.launch("cublaslt_gemm_dgelu_bgrad", [dy, w2, pre], [dpre, db1], flops, kind="gemm")
         recorder.launch("cublas_gemm_wgrad", [dpre, x], [dw1], flops, kind="gemm")
         recorder.launch("cublas_gemm_dgrad", [dpre, w1], [dx], flops, kind="gemm")
-        return dx, dw1, db1, dw2, db2, None
+        return dx, dw1, db1, dw2, db2, None, None
 
 
 class _LinearFunction(torch.autograd.Function):
@@ -107,7 +106,9 @@ class FusedMlp(nn.Module):
         if recorder is None:
             return self.mlp(x)
         fc1, fc2 = self.mlp.fc1, self.mlp.fc2
-        return _MlpFunction.apply(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, recorder)
+        params = (x, fc1.weight, fc1.bias, fc2.weight, fc2.bias)
+        training = torch.is_grad_enabled() and any(t.requires_grad for t in params)  # keep the pre-activation
+        return _MlpFunction.apply(*params, recorder, training)
 
 
 class FusedLinear(nn.Module):

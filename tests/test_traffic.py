@@ -221,8 +221,9 @@ def test_what_squads_gemm_tiles_load_is_read_from_their_tile_config(monkeypatch)
                                                    False, False)).records
         return rec
 
+    cfg = {key: v for key, v in grouped.mm_config(k, n, torch.bfloat16).items() if key not in ("GROUP_M", "order")}
+    monkeypatch.setattr(grouped, "mm_config", lambda *args: cfg)  # the plain walk: every row tile, one N tile a time
     plain = launch()
-    cfg = grouped.mm_config(k, n, torch.bfloat16)
     tiles_m, tiles_n = rows // cfg["BLOCK_M"] + g - 1, n // cfg["BLOCK_N"]
     assert plain.kind == "squad_gemm" and plain.programs == tiles_m * tiles_n
     gathered = rows * k * 2  # every routed row, as its tiles read it
@@ -232,7 +233,7 @@ def test_what_squads_gemm_tiles_load_is_read_from_their_tile_config(monkeypatch)
     assert (w_size, w_extra) == (g * k * n * 2, (tiles_m - g) / g)
     assert plain.tile_bytes == plain.bytes + gathered * (tiles_n - 1) + w_size * w_extra
 
-    monkeypatch.setattr(grouped, "mm_config", lambda *args: {**cfg, "GROUP_M": 8})
+    monkeypatch.setattr(grouped, "mm_config", lambda *args: {**cfg, "GROUP_M": 8, "order": "grouped"})
     swizzled = launch()
     assert swizzled.tile_bytes == plain.tile_bytes and swizzled.reloads[0][2] < distance / 10
     small_l2 = dataclasses.replace(KernelModel.at(), l2_mb=distance / 2e6, l2_retention=0.0)

@@ -535,34 +535,42 @@ def record(fn: Callable[[], object], cuda_path: bool = True) -> Traffic:
 # rows' input once per N tile of the output and its weight tile once per row tile; ``program_id(0)`` is the fastest
 # index of the launch order (CUDA starts blocks in linear order, x first), so with the row tiles on axis 0 the
 # input is re-read one whole pass over every row tile later, unless the config names a grouped launch order
-# (``GROUP_M``, Triton's L2-swizzled matmul: GROUP_M row tiles run over every N tile before the next rows start),
-# which re-reads it GROUP_M row tiles later.
+# (``order: "grouped"`` with ``GROUP_M``, Triton's L2-swizzled matmul: GROUP_M row tiles run over every N tile
+# before the next rows start; ``"heads_inner"``: a row tile's heads run one after another), which re-reads it a few
+# row tiles later.
 
 
-def _launch_group(config: dict) -> int:
-    """Row tiles a grouped (L2-swizzled) launch order runs together over every N tile (the config's ``GROUP_M`` or
-    ``GROUP_SIZE_M``); 1: the row tiles of one N tile all run before the next N tile's."""
-    return int(config.get("GROUP_M") or config.get("GROUP_SIZE_M") or 1)
+def _launch_group(config: dict) -> int | None:
+    """Row tiles a grouped launch order runs together over every N tile (or every head): the config's ``GROUP_M``
+    under ``order: "grouped"`` (or any GROUP_M > 1), 1 under ``"heads_inner"``; None for the plain walk (the row tiles
+    of one N tile all run before the next N tile's)."""
+    order, group = config.get("order"), int(config.get("GROUP_M") or 1)
+    if order == "heads_inner":
+        return 1
+    if order == "grouped" or group > 1:
+        return group
+    return None
 
 
 def _gemm_reloads(a_bytes: float, w_bytes: float, out_bytes: float, tiles_m: int, tiles_n: int, weights: int,
-                  group_m: int, a_distinct: float | None = None) -> list[list[float]]:
+                  group_m: int | None, a_distinct: float | None = None) -> list[list[float]]:
     """Re-reads of a GEMM launched on a (row tiles, N tiles) grid, row tiles first: the input (``a_bytes`` as its
     tiles read it, ``a_distinct`` the distinct bytes behind them when rows are gathered) once per N tile past the
     first; each of ``weights`` weights (one per expert or head; a dense weight is 1) once per row tile past its
     first. Reuse distances, in distinct bytes (what decides whether a line is still in L2): the row-tile walk
     touches the whole input, an N tile's share of the weights and of the output between two reads of the same
-    input rows; a grouped walk touches GROUP_M row tiles' inputs and outputs and one weight."""
+    input rows; a grouped walk (``group_m`` row tiles) touches those row tiles' inputs and outputs and one weight."""
     a_distinct = a_bytes if a_distinct is None else min(a_bytes, a_distinct)
-    group = min(max(group_m, 1), tiles_m)
+    grouped = group_m is not None
+    group = min(max(group_m or 1, 1), tiles_m)
     swept = (a_distinct + out_bytes) * group / tiles_m + w_bytes / weights  # a row-tile group over every N tile
     out = []
     if tiles_n > 1:
         far = a_distinct + (w_bytes + out_bytes) / tiles_n
-        out.append([a_bytes, float(tiles_n - 1), swept if group > 1 else far])
+        out.append([a_bytes, float(tiles_n - 1), swept if grouped else far])
     if tiles_m > weights:
         near = (a_bytes + out_bytes / tiles_n) / tiles_m + w_bytes / weights / tiles_n  # the next row tile's
-        out.append([w_bytes, (tiles_m - weights) / weights, swept if group > 1 else near])
+        out.append([w_bytes, (tiles_m - weights) / weights, swept if grouped else near])
     return out
 
 
@@ -611,7 +619,7 @@ def _price_grouped_wgrad(record: OpRecord, args: Sequence) -> None:
     a_bytes, b_bytes = rows * k * a.element_size(), rows * n * b.element_size()
     a_distinct, b_distinct = min(a_bytes, _logical_bytes(a)), min(b_bytes, _logical_bytes(b))
     distinct = a_distinct / tiles_k + b_distinct / tiles_n
-    grouped = _launch_group(config) > 1  # a grouped order runs one group's dW tiles together
+    grouped = _launch_group(config) is not None  # a grouped order runs one group's dW tiles together
     near = (a_distinct + b_distinct) / g  # one group's rows over every dW tile
     record.reloads = [[a_bytes, float(tiles_n - 1), near if grouped else distinct],
                       [b_bytes, float(tiles_k - 1), near if grouped else tiles_n * distinct]]

@@ -13,8 +13,12 @@
 - engine.py: the training engine's step and whole run against bare steps (CPU time, the reproduction's widths).
 - traffic.py: `TrafficRecorder`: every launched op's kernels, FLOPs, bytes, host syncs, atomics, counted on any device.
 - cuda_path.py: what makes a CPU or meta recording follow CUDA's path (forced algorithm, fused SDPA, Triton launches).
-- traffic_profile.py: the ``traffic`` case: the routed layers against their dense twins, counted and priced.
-- costmodel.py: the H100 cost model that prices a recording (a model, fitted to measured runs).
+- flops.py: attention FLOP counts, shared by the recorder and its CUDA path (below both: no import circle).
+- traffic_profile.py: the ``traffic`` case: the routed layers against their dense twins, counted and priced;
+  twins.py: the dense twins recorded with cuBLASLt's fused epilogues.
+- costmodel.py: the H100 cost models that price a recording: the kernel model (each kernel at the rate of what runs
+  it, tile re-reads through L2, waves, CUDA-core work; low / central / high from its constants' ranges) and the model
+  fitted to measured runs.
 - calibrate.py: the model's calibration on 84de653's code (``tools/bench.py --fit-traffic``); legacy.py: the script
   that records that commit's cases in its own process.
 - gpucheck.py: ``make gpu-check``: the GPU tests, GPU rows beside the model, train steps, a DeepSpeed run.

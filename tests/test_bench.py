@@ -44,7 +44,8 @@ def test_every_case_at_quick_sizes_in_one_run(tmp_path):
     and the traffic table reach stdout, the JSON goes where --json says and nothing else is written where it runs."""
     work, out = tmp_path / "work", tmp_path / "out" / "all.json"
     work.mkdir()
-    proc = run_tool("--quick", "--json", str(out), cwd=work)
+    proc = run_command([sys.executable, str(TOOL), "--quick", "--json", str(out)], work, tool_env(),
+                       1200)  # ~2.5 min of CPU; 11 min on a 2-core machine at load 14
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "ERROR" not in proc.stdout and "traffic profile" in proc.stdout
     rows = json.loads(out.read_text())["results"]

@@ -83,9 +83,10 @@ def test_profile_rows_counts_and_table():
         for r in rows:
             ms = r.details[side]["model_ms"]
             assert 0 < ms["low"] <= ms["central"] <= ms["high"]
-    moe_kinds = moe["by_kind_ms"]
-    assert moe_kinds["squad_gemm"] > 0 and "squad_gemm" not in dense["by_kind_ms"]  # Triton GEMMs: their own rate
-    assert moe["tile_gbytes"] > 3 * moe["gbytes"] >= moe["dram_gbytes"] / 3  # the row tiles re-read the input
+    triton = by_case["traffic_moe_mlp_triton_bytes_vs_dense_mlp"].details["layer"]
+    assert triton["by_kind_ms"]["squad_gemm"] > 0 and "squad_gemm" not in dense["by_kind_ms"]  # their own rate
+    assert moe["by_kind_ms"]["grouped_gemm"] > 0  # auto: the library's grouped GEMM until a GPU has measured
+    assert triton["tile_gbytes"] > 3 * triton["gbytes"]  # the Triton kernels' tiles re-read their inputs
     mone = by_case["traffic_mone_vit_s_bytes_vs_dense_vit_s"].details["layer"]
     assert mone["model_breakdown_ms"]["compute"] > 0
     table = traffic_profile.format_traffic(rows)
@@ -93,7 +94,7 @@ def test_profile_rows_counts_and_table():
         assert layer.name in table and layer.twin in table
     assert "a MODEL" in table and "low/central/high" in table
     predicted = traffic_profile.predictions(rows)
-    assert set(predicted) == {layer.gpu_case for layer in traffic_profile.LAYERS}
+    assert set(predicted) == {layer.gpu_case for layer in traffic_profile.LAYERS if layer.gpu_case}
 
 
 @pytest.mark.slow

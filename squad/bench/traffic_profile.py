@@ -18,6 +18,10 @@ Layers, at the GPU rows' shapes (DESIGN.md "Traffic contract"):
 - ``attention_scores_n197`` / ``_n4096``: routed attention with A-MoD scores, forward, B 8 × H 12 × d 64, against
   SDPA without scores.
 
+``moe_mlp`` and ``mone_vit_s`` run the expert backend ``auto`` takes (``model.moe.kernel`` / ``model.mone.kernel``:
+the library op until a GPU has measured); ``moe_mlp_triton`` and ``mone_vit_s_triton`` the Triton kernels beside
+them (no targets: the targets are the auto backend's).
+
 Each layer gives three rows: bytes moved over the twin's (targets ≤ 1.6 for MoE MLP and MoE attention, ≤ 0.6 for
 MoNE), the modelled H100 time over the twin's, central (a speed-up for MoD and MoNE: targets as the GPU contract's;
 low and high in ``details["model_ratio"]``), and host syncs plus atomic ops writing ≥ 1 MB (target 0). Every count
@@ -75,7 +79,7 @@ def _fwd_bwd(module: Callable[..., torch.Tensor], x: torch.Tensor, *extra) -> Ca
     return run
 
 
-def _blocks() -> dict[str, tuple[Callable[[], None], Callable[[], None]]]:
+def _blocks(kernel: str = "auto") -> dict[str, tuple[Callable[[], None], Callable[[], None]]]:
     from squad.layers.mlp import Mlp
     from squad.layers.moe_attention import MoEAttention
     from squad.layers.moe_mlp import MoEMlp
@@ -85,11 +89,12 @@ def _blocks() -> dict[str, tuple[Callable[[], None], Callable[[], None]]]:
     cfg = _config("modsquad_vit_b")
     tasks, images = len(cfg.head_configs()), 12
     torch.manual_seed(0)
+
     def tokens() -> torch.Tensor:  # each layer and each twin its own input: no gradient accumulates into another's
         return torch.randn(images * tasks, cfg.num_tokens, cfg.embed_dim, dtype=BF16, requires_grad=True)
 
     with META:
-        moe = MoEMlp(cfg.embed_dim, cfg.moe_hidden(), cfg.moe, tasks).to(BF16)
+        moe = MoEMlp(cfg.embed_dim, cfg.moe_hidden(), dataclasses.replace(cfg.moe, kernel=kernel), tasks).to(BF16)
         dense = fuse_dense(Mlp(cfg.embed_dim, cfg.moe.top_k * cfg.moe_hidden()).to(BF16))
         moa = MoEAttention(cfg.embed_dim, cfg.moa, tasks, cfg.qkv_bias).to(BF16)
         mqa = fuse_dense(MultiQueryAttention(cfg.embed_dim, cfg.moa.top_k, cfg.moa.head_dim).to(BF16))
@@ -99,11 +104,12 @@ def _blocks() -> dict[str, tuple[Callable[[], None], Callable[[], None]]]:
             "moa": (_fwd_bwd(lambda x: moa(x, ctx()), inputs[2]), _fwd_bwd(mqa, inputs[3]))}
 
 
-def _inference(name: str, images: int = 256, size: int = 224) -> tuple[Callable[[], None], Callable[[], None]]:
+def _inference(name: str, images: int = 256, size: int = 224, overrides: Sequence[str] = ()
+               ) -> tuple[Callable[[], None], Callable[[], None]]:
     from .cases import _build, _dense_vit_s
 
     with META:
-        model = _build(name, [f"model.img_size={size}"]).to(BF16).eval()
+        model = _build(name, [f"model.img_size={size}", *overrides]).to(BF16).eval()
         if name == "mone_vit_s":
             model.set_mone_capacity(0.3)
         dense = fuse_dense(_dense_vit_s(size).to(BF16))
@@ -141,11 +147,14 @@ def _attention(tokens: int, batch: int = 8, heads: int = 12, head_dim: int = 64)
 LAYERS = [
     Layer("moe_mlp", "dense_mlp", lambda: _blocks()["moe_mlp"], "<= 1.6", "<= 1.3", False,
           "moe_mlp_fwd_bwd_vs_dense_gpu"),
+    Layer("moe_mlp_triton", "dense_mlp", lambda: _blocks("triton")["moe_mlp"], "", "", False, ""),
     Layer("moa", "mqa", lambda: _blocks()["moa"], "<= 1.6", "<= 1.4", False, "moa_fwd_bwd_vs_mqa_gpu"),
     Layer("mod_vit_s", "dense_vit_s", lambda: _inference("mod_vit_s"), "", ">= 1.6", True,
           "mod_vit_s_forward_vs_dense_gpu"),
     Layer("mone_vit_s", "dense_vit_s", lambda: _inference("mone_vit_s"), "<= 0.6", ">= 1.7", True,
           "mone_vit_s_forward_vs_dense_gpu"),
+    Layer("mone_vit_s_triton", "dense_vit_s", lambda: _inference("mone_vit_s", overrides=["model.mone.kernel=triton"]),
+          "", "", True, ""),
     Layer("attention_scores_n197", "sdpa", lambda: _attention(197), "", "<= 1.3", False,
           "attention_scores_fwd_n197_vs_sdpa"),
     Layer("attention_scores_n4096", "sdpa", lambda: _attention(4096), "", "<= 1.15", False,

@@ -237,3 +237,23 @@ def test_cpu_algorithm_ignores_the_backend():
     b = _run(experts, e, leaves, grad, torch.float32, "cpu", False, "triton")
     for x, y in zip(a, b, strict=True):
         assert torch.equal(x, y)
+
+
+def test_grouped_mm_backend_compiles_to_one_graph_in_bf16():
+    """The ``grouped_mm`` backend forward and backward under ``torch.compile(fullgraph=True)`` in bf16 (what the
+    library op's meta kernel takes) on the CUDA path: one graph with no host read, eager's outputs and gradients."""
+    experts, e, leaves, grad = _problem(CASES[1], 16, 24)
+
+    def step(x, w1, b1, w2, b2, gates):
+        plan = plan_dispatch(experts, e, host_sizes=False, noop=True)
+        return expert_mlp(x, w1, b1, w2, b2, gates, plan, "grouped_mm")
+
+    results = []
+    with force_cuda_path():
+        for fn in (step, torch.compile(step, backend="aot_eager", fullgraph=True)):  # the backward: AOT autograd's
+            ins = [v.to(torch.bfloat16).requires_grad_() for v in leaves]
+            y = fn(*ins)
+            results.append([y, *torch.autograd.grad(y, ins, grad.to(torch.bfloat16))])
+    torch._dynamo.reset()
+    for want, got in zip(*results, strict=True):
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)

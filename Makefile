@@ -45,7 +45,7 @@ bench: $(STAMP)
 
 # One GPU's check (GPU tests, GPU bench rows beside the H100 cost model, train steps, a 60-step DeepSpeed run; at most
 # 9 minutes on an H100): gpu_check.json and gpu_check.md in GPU_CHECK_OUT (default $$OUT/gpu-check, else
-# reports/gpu_check). No .venv is built: a lent GPU machine has its own python3 (README, "Training fast on GPUs").
+# reports/gpu_check). No .venv is built: a lent GPU machine has its own python3 (docs/gpu.md, "make gpu-check").
 GPU_PY = $(if $(wildcard $(PY)),$(PY),python3)
 gpu-check:
 	$(GPU_PY) tools/gpu_check.py $(if $(GPU_CHECK_OUT),--out $(GPU_CHECK_OUT))

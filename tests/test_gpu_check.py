@@ -19,7 +19,7 @@ WRITE = [sys.executable, "-c", "import json, sys; json.dump({{'status': 'ok', 's
 def test_without_a_gpu_the_check_refuses_before_it_starts(tmp_path, load_tool, capsys):
     assert load_tool("tools/gpu_check.py").main(["--out", str(tmp_path / "check")]) == 2
     err = capsys.readouterr().err
-    assert "needs a CUDA GPU" in err and "Training fast on GPUs" in err
+    assert "needs a CUDA GPU" in err and "docs/gpu.md" in err
     assert not (tmp_path / "check").exists()
 
 

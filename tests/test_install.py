@@ -62,3 +62,19 @@ def test_make_and_ci_install_the_exact_versions_of_constraints_txt():
 def test_the_running_torch_is_in_the_supported_range():
     running = Version(torch.__version__).base_version  # "2.14.1+cu130" → "2.14.1"
     assert _requirements()["torch"].specifier.contains(running), (running, _requirements()["torch"])
+
+
+def test_every_package_folder_installs():
+    """pyproject.toml lists every folder that installs (a package left out is missing from a wheel, as
+    squad.layers.parallel was; a config folder left out makes setuptools warn at every install)."""
+    setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    roots = {name: ROOT / path for name, path in setup["package-dir"].items()}
+    found = set()
+    for name, folder in roots.items():
+        for d in [folder, *(p for p in folder.rglob("*") if p.is_dir())]:
+            if d.name == "__pycache__" or not any(f.suffix in (".py", ".yaml") for f in d.iterdir()):
+                continue
+            found.add(".".join((name, *d.relative_to(folder).parts)))
+    assert found == set(setup["packages"]), (sorted(found - set(setup["packages"])),
+                                             sorted(set(setup["packages"]) - found))
+    assert all(f"squad.configs{sub}" in setup["package-data"] for sub in ("", ".model", ".taskonomy"))

@@ -245,7 +245,7 @@ print("all-reduce returned")
 
 # ---------------------------------------------------------------------------------- the batch script's decision
 def _batch_script() -> str:
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "operating.md").read_text()
     return re.search(r"```bash\n(#!/bin/bash\n#SBATCH.*?)```", text, re.S).group(1)
 
 
@@ -257,7 +257,7 @@ def _batch_script() -> str:
     (0, None, False),
 ])
 def test_the_batch_script_requeues_on_the_runs_own_record(tmp_path, runner_code, record, requeued):
-    """The README's batch script with stand-ins for ``deepspeed`` and ``scontrol``: it requeues when the run left its
+    """The batch script of docs/operating.md with stand-ins for ``deepspeed`` and ``scontrol``: it requeues when the run left its
     stop record, whatever the runner returned, and never on a record an earlier attempt left."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -286,10 +286,10 @@ def test_the_batch_script_requeues_on_the_runs_own_record(tmp_path, runner_code,
 
 
 def test_every_operator_signal_is_documented():
-    """TERM, USR1, HUP and INT each have a line in the README's operator section saying what they do."""
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("### Preemption, interrupts and resuming anywhere"):]
-    section = section[:section.index("\n### ", 10)]
+    """TERM, USR1, HUP and INT each have a line in the operator's page (docs/operating.md) saying what they do."""
+    text = (ROOT / "docs" / "operating.md").read_text()
+    section = text[text.index("## Preemption, interrupts and resuming anywhere"):]
+    section = section[:section.index("\n## ", 10)]
     for name in ("SIGTERM", "SIGUSR1", "SIGHUP", "SIGINT", "SIGKILL", "SIGSTOP"):
         assert re.search(rf"^\| `{name}`", section, re.M), name
     assert sys.platform != "win32"

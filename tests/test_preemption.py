@@ -259,10 +259,10 @@ def test_a_failed_resume_changes_nothing_in_the_run_folder(config, reference, tm
     assert _contents(run) == before and not (run / "config.prev.yaml").exists()
 
 
-# ------------------------------------------------------------------------------ the README's SLURM batch script
+# ---------------------------------------------------------------------- docs/operating.md's SLURM batch script
 def _batch_script(config: Path, out: Path) -> str:
-    """The README's batch script, on 2 CPU ranks with the test's config and run folder."""
-    text = (ROOT / "README.md").read_text()
+    """The batch script of docs/operating.md, on 2 CPU ranks with the test's config and run folder."""
+    text = (ROOT / "docs" / "operating.md").read_text()
     script = re.search(r"```bash\n(#!/bin/bash\n#SBATCH.*?)```", text, re.S).group(1)
     return (script.replace("--num_gpus 8", "--num_gpus 2 --master_port " + str(free_port()))
             .replace("configs/taskonomy/modsquad_vit_b.yaml", f"{config} --set optim.steps=400")

@@ -1,7 +1,9 @@
-"""Every command in README.md runs, as written, at tiny sizes.
+"""Every command in README.md and the pages of docs/ runs, as written, at tiny sizes.
 
-README.md is parsed when the tests are collected, so a command added there is run here without any change to this
-file — or, when this file cannot tell how to run it, fails `test_every_readme_command_is_known` until it is taught.
+The pages (`PAGES`: README.md, then docs/*.md in reading order) are parsed when the tests are collected, so a command
+added to one is run here without any change to this file — or, when this file cannot tell how to run it, fails
+`test_every_readme_command_is_known` until it is taught. A page of docs/ missing from `PAGES` fails
+`test_every_page_is_walked`.
 
 What counts as a command:
 
@@ -16,12 +18,12 @@ What counts as a command:
 
 How a command is run (the only changes, all here):
 
-- in one scratch folder, in README order (later commands use what earlier ones wrote: ``data/synthetic``,
-  ``runs/demo``, ``depth.pt``), with ``tools/`` and ``configs/`` linked from the checkout; ``python`` is this
-  interpreter, ``deepspeed``/``torchrun``/``accelerate``/``squad-*`` the virtualenv's, on CPU DeepSpeed
-  (`tests.helpers.tool_env`); ``python tools/...`` and the python blocks are forked from an interpreter that has
-  imported torch, DeepSpeed and squad once (`tests.helpers.run_command`); a command the README repeats word for word
-  (not a training, whose rerun resumes) runs once;
+- in one scratch folder, in the order of `PAGES` and of the lines of each page (later commands use what earlier ones
+  wrote: ``data/synthetic``, ``runs/demo``, ``depth.pt``), with ``tools/`` and ``configs/`` linked from the checkout;
+  ``python`` is this interpreter, ``deepspeed``/``torchrun``/``accelerate``/``squad-*`` the virtualenv's, on CPU
+  DeepSpeed (`tests.helpers.tool_env`); ``python tools/...`` and the python blocks are forked from an interpreter
+  that has imported torch, DeepSpeed and squad once (`tests.helpers.run_command`); a command the pages repeat
+  word for word (its optional ``[ ]`` arguments aside: the README's front page repeats the pages' commands) runs once;
 - sizes (`SIZES`): ``make_data`` renders/packs 32 images of 32 px; ``--num-heads`` is the small ViT's 4;
   ``torchrun --nproc_per_node`` runs 2 processes;
   launchers get a free ``--master_port`` (accelerate: ``--main_process_port``); a training gets `TRAIN_SETS`
@@ -57,6 +59,12 @@ from squad.distributed import free_port
 from tests.helpers import ROOT, TINY, run_command, tool_env
 
 README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+# The pages whose commands run, in the order they run (a page uses what the pages before it made: data/synthetic,
+# runs/demo, depth.pt, ...). config-reference.md is generated (`python tools/docs.py config-reference`).
+PAGES = [README, *(DOCS / f"{name}.md" for name in (
+    "getting-started", "data", "training", "operating", "scaling", "model", "tools", "gpu", "reproduce", "design",
+    "config-reference"))]
 BIN = Path(sys.executable).parent
 TIMEOUT = 300
 
@@ -71,6 +79,10 @@ SKIPPED = {
     "make test@": "runs this test suite",
     "make test-fast": "runs the quick part of this test suite",
     "make lint-imports": "`make test` runs it before the tests (CI: .ci/run)",
+    "make lint@": "ruff over the whole tree: tests/test_docs.py and CI run ruff",
+    "make bench@": "the full benchmark (`python tools/bench.py`); test_bench.py runs it at --quick sizes",
+    "make clean-venv": "removes this .venv",
+    "python tools/docs.py": "rewrites docs/config-reference.md in the checkout; tests/test_docs.py checks the page",
     "deepspeed --hostfile hosts --num_nodes 4 --num_gpus 8": "needs 4 nodes with 8 GPUs each; multi-node launching "
     "runs on loopback in test_train.py::test_multi_node_loopback_matches_one_node",
     "python tools/bench.py@": "the full benchmark runs for many minutes; test_bench.py runs it at --quick sizes",
@@ -99,18 +111,30 @@ GIVEN_NAMES = "import torch\nimages = torch.randn(2, 3, 64, 64)\n"
 @dataclass
 class Command:
     kind: str  # "shell", "python" or "inline-python"
-    text: str  # as written in the README
+    text: str  # as written in the page
     line: int
+    page: str = "README.md"  # relative to the checkout
 
     @property
     def id(self) -> str:
         words = re.sub(r"[^\w./-]+", " ", self.text).split()
-        return f"L{self.line}-{'-'.join(words[:4])}"[:60]
+        return f"{Path(self.page).stem}:L{self.line}-{'-'.join(words[:4])}"[:70]
+
+    @property
+    def where(self) -> str:
+        return f"{self.page} line {self.line}"
+
+    @property
+    def key(self) -> str:
+        """What makes two commands the same run: the text without its optional ``[ ]`` arguments."""
+        return " ".join(re.sub(r"\s\[[^\]]*\]", "", self.text).split()) if self.kind == "shell" else self.text
 
 
-def readme_commands(text: str | None = None) -> list[Command]:
-    """The README's commands, in order (see the module docstring for what counts)."""
-    text = README.read_text() if text is None else text
+def readme_commands(text: str | None = None, page: str = "README.md") -> list[Command]:
+    """The commands of one page (``text``), or of every page of `PAGES` in order; see the module docstring for what
+    counts."""
+    if text is None:
+        return [c for p in PAGES for c in readme_commands(p.read_text(), str(p.relative_to(ROOT)))]
     commands: list[Command] = []
     lines = text.splitlines()
     i = 0
@@ -122,9 +146,9 @@ def readme_commands(text: str | None = None) -> list[Command]:
                 if "..." in span or "<" in span:
                     continue
                 if INLINE.match(span):
-                    commands.append(Command("shell", span, i + 1))
+                    commands.append(Command("shell", span, i + 1, page))
                 elif re.match(r"^squad\.[\w.]+\(.*\)$", span) and _parses(span):
-                    commands.append(Command("inline-python", span, i + 1))
+                    commands.append(Command("inline-python", span, i + 1, page))
             i += 1
             continue
         lang, start, body = fence.group(1), i + 1, []
@@ -134,7 +158,7 @@ def readme_commands(text: str | None = None) -> list[Command]:
             i += 1
         i += 1
         if lang == "python":
-            commands.append(Command("python", "\n".join(body), start + 1))
+            commands.append(Command("python", "\n".join(body), start + 1, page))
         elif body and body[0].startswith("#!") and any(ln.startswith("#SBATCH") for ln in body):
             continue  # a SLURM batch script: tests/test_preemption.py runs it
         elif lang in ("", "bash", "sh", "shell", "console"):
@@ -152,7 +176,7 @@ def readme_commands(text: str | None = None) -> list[Command]:
                     continue
                 joined += stripped
                 if joined.strip():
-                    commands.append(Command("shell", " ".join(joined.split()), at))
+                    commands.append(Command("shell", " ".join(joined.split()), at, page))
                 joined = ""
     return commands
 
@@ -279,33 +303,36 @@ def workspace(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def walkthrough(workspace) -> dict[int, tuple[int | str, str]]:
-    """Runs every README command in order in the workspace; ``{line: (exit status, output)}``."""
-    results: dict[int, tuple[int | str, str]] = {}
-    repeated: dict[str, tuple[int | str, str]] = {}  # a command the README gives twice, word for word, runs once
+def walkthrough(workspace) -> dict[tuple[str, int], tuple[int | str, str]]:
+    """Runs every command of `PAGES` in order in the workspace; ``{(page, line): (exit status, output)}``."""
+    results: dict[tuple[str, int], tuple[int | str, str]] = {}
+    done: dict[str, tuple[int | str, str]] = {}  # a command the pages give twice (`Command.key`) runs once
     done_python = False
     for cmd in readme_commands():
         if _skip_reason(cmd):
             continue
+        at = (cmd.page, cmd.line)
+        if cmd.key in done:
+            results[at] = done[cmd.key]  # the same command on the same files: its first run's result
+            continue
         if cmd.kind == "python":
             script = GIVEN_NAMES + python_script(cmd.text)
-            results[cmd.line] = _run([sys.executable, "-c", script], workspace)
+            results[at] = _run([sys.executable, "-c", script], workspace)
             done_python = True
         elif cmd.kind == "inline-python":
             script = (GIVEN_NAMES + "import squad, timm\n"
                       "model = squad.load('runs/demo')\npath = 'runs/demo/model.pt'\n"
                       "timm_vit = timm.create_model('vit_small_patch16_224', pretrained=False, img_size=32, "
                       "patch_size=8)\n" + f"print({cmd.text})\n")
-            results[cmd.line] = _run([sys.executable, "-c", script], workspace)
-        elif cmd.text in repeated and _tool_of(cmd.text.split()) != "train":
-            results[cmd.line] = repeated[cmd.text]  # the same command on the same files (a rerun would resume)
+            results[at] = _run([sys.executable, "-c", script], workspace)
         else:
             try:
                 argv = to_argv(cmd.text, workspace)
             except LookupError as e:
-                results[cmd.line] = ("unknown", str(e))
+                results[at] = ("unknown", str(e))
                 continue
-            results[cmd.line] = repeated[cmd.text] = _run(argv, workspace)
+            results[at] = _run(argv, workspace)
+        done[cmd.key] = results[at]
     assert done_python or not any(c.kind == "python" for c in readme_commands())
     return results
 
@@ -318,6 +345,11 @@ def test_readme_has_commands():
     assert {"shell", "python"} <= kinds and len(COMMANDS) > 10, [c.text for c in COMMANDS]
 
 
+def test_every_page_is_walked():
+    """Every page of docs/ is in `PAGES` (its commands run), and every page of `PAGES` exists."""
+    assert sorted(DOCS.glob("*.md")) == sorted(PAGES[1:]), "docs/*.md and tests/test_readme.py's PAGES differ"
+
+
 def test_every_readme_command_is_known(workspace):
     unknown = []
     for cmd in COMMANDS:
@@ -326,14 +358,14 @@ def test_every_readme_command_is_known(workspace):
         try:
             to_argv(cmd.text, workspace)
         except LookupError as e:
-            unknown.append(f"README line {cmd.line}: {cmd.text}: {e}")
+            unknown.append(f"{cmd.where}: {cmd.text}: {e}")
     assert not unknown, "\n".join(unknown)
 
 
 def test_skip_list_is_current():
-    """Every skipped command is still in the README (the list stays short and honest)."""
+    """Every skipped command is still in a page (the list stays short and honest)."""
     for start in SKIPPED:
-        assert any(_skip_reason(c) == SKIPPED[start] for c in COMMANDS), f"{start!r} is no longer in README.md"
+        assert any(_skip_reason(c) == SKIPPED[start] for c in COMMANDS), f"{start!r} is in none of the pages"
 
 
 @pytest.mark.parametrize("cmd", COMMANDS, ids=[f"{n:02d}-{c.id}" for n, c in enumerate(COMMANDS)])
@@ -341,8 +373,8 @@ def test_readme_command(cmd, walkthrough):
     reason = _skip_reason(cmd)
     if reason:
         pytest.skip(reason)
-    rc, out = walkthrough[cmd.line]
-    assert rc == 0, f"README line {cmd.line}: {textwrap.shorten(cmd.text, 300)}\nexit {rc}\n{out[-4000:]}"
+    rc, out = walkthrough[cmd.page, cmd.line]
+    assert rc == 0, f"{cmd.where}: {textwrap.shorten(cmd.text, 300)}\nexit {rc}\n{out[-4000:]}"
 
 
 def test_parser_reads_blocks_inline_code_and_continuations():

@@ -469,7 +469,7 @@ def test_help_agrees_with_the_scales_and_the_readme():
     from squad.cli.reproduce import build_parser
 
     help_text = " ".join(build_parser().format_help().split())
-    readme = " ".join((ROOT / "README.md").read_text().split())
+    readme = " ".join((ROOT / "docs" / "reproduce.md").read_text().split())
     for scale in SCALES.values():
         assert describe_scale(scale) in help_text, scale.name
         assert describe_scale(scale) in readme, scale.name

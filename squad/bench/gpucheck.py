@@ -64,7 +64,7 @@ def require_gpu() -> str:
 
     if not torch.cuda.is_available():
         raise NoGpu("make gpu-check needs a CUDA GPU and torch sees none on this machine; run it on a GPU machine "
-                    "(README.md, 'Training fast on GPUs': the device command with .whl and .gpu carried)")
+                    "(docs/gpu.md, 'make gpu-check': the device command with .whl and .gpu carried)")
     return torch.cuda.get_device_name(0)
 
 

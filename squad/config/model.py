@@ -43,11 +43,11 @@ class HeadConfig:
     first conv, halving each step), e.g. ``{name: semseg, kind: dense, channels: 21, decoder: light}``.
     """
 
-    name: str
-    kind: HeadKind = "dense"
-    channels: int = 1
+    name: str  # the task (squad.tasks; an alias is resolved)
+    kind: HeadKind = "dense"  # dense | class | token (above)
+    channels: int = 1  # output channels (classes for a class head)
     decoder: str = "linear"  # one of DECODERS (checked here, so a wrong value is named with its key)
-    decoder_width: int = 64
+    decoder_width: int = 64  # the light decoder's channels after its first conv
 
     def check(self, path: str) -> None:
         if self.channels < 1:
@@ -79,10 +79,10 @@ class RouterConfig:
 class MoEConfig:
     """MoE MLP: E two-layer experts, top-k per token, one router per task."""
 
-    num_experts: int = 16
-    top_k: int = 4
+    num_experts: int = 16  # E
+    top_k: int = 4  # experts per token
     hidden: int | None = None  # per-expert hidden width; default mlp_ratio·D / top_k (equal active FLOPs)
-    bias: bool = True
+    bias: bool = True  # biases in the experts' projections
     noop_experts: int = 0  # MoDE (integrated): extra experts that return nothing (the token skips the MLP)
     capacity_factor: float = 0.0  # > 0: at most ceil(cf · tokens·k / E) tokens per expert (drops the rest)
     # expert parallelism: training spreads the E experts over groups of this many ranks (E/P each; tokens exchanged
@@ -114,9 +114,9 @@ class MoEConfig:
 class MoAConfig:
     """MoE attention (MoA): each expert is one head's query and output projection; key/value shared (one head)."""
 
-    num_experts: int = 24
-    top_k: int = 12
-    head_dim: int = 64
+    num_experts: int = 24  # E query/output heads
+    top_k: int = 12  # heads per token
+    head_dim: int = 64  # width of every head (the shared key/value head's too)
     expert_parallel: int = 1  # heads spread over groups of this many ranks (as MoEConfig.expert_parallel)
     router: RouterConfig = dataclasses.field(default_factory=RouterConfig)
 
@@ -162,11 +162,11 @@ class MoDConfig:
 class MoNEConfig:
     """Mixture of Nested Experts: nested widths D/2^(E-1) … D, Expert Preferred Routing under a capacity budget."""
 
-    num_experts: int = 4
+    num_experts: int = 4  # E nested widths D/2^(E-1) … D
     capacity: float = 0.3  # effective capacity e_c = Σ c_i d_i / D
     router_layer: int = -1  # block index of the router; -1 = the first MoNE block. Later MoNE blocks reuse it.
-    beta: float = 10.0
-    delta: float = 2.0
+    beta: float = 10.0  # entropy weight of the capacity distribution's objective (squad.layers.mone_capacity)
+    delta: float = 2.0  # reward of nested expert i is 1/delta^i in that objective
     sample_capacity: list[float] | None = None  # e_c sampled per training step from these values
     # MoNE inference on the CUDA path: `cublas` (a matmul per width slice), `triton` (the nested kernels: norms,
     # projections and the MLP sublayer fused), `auto` (the one `make gpu-check` measured faster at this shape on this
@@ -193,8 +193,8 @@ class MoNEConfig:
 class BlockSpec:
     """One block of the layer plan."""
 
-    attn: Literal["dense", "moa", "none"] = "dense"
-    mlp: Literal["dense", "moe", "none"] = "dense"
+    attn: Literal["dense", "moa", "none"] = "dense"  # dense attention, MoE attention (model.moa), or none
+    mlp: Literal["dense", "moe", "none"] = "dense"  # dense MLP, MoE MLP (model.moe), or none
     mod: Literal["learned", "attention"] | None = None  # wrap in Mixture-of-Depths: learned router or A-MoD scores
     mone: bool = False  # nested experts for this block's attention and MLP (attn/mlp must be dense)
 
@@ -209,24 +209,26 @@ class BlockSpec:
 class ModelConfig:
     """A SquadViT: widths, the layer plan, conditional-layer settings and the task heads."""
 
-    name: str = "squad"
-    img_size: int = 224
+    name: str = "squad"  # the model's name (saved with it; the registry's names are the files of configs/model/)
+    img_size: int = 224  # input images are img_size × img_size pixels
     patch_size: int = 16
-    in_chans: int = 3
-    embed_dim: int = 768
-    depth: int = 12
-    num_heads: int = 12
+    in_chans: int = 3  # input channels
+    embed_dim: int = 768  # D, the token width
+    depth: int = 12  # number of blocks (the plan is tiled to it)
+    num_heads: int = 12  # dense attention heads
     head_dim: int | None = None  # dense attention head width (default embed_dim / num_heads)
-    mlp_ratio: float = 4.0
+    mlp_ratio: float = 4.0  # a dense MLP's hidden width is mlp_ratio · D
     qkv_bias: bool = True
-    class_token: bool = True
+    class_token: bool = True  # prepend a class token (the `token` head reads it)
     final_norm: bool = True  # LayerNorm on the final tokens; false for timm's avg-pool ViTs (norm after pooling)
     plan: list[BlockSpec] = dataclasses.field(default_factory=lambda: [BlockSpec()])  # tiled to depth
     moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
     moa: MoAConfig = dataclasses.field(default_factory=MoAConfig)
     mod: MoDConfig = dataclasses.field(default_factory=MoDConfig)
     mone: MoNEConfig = dataclasses.field(default_factory=MoNEConfig)
+    # learnable task embedding: added before every block, only to the routed layers' inputs, or none
     task_embed: Literal["every_block", "moe_inputs", "none"] = "every_block"
+    # the task heads: task names (squad.tasks, aliases accepted) or {name, kind, channels, decoder, decoder_width}
     heads: list[HeadConfig | str] = dataclasses.field(default_factory=list)
     # options of the tasks' decoding/targets/metrics, stored with the model, e.g. {edge_occlusion: {decode: clip}};
     # they reach the model's tasks through `get_task` (squad.tasks.registry): never a process-wide setting
@@ -331,10 +333,12 @@ class LossConfig:
     """Auxiliary losses and task weighting."""
 
     w_mi: float = 0.001  # weight of the mutual-information term (subtracted: L = Σ w_t L_t − w_mi Σ_l I(T;E_l))
+    # uncertainty: Σ ½·exp(−s_t)·L_t + ½·s_t with a learned s_t per task; uncertainty_log1p: the authors' form
+    # ½·exp(−s_t)·L_t + log(1 + exp(s_t)); equal: Σ L_t (squad.train.losses.TaskWeighting)
     weighting: Literal["uncertainty", "uncertainty_log1p", "equal"] = "uncertainty"
     balance: Literal["none", "switch", "cv2"] = "none"  # load-balancing loss (baselines)
-    balance_scope: Literal["per_task", "all"] = "per_task"
-    w_balance: float = 0.01
+    balance_scope: Literal["per_task", "all"] = "per_task"  # balance each task's routing, or their sum
+    w_balance: float = 0.01  # weight of the balance loss
     w_mod_aux: float = 0.01  # MoD router BCE (when model.mod.aux_loss)
     clamp: float = 1000.0  # task losses clamped to ±clamp before weighting (authors' safeguard)
 

@@ -23,15 +23,15 @@ class DataConfig:
 
     root: str = "data/synthetic"  # a Taskonomy tree (either layout), a PASCAL_MT / NYUD folder, or packed shards
     dataset: str = "taskonomy"  # taskonomy | pascal_context | nyud (squad.data.build_dataset)
-    split: str = "train"
-    val_split: str = "val"
+    split: str = "train"  # the training split: train | val | test | all
+    val_split: str = "val"  # the split validated on
     split_csv: str | None = None  # default: the split CSV found in root
     tasks: list[str] | str = "all"  # tasks to train ("all" = the model's heads)
     image_size: int | None = None  # default: model.img_size
     resize: int | None = None  # resize before the random crop (default: no resize for synthetic data)
-    augment: bool = True
-    missing: Literal["skip", "mask"] = "skip"
-    workers: int = 2
+    augment: bool = True  # random crop and flip (PASCAL-Context, NYUD-v2: also a random scale)
+    missing: Literal["skip", "mask"] = "skip"  # a sample lacking a task's file: left out, or kept with it masked
+    workers: int = 2  # data loader worker processes per rank
     val_batches: int = 0  # validation batches per evaluation (0 = the whole split)
 
     def check(self, path: str) -> None:
@@ -53,17 +53,17 @@ class DataConfig:
 class OptimConfig:
     """AdamW with linear warm-up and cosine decay."""
 
-    lr: float = 2e-4
+    lr: float = 2e-4  # peak learning rate
     betas: list[float] = dataclasses.field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
-    weight_decay: float = 0.05
-    warmup_steps: int = 0
+    weight_decay: float = 0.05  # not on norms, biases, embeddings and task log-variances
+    warmup_steps: int = 0  # linear warm-up steps
     warmup_epochs: float = 0.0  # alternative to warmup_steps
-    min_lr: float = 1e-6
+    min_lr: float = 1e-6  # the floor of the cosine decay
     steps: int = 0  # total optimiser steps (0: use epochs)
-    epochs: float = 0.0
+    epochs: float = 0.0  # total epochs (when steps is 0)
     batch_per_rank: int = 8  # images per rank per micro-step
-    grad_accum: int = 1
+    grad_accum: int = 1  # micro-steps per optimiser step (global batch: batch_per_rank · grad_accum · ranks)
     clip: float = 1.0  # gradient-norm clipping (0 = off)
 
     def check(self, path: str) -> None:
@@ -94,7 +94,7 @@ SAVE_SIGNALS = ("TERM", "USR1", "USR2", "HUP", "XCPU")
 class TrainConfig:
     """The loop: precision, ZeRO, task sampling, intervals, safety limits."""
 
-    seed: int = 0
+    seed: int = 0  # model init, data order, augmentation and router noise
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: bf16 on GPUs, fp32 on CPUs
     # ZeRO: 1 partitions the optimizer state over the data-parallel ranks, 2 the gradients too, 3 the parameters too
     # (gathered per module as the forward and backward reach it). Expert shards (model.moe/moa.expert_parallel) are
@@ -105,10 +105,10 @@ class TrainConfig:
     # compilation (minutes on a CPU); graph breaks that remain: squad.models.compile.
     compile: bool = False
     tasks_per_image: int = 0  # 0: every image trains every task; k: k tasks sampled per image each step
-    log_every: int = 10
+    log_every: int = 10  # steps between train.log / TensorBoard lines
     eval_every: int = 0  # 0: only at the start and the end
     ckpt_every: int = 0  # 0: only at the end
-    keep_checkpoints: int = 2
+    keep_checkpoints: int = 2  # complete checkpoint tags kept (older ones are deleted)
     max_nonfinite: int = 5  # consecutive non-finite losses before the run stops
     stop_at: int = 0  # checkpoint and stop at this step (resume later, e.g. within a cluster's time limit)
     # signals that make every rank checkpoint at the next step boundary and exit 75 (preemption: SLURM sends TERM at
@@ -120,7 +120,7 @@ class TrainConfig:
     # (exit 3; a rerun resumes from the newest checkpoint); 0 never ends it. squad.train.watchdog. Well under the
     # grace a cluster gives between SIGTERM and SIGKILL, so a hung job still ends with a message.
     peer_timeout: float = 60.0
-    progress: bool = True
+    progress: bool = True  # a progress bar on rank 0
     # start from this model file instead of the fresh init: what tools/upcycle.py writes (or any squad model of the
     # same architecture and tasks), or a dense ViT (timm state dict, dense squad model) upcycled on the spot
     # (squad.models.transfer.initialize_from). A resumed run loads its checkpoint instead; the file is checked when

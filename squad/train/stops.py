@@ -37,7 +37,7 @@ class Preempted(Exception):  # noqa: N818 - an outcome, not a failure
 
 # The run's own record of a stop it can resume from: rank 0 writes it into the run folder when the run exits 75, and
 # the next start removes it. A requeue script reads it instead of the launcher's exit code (the ``deepspeed`` runner
-# returns 1 or 143 while its ranks exit 75): README, "Preemption".
+# returns 1 or 143 while its ranks exit 75): docs/operating.md, "Preemption".
 STOP_RECORD = "STOPPED"
 
 

@@ -8,12 +8,17 @@ STAMP := $(VENV)/.installed-stamp
 .PHONY: demo test test-fast lint lint-imports bench gpu-check clean-venv
 
 # constraints.txt pins the exact torch make and CI test (pyproject.toml declares the supported range).
+# pip runs with -qq: its errors still show, its warnings and the build backend's notes do not (setuptools says of
+# every editable install of a package-dir mapping like ours: "Please be careful with folders in your working
+# directory with the same name as your package"; pyproject.toml lists every package, so it warns of nothing else).
 $(STAMP): pyproject.toml constraints.txt
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]' -c constraints.txt
-	$(PY) tools/prepare_deepspeed.py
-	touch $(STAMP)
+	@echo "squad set-up: installing squad and its dependencies into $(VENV) (minutes the first time)"
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) -m pip install -qq --upgrade pip
+	@$(PY) -m pip install -qq -e '.[test]' -c constraints.txt
+	@$(PY) tools/prepare_deepspeed.py
+	@touch $(STAMP)
+	@echo "squad set-up: done"
 
 demo: $(STAMP)
 	$(PY) tools/demo.py

@@ -54,7 +54,7 @@ def test_make_and_ci_install_the_exact_versions_of_constraints_txt():
     assert set(pins) >= {"torch", "torchvision"}
     assert _requirements()["torch"].specifier.contains(pins["torch"])  # the pinned torch is in the declared range
     makefile = (ROOT / "Makefile").read_text()
-    assert "pip install --quiet -e '.[test]' -c constraints.txt" in makefile
+    assert "pip install -qq -e '.[test]' -c constraints.txt" in makefile
     assert re.search(r"^\$\(STAMP\): pyproject\.toml constraints\.txt$", makefile, re.M)  # a new pin reinstalls
     assert "make test" in (ROOT / ".ci" / "run").read_text()
 

@@ -465,7 +465,7 @@ class BenchmarkBase(SampleDataset):
     def hint(self) -> str:
         """How to get data for this dataset (ends the missing-data errors)."""
         return (f"Make a small synthetic one with: python tools/make_data.py synthetic --dataset {self.dataset} "
-                f"--out {self.root}, or see the README for the real data")
+                f"--out {self.root}, or see docs/data.md for the real data")
 
     def _split_ids(self, split: str | Sequence[str]) -> list[str]:
         chosen = [split] if isinstance(split, str) else list(split)

@@ -170,7 +170,7 @@ def read_payload(path: str | Path) -> dict:
         raise FileNotFoundError(f"model file not found: {path}")
     if _is_export(path):
         raise ValueError(f"{path} is a torch.export program (tools/export.py), not a squad model file: load it with "
-                         f"torch.export.load(path).module(), which needs no squad (README: Export a model); "
+                         f"torch.export.load(path).module(), which needs no squad (docs/tools.md: Export a model); "
                          f"squad.load opens model.pt, extracted models and checkpoints")
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)

@@ -44,7 +44,7 @@ class HeadConfig:
     """
 
     name: str  # the task (squad.tasks; an alias is resolved)
-    kind: HeadKind = "dense"  # dense | class | token (above)
+    kind: HeadKind = "dense"  # dense: per patch token; class: pooled tokens; token: the class token (above)
     channels: int = 1  # output channels (classes for a class head)
     decoder: str = "linear"  # one of DECODERS (checked here, so a wrong value is named with its key)
     decoder_width: int = 64  # the light decoder's channels after its first conv

@@ -16,7 +16,7 @@ import io
 import re
 import textwrap
 import tokenize
-from typing import Any
+from typing import Any, Literal, get_args
 
 PAGE = "docs/config-reference.md"  # relative to the checkout
 
@@ -69,8 +69,11 @@ def _comments(cls: type) -> dict[str, str]:
     return out
 
 
-def _type(annotation: Any) -> str:
+def _type(annotation: Any, owner: type) -> str:
     text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))
+    alias = getattr(inspect.getmodule(owner), text.removesuffix(" | None"), None)
+    if getattr(alias, "__origin__", None) is Literal:  # a named Literal (Precision, HeadKind): its values
+        text = "Literal[" + ", ".join(repr(v) for v in get_args(alias)) + "]" + text[len(text.removesuffix(" | None")):]
     literal = re.fullmatch(r"Literal\[(.*)\]( \| None)?", text)
     if literal:
         values = [v.strip().strip("\"'") for v in literal.group(1).split(",")]
@@ -134,7 +137,7 @@ def _section(cls: type, key: str, level: int) -> list[str]:
             later.append((nested, sub))
             anchor = re.sub(r"[^\w\- ]", "", f"{sub} ({nested.__name__})".lower()).replace(" ", "-")
             meaning = (meaning + "; " if meaning else "") + f"see [`{sub}`](#{anchor})"
-        out.append(f"| `{field.name}` | {_type(field.type)} | {_default(field)} | {meaning} |")
+        out.append(f"| `{field.name}` | {_type(field.type, cls)} | {_default(field)} | {meaning} |")
     out.append("")
     for nested, sub in later:
         out += _section(nested, sub, level + 1)

@@ -257,8 +257,8 @@ def _batch_script() -> str:
     (0, None, False),
 ])
 def test_the_batch_script_requeues_on_the_runs_own_record(tmp_path, runner_code, record, requeued):
-    """The batch script of docs/operating.md with stand-ins for ``deepspeed`` and ``scontrol``: it requeues when the run left its
-    stop record, whatever the runner returned, and never on a record an earlier attempt left."""
+    """The batch script of docs/operating.md with stand-ins for ``deepspeed`` and ``scontrol``: it requeues when the
+    run left its stop record, whatever the runner returned, and never on a record an earlier attempt left."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     out = tmp_path / "runs" / "msq"

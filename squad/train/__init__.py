@@ -4,8 +4,13 @@
   reads step → log → validate → checkpoint.
 - checkpointer.py: the one owner of checkpoints: the tag layout, saving (cadence, end, signals), resolving and
   loading a resume, passing over a damaged tag, converting a tag written on another topology (universal checkpoint).
-- signals.py: catching ``train.save_on_signal`` (SIGTERM, SIGUSR1): a request every rank agrees on at the next step.
-- stops.py: how a run stops early (`TrainingError`: exit 3, `Preempted`: exit 75), without torch.
+- signals.py: catching ``train.save_on_signal`` (SIGTERM, SIGUSR1, SIGHUP) from the tool's first line: exit 75 at
+  once during start-up, then a request every rank agrees on at the next step.
+- watchdog.py: `PeerWatch`, a thread per rank: a peer silent past ``train.peer_timeout`` or dead ends the run naming
+  it, a signal that a rank stuck in a collective cannot handle still ends it, a rank whose deepspeed runner is gone
+  stops as on a signal.
+- stops.py: how a run stops early (`TrainingError`: exit 3, `Preempted`: exit 75, the ``STOPPED`` record), without
+  torch.
 - objective.py: `MultiTaskObjective` (fused forward, task losses, auxiliary losses, weighting).
 - losses.py: mutual-information loss (all-reduced with autograd), switch/cv² balance, uncertainty weighting.
 - cost.py: `measure_cost`, a bare forward + backward + AdamW step's time (wall, CPU) and peak memory.

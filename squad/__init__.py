@@ -11,8 +11,11 @@ The public API (everything below is importable from ``squad``):
 - Sparse upcycling: `upcycle` (a dense ViT — timm state dict or dense squad model — as the init of a Mod-Squad or
   any other config: experts and heads from the dense MLP and attention, routers fresh).
 - Parameter and MAC counts: `profile`.
-- Trained models: `load` (whatever squad wrote: a model.pt, an extracted model, a run folder or checkpoint; always in
-  eval mode), `load_model` (a full model), `load_extracted` (an extracted single-task model, `SingleTaskModel`).
+- Trained models: `load` (whatever squad wrote: a model.pt, an extracted model, a run folder or checkpoint, a
+  Hugging Face-style folder or a hub id ``hf-hub:org/name``; always in eval mode), `load_model` (a full model),
+  `load_extracted` (an extracted single-task model, `SingleTaskModel`).
+- Sharing: `save_pretrained` (a model as a Hugging Face-style folder: ``model.safetensors``, ``config.json`` and a
+  generated model card, ``README.md``; `squad.load` opens it).
 - ``__version__``: the installed distribution's version.
 
 ``import squad`` is light: each name is imported on first use (PEP 562), so a tool can parse its arguments and check
@@ -44,12 +47,13 @@ _EXPORTS = {
     "SquadViT": "squad.models.vit",
     "build_model": "squad.models.vit",
     "upcycle": "squad.posttrain.upcycle",
+    "save_pretrained": "squad.deploy.hf",
 }
 
 __all__ = [
     "ModelConfig", "RunConfig", "SingleTaskModel", "SquadConfig", "SquadOutput", "SquadViT", "__version__",
     "build_model", "create_model", "from_timm", "list_models", "load", "load_config", "load_extracted", "load_model",
-    "model_config", "profile", "upcycle",
+    "model_config", "profile", "save_pretrained", "upcycle",
 ]
 
 if TYPE_CHECKING:  # what static tools see; at run time `__getattr__` imports each name on first use
@@ -57,6 +61,7 @@ if TYPE_CHECKING:  # what static tools see; at run time `__getattr__` imports ea
     from squad.config.loading import load_config, model_config
     from squad.config.model import ModelConfig, SquadConfig
     from squad.config.run import RunConfig
+    from squad.deploy.hf import save_pretrained
     from squad.io.model_files import load, load_extracted, load_model
     from squad.models.registry import create_model, list_models
     from squad.models.single_task import SingleTaskModel

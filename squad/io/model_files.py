@@ -41,6 +41,7 @@ import torch
 from squad.config.base import ConfigError, to_dict
 from squad.config.loading import load_config
 from squad.config.run import RunConfig
+from squad.io import hf_folder
 from squad.io.checkpoints import (
     COMPLETE,
     MODEL_STATES,
@@ -73,6 +74,10 @@ def load(path: str | Path) -> SquadViT | SingleTaskModel:
     * a run folder (``runs/x``): its ``model.pt``;
     * a ``model.pt`` (format ``squad.model/1``) → a `SquadViT`;
     * an extracted file from tools/extract.py (format ``squad.extracted/1``) → a `SingleTaskModel`;
+    * a Hugging Face-style folder (``squad.save_pretrained``, tools/export.py --format hf: ``config.json`` +
+      ``model.safetensors``; `squad.io.hf_folder`) → a `SquadViT`, or a `SingleTaskModel` when it holds an
+      extracted model; or a hub id ``hf-hub:org/name[@revision]`` naming one (resolved through huggingface_hub's
+      cache, ``HF_HUB_OFFLINE`` honoured);
     * a DeepSpeed checkpoint tag folder (``runs/x/checkpoints/step00000060``, or its
       ``mp_rank_00_model_states.pt``) → a `SquadViT` built from the run's ``config.yaml``; the run's
       ``checkpoints/`` folder means its latest complete tag. Tags without the ``COMPLETE`` marker (a save that was
@@ -89,7 +94,7 @@ def load(path: str | Path) -> SquadViT | SingleTaskModel:
         * ``model.usage`` — the expert-usage statistics saved with it (`ExpertUsage`: training's statistics summed
           over ranks, from ``model.pt`` or the checkpoint), or None (none saved; always None for extracted files).
         * ``model.meta`` — the file's metadata without the weights: a dict with ``format`` (``"squad.model/1"``,
-          ``"squad.extracted/1"`` or ``"deepspeed-checkpoint"``), ``path`` (the file or tag folder read) and
+          ``"squad.extracted/1"``, ``"squad.hf/1"`` or ``"deepspeed-checkpoint"``), ``path`` (the file or tag folder read) and
           ``config`` (the model config as a dict), plus for full models ``tasks`` and ``extra`` (``step``,
           ``trained_tasks``, final ``metrics`` ...; for a checkpoint ``step``, ``tag``, ``trained_tasks`` and the
           loop counters ``loop``), and for extracted models ``task``, ``kept``, ``exact``, ``mone_capacity`` and the
@@ -101,7 +106,9 @@ def load(path: str | Path) -> SquadViT | SingleTaskModel:
         ValueError: not a squad file (its format is named), a file weights_only loading refuses, an incomplete
             checkpoint tag, or weights that do not fit the config (naming the tensor and both shapes).
     """
-    path = Path(path)
+    path = hf_folder.resolve(path)
+    if hf_folder.is_folder(path):
+        return _load_folder(path).eval()
     tag = _checkpoint_tag(path)
     if tag is not None:
         return _load_checkpoint(tag).eval()
@@ -122,7 +129,7 @@ def load_model(path: str | Path) -> SquadViT:
     """
     model = load(path)
     if isinstance(model, SingleTaskModel):
-        raise ValueError(f"{model.meta['path']} is an extracted single-task model ({model.task}); "
+        raise ValueError(f"{path} is an extracted single-task model ({model.task}); "
                          f"this needs the full model (the run's model.pt)")
     return model
 
@@ -244,6 +251,33 @@ def _extracted_from_payload(payload: dict) -> SingleTaskModel:
     model.mone_capacity = float(payload.get("mone_capacity", cfg.mone.capacity))
     return SingleTaskModel(model.eval(), payload["task"], kept, bool(payload["exact"]), usage=None,
                            meta=_meta(payload))
+
+
+# ------------------------------------------------------------------------------------------ Hugging Face folders
+def _load_folder(folder: Path) -> SquadViT | SingleTaskModel:
+    """The model of a folder `squad.io.hf_folder.write_folder` wrote (safetensors weights; no pickle)."""
+    from squad.models.inference import set_inference
+
+    config = hf_folder.read_config(folder)
+    source = str(folder)
+    state = hf_folder.read_weights(folder)
+    usage = hf_folder.read_usage(folder, config)
+    extracted = config.get("extracted")
+    payload = {"path": source, "config": config.get("model"), "tasks": config.get("tasks")}
+    meta = {k: v for k, v in config.items() if k not in ("usage", "model")}
+    meta.update(format=config["format"], path=source, config=config.get("model"))
+    if extracted:
+        payload.update(format=EXTRACTED_FORMAT, state_dict=state, **extracted)
+        model = _extracted_from_payload(payload)
+        model.meta = {**meta, **extracted}
+    else:
+        payload.update(format=MODEL_FORMAT, state_dict=state, usage=usage, extra=config.get("extra") or {})
+        model = _full_from_payload(payload)
+        model.meta = {**meta, "extra": config.get("extra") or {}}
+    inference = {k: v for k, v in (config.get("inference") or {}).items() if k in ("mone_capacity", "mod_inference")}
+    if inference:
+        set_inference(model, **inference)
+    return model
 
 
 # ------------------------------------------------------------------------------------------ DeepSpeed checkpoints

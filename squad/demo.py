@@ -10,6 +10,7 @@ from pathlib import Path
 
 from squad.analysis.figures import draw_figures as _draw
 from squad.config.tools import ExtractConfig, VisualizeConfig
+from squad.deploy.hf import save_pretrained
 from squad.eval.evaluate import format_results
 from squad.io import load_model
 from squad.posttrain.extract import extract_to_file, format_report
@@ -46,4 +47,12 @@ def draw_figures(run: str | Path, data: str | Path, split: str = "val", batches:
         shown = json.loads(Path(result["json"]).read_text())["token_maps"]["images"]
         print(f"which tokens the MoD block processed, over {shown} validation images: {result['token_maps'][0]} "
               f"(one such map per task: tokens_<task>.png)")
+    return folder
+
+
+def share(run: str | Path) -> Path:
+    """Writes the run's model as a Hugging Face-style folder, ``<run>/hf`` (`squad.save_pretrained`: safetensors,
+    config.json and the model card, its numbers from the run); returns the folder."""
+    folder = save_pretrained(load_model(run), Path(run) / "hf")
+    print(f"Hugging Face-style folder: {folder} ({', '.join(sorted(p.name for p in folder.iterdir()))})")
     return folder

@@ -190,7 +190,8 @@ def device_arg(name: str) -> str:
 
 def require_paths(checkpoint: str | list[str] | None = None, data: str | None = None) -> None:
     """Refuses a ``--checkpoint`` or ``--data`` that does not exist before the tool imports anything heavy (exit 2
-    at once; `squad.load` and the data readers say the same after loading torch).
+    at once; `squad.load` and the data readers say the same after loading torch). A hub id (``hf-hub:org/name``)
+    is resolved later, by `squad.load`.
 
     Raises:
         FileNotFoundError: naming the path.
@@ -198,10 +199,21 @@ def require_paths(checkpoint: str | list[str] | None = None, data: str | None = 
     from pathlib import Path
 
     for path in [checkpoint] if isinstance(checkpoint, str) else checkpoint or []:
-        if not Path(path).exists():
+        if not path.startswith("hf-hub:") and not Path(path).exists():
             raise FileNotFoundError(f"model file not found: {path}")
     if data is not None:
         missing_data(data)
+
+
+def beside(checkpoint: str):
+    """The folder a tool writes its default outputs into for ``--checkpoint``: the run folder (or the folder) it
+    names, the folder of a file, or the working folder for a hub id (never huggingface_hub's cache): a `Path`."""
+    from pathlib import Path
+
+    if checkpoint.startswith("hf-hub:"):
+        return Path(".")
+    path = Path(checkpoint)
+    return path if path.is_dir() else path.parent
 
 
 def missing_data(root: str, dataset: str | None = None) -> None:

@@ -35,11 +35,12 @@ def load_dense(path: str, num_heads: int | None):
 
     from squad import io
     from squad.config.loading import load_config
+    from squad.io.hf_folder import resolve
     from squad.io.weights import read_weights, unwrap_state
     from squad.models.timm import load_timm_weights
     from squad.models.vit import build_model
 
-    p = Path(path)
+    p = resolve(path)  # a hub id: its folder in huggingface_hub's cache
     if p.is_dir() or (p.suffix == ".pt" and _is_squad_file(p)):
         return io.load_model(p)
     if not p.is_file():
@@ -185,7 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The arguments of ``tools/adapt_pretrained.py`` / ``squad-adapt-pretrained`` (defaults:
     `squad.config.tools.AdaptConfig`)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", required=True, help="squad model.pt / run folder, or a timm ViT state dict file")
+    ap.add_argument("--checkpoint", required=True, help="squad model.pt / run folder / Hugging Face-style folder or "
+                    "hf-hub:ORG/NAME id, or a timm ViT state dict file")
     ap.add_argument("--capacity", type=float, help="share of tokens each MoD block processes (default 0.5)")
     ap.add_argument("--routing", choices=["attention", "learned"],
                     help="routing of the model written to --out (default attention; both are evaluated)")

@@ -7,7 +7,8 @@
 4. compares validation metrics at step 0 and at the end for every task;
 5. extracts the depth subnetwork at θ = 0.01, evaluates it beside the full model, and draws the expert-usage and
    task-relation figures and the token maps (which tokens the MoD block processed, over validation images);
-6. prints where the run, its TensorBoard logs and the figures are.
+   and writes the model as a Hugging Face-style folder with its model card (<run>/hf);
+6. prints where the run, its TensorBoard logs, the figures and the folder are.
 
     python tools/demo.py [--out runs/demo] [--data data/synthetic] [--steps N] [--fresh]
 """
@@ -125,12 +126,16 @@ def _demo(argv: list[str] | None) -> int:
 
     extract_and_compare(out, data)
     figures = draw_figures(out, data)
+    from squad.demo import share
+
+    folder = share(out)
 
     say("6. where things are")
     print(f"run folder:      {out}")
     print(f"model:           {out / 'model.pt'}")
     print(f"TensorBoard:     .venv/bin/tensorboard --logdir {out / 'tensorboard'}")
     print(f"figures:         {figures}")
+    print(f"to share:        {folder} (model card: {folder / 'README.md'}; squad.load opens the folder)")
     print(f"demo finished in {time.time() - t0:.0f} s; every task improved: {'yes' if learned else 'NO'}")
     return 0 if learned else 1
 

@@ -25,7 +25,7 @@ import logging
 import sys
 from pathlib import Path
 
-from squad.cli import device_arg, require_paths, run
+from squad.cli import beside, device_arg, require_paths, run
 from squad.config.tools import EvaluateConfig, defaults, from_namespace
 
 
@@ -97,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The arguments of ``tools/evaluate.py`` / ``squad-evaluate``."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", action="append", required=True,
-                   help="run folder, model.pt or extracted model (repeat to compare several side by side)")
+                   help="run folder, model.pt, extracted model, Hugging Face-style folder or "
+                   "hf-hub:ORG/NAME (repeat to compare several side by side)")
     p.add_argument("--data", required=True, help="dataset root")
     p.add_argument("--split", help="train, val, test or all (default val)")
     p.add_argument("--tasks", type=task_list, help="comma-separated tasks (default: every task of each model)")
@@ -124,8 +125,7 @@ def _evaluate(argv: list[str] | None) -> int:
     from squad.io.files import atomic_write_text, check_writable
 
     cfg = from_namespace(EvaluateConfig, args)  # the options of every model's evaluation, checked, in one place
-    first = Path(args.checkpoint[0])
-    out = Path(args.out) if args.out else (first if first.is_dir() else first.parent) / f"eval_{args.split}.json"
+    out = Path(args.out) if args.out else beside(args.checkpoint[0]) / f"eval_{args.split}.json"
     # before the models are loaded and run (a read-only place is refused: exit 2)
     check_writable(out, "--out" if args.out else "the default --out")
     taken: set[str] = set()

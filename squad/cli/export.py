@@ -1,12 +1,18 @@
-"""Export a squad model (extracted single-task, dense or MoD) as a torch.export program.
+"""Export a squad model (extracted single-task or full) as a torch.export program, an ONNX file or a Hugging
+Face-style folder.
 
-The program (.pt2) runs with PyTorch alone, without squad; ``--format model.pt`` instead writes squad's model.pt from
-any checkpoint tag (squad's counterpart of DeepSpeed's zero_to_fp32.py).
+The program (.pt2) runs with PyTorch alone, without squad; ``--format onnx`` writes an ONNX file for ONNX Runtime or
+TensorRT; ``--format hf`` a folder with model.safetensors, config.json and a model card that ``squad.load`` opens
+(``--push org/name`` uploads it to the hub); ``--format model.pt`` writes squad's model.pt from any checkpoint tag
+(squad's counterpart of DeepSpeed's zero_to_fp32.py). --checkpoint also takes such a folder or a hub id
+(hf-hub:org/name[@revision], through huggingface_hub's cache).
 
     python tools/export.py --checkpoint depth.pt --out depth.pt2                 # an extracted model (tools/extract.py)
     python tools/export.py --checkpoint runs/demo --out demo.pt2                 # a full model: every task
     python tools/export.py --checkpoint runs/demo --tasks depth,normal --out dn.pt2
     python tools/export.py --checkpoint runs/demo/checkpoints/step00000060 --format model.pt --out step60.pt
+    python tools/export.py --checkpoint runs/demo --format onnx --out demo.onnx
+    python tools/export.py --checkpoint runs/demo --format hf --out demo-hf [--push org/name]
 
 --format pt2 (default): the program takes a float32 image batch [B, C, S, S] on the CPU (S = the model's img_size,
 fixed; B any size unless --static-batch) and returns a dict task → prediction, what squad's model gives. Load it with
@@ -19,6 +25,17 @@ inference is refused (exit 2, saying why). After writing, the tool reloads the f
 outputs on random images (max |diff| per task printed; exit 1 if above 1e-4). The file is written atomically: an
 --out that cannot be written is refused before the model is loaded (exit 2); a write that fails (a full disk, or
 /dev/full) exits 3 naming the file and the free space, and leaves no partial file.
+
+--format onnx: the same graph as the program (images [batch, C, S, S] float32 → one output per task, named after
+it) through torch's dynamo exporter; every layer kind the program takes is expressed (MoD threshold inference is
+refused, naming the block). The written file is run in ONNX Runtime (CPU) on --check-images random images and
+compared with squad (exit 1 above 1e-4).
+
+--format hf: a Hugging Face-style folder (squad.save_pretrained): model.safetensors (sharded past
+--max-shard-size with the hub's index), config.json (model config, tasks, inference options, the kept experts of an
+extracted model, squad's version) and README.md, a model card with the tasks, validation metrics, parameters and
+MACs, routing figures and the training command of the run the checkpoint comes from. The folder is reloaded and
+compared with squad (exit 1 unless equal). --push ORG/NAME uploads it with huggingface_hub (its login token).
 
 --format model.pt: the model of any checkpoint tag (or run folder, or model.pt) as squad's model.pt: squad's
 parameter names, every expert, the expert-usage statistics, the step; loadable with ``squad.load``. ZeRO-1/2 keep
@@ -53,11 +70,18 @@ BF16_TOLERANCE = 1e-2  # the same in bf16: the program's per-expert matmuls roun
 def build_parser() -> argparse.ArgumentParser:
     """The arguments of ``tools/export.py`` / ``squad-export``."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", required=True, help="extracted model file, run folder, model.pt, or checkpoint "
-                   "tag (RUN/checkpoints/TAG; RUN/checkpoints = its latest complete tag)")
-    p.add_argument("--out", required=True, help="file to write (.pt2 for --format pt2)")
-    p.add_argument("--format", choices=["pt2", "model.pt"], default="pt2",
-                   help="pt2: a torch.export program (default); model.pt: squad's model file (fp32 weights)")
+    p.add_argument("--checkpoint", required=True, help="extracted model file, run folder, model.pt, checkpoint "
+                   "tag (RUN/checkpoints/TAG; RUN/checkpoints = its latest complete tag), Hugging Face-style folder "
+                   "or hub id hf-hub:ORG/NAME[@REVISION]")
+    p.add_argument("--out", required=True, help="file to write (.pt2 for --format pt2, .onnx for onnx; a folder for "
+                   "hf)")
+    p.add_argument("--format", choices=["pt2", "onnx", "hf", "model.pt"], default="pt2",
+                   help="pt2: a torch.export program (default); onnx: an ONNX file; hf: a Hugging Face-style folder "
+                   "(safetensors + config.json + model card); model.pt: squad's model file (fp32 weights)")
+    p.add_argument("--push", default=None, metavar="ORG/NAME", help="--format hf: upload the folder to this hub "
+                   "repository (created if missing) with huggingface_hub")
+    p.add_argument("--max-shard-size", type=int, default=None, metavar="BYTES", help="--format hf: bytes per "
+                   "weights file before the weights are sharded (default 5e9, the hub's)")
     p.add_argument("--tasks", default=None, help="comma-separated tasks the program predicts (default: all of the "
                    "model's; an extracted model has one)")
     p.add_argument("--static-batch", type=int, default=None, metavar="B",
@@ -84,10 +108,16 @@ def _export(argv: list[str] | None) -> int:
     from squad.models.inference import set_inference
     from squad.models.precision import precision_dtype
 
-    out = check_writable(Path(args.out), "--out")  # refused before the model is loaded and traced
+    if args.format != "hf":
+        for flag in ("push", "max_shard_size"):
+            if getattr(args, flag) is not None:
+                raise ValueError(f"--{flag.replace('_', '-')} applies to --format hf only")
+    out = check_writable(Path(args.out), "--out", folder=args.format == "hf")  # before the model is loaded
     model = squad.load(args.checkpoint)
     if args.format == "model.pt":
         return _write_model_pt(model, args, out)
+    if args.format == "hf":
+        return _write_folder(model, args, out)
     if args.static_batch is not None and args.static_batch < 2:
         raise ValueError(f"--static-batch must be >= 2 (torch.export fixes a traced size of 0 or 1), got "
                          f"{args.static_batch}")
@@ -95,6 +125,8 @@ def _export(argv: list[str] | None) -> int:
         raise ValueError(f"--check-images must be >= 0, got {args.check_images}")
     set_inference(model, **dataclasses.asdict(from_namespace(InferenceOptions, args)))
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else None
+    if args.format == "onnx":
+        return _write_onnx(model, args, out, tasks)
     dtype = precision_dtype(args.precision, "cpu")
     program = export_program(model, tasks, dynamic_batch=args.static_batch is None,
                              example_batch=args.static_batch or 2, dtype=dtype)
@@ -118,6 +150,79 @@ def _export(argv: list[str] | None) -> int:
     if worst > tolerance:
         print(f"error: the program differs from squad by {worst:.2e} (> {tolerance:g})", file=sys.stderr)
         return 1
+    return 0
+
+
+def _write_onnx(model, args: argparse.Namespace, out: Path, tasks: list[str] | None) -> int:
+    """``--format onnx``: the ONNX file, then checked in ONNX Runtime against squad."""
+    import torch
+
+    from squad.deploy.onnx import check_onnx, export_onnx
+
+    if args.static_batch is not None:
+        raise ValueError("--static-batch applies to --format pt2 only (the ONNX file's batch is dynamic)")
+    if args.precision not in (None, "fp32"):
+        raise ValueError(f"--format onnx writes float32 (ONNX Runtime's CPU kernels); --precision {args.precision} "
+                         f"applies to --format pt2")
+    import onnx
+
+    data = export_onnx(model, out, tasks)
+    cfg = getattr(model, "model", model).cfg
+    names = [o.name for o in onnx.load_from_string(data).graph.output]
+    print(f"onnx: {out} ({len(data) / 2**20:.1f} MiB)")
+    print(f"input: images [batch, {cfg.in_chans}, {cfg.img_size}, {cfg.img_size}] float32; outputs: "
+          f"{', '.join(names)}")
+    if args.check_images == 0:
+        return 0
+    images = torch.randn(args.check_images, cfg.in_chans, cfg.img_size, cfg.img_size,
+                         generator=torch.Generator().manual_seed(1))
+    diffs = check_onnx(out if out.is_file() else data, model, images)
+    worst = max(diffs.values())
+    print(f"check in ONNX Runtime on {args.check_images} random images, max |onnx - squad|: "
+          + ", ".join(f"{t} {d:.2e}" for t, d in diffs.items()))
+    if worst > TOLERANCE:
+        print(f"error: the ONNX file differs from squad by {worst:.2e} (> {TOLERANCE:g})", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _write_folder(model, args: argparse.Namespace, out: Path) -> int:
+    """``--format hf``: the Hugging Face-style folder, reloaded and compared; ``--push`` uploads it."""
+    import torch
+
+    import squad
+    from squad.deploy.hf import push_to_hub, save_pretrained
+    from squad.io.hf_folder import MAX_SHARD_SIZE
+    from squad.models.inference import set_inference
+
+    for flag in ("tasks", "static_batch", "precision", "weights"):
+        if getattr(args, flag) is not None:
+            raise ValueError(f"--{flag.replace('_', '-')} does not apply to --format hf (the folder holds the whole "
+                             f"model in float32)")
+    set_inference(model, **dataclasses.asdict(from_namespace(InferenceOptions, args)))
+    save_pretrained(model, out, max_shard_size=args.max_shard_size or MAX_SHARD_SIZE)
+    files = sorted(p.name for p in out.iterdir())
+    size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
+    print(f"folder: {out} ({len(files)} files, {size / 2**20:.1f} MiB: {', '.join(files)})")
+    if args.check_images:
+        cfg = getattr(model, "model", model).cfg
+        images = torch.randn(args.check_images, cfg.in_chans, cfg.img_size, cfg.img_size,
+                             generator=torch.Generator().manual_seed(1))
+        again = squad.load(out)
+        with torch.no_grad():
+            want, got = model(images), again(images)
+        want = getattr(want, "preds", want)
+        got = getattr(got, "preds", got)
+        pairs = [(t, want[t], got[t]) for t in want] if isinstance(want, dict) else [("output", want, got)]
+        diffs = {t: float((a - b).abs().max()) for t, a, b in pairs}
+        print("check: squad.load(folder) against the model, max |diff|: "
+              + ", ".join(f"{t} {d:.2e}" for t, d in diffs.items()))
+        if max(diffs.values()) > 0:
+            print("error: the folder's model differs from the one written", file=sys.stderr)
+            return 1
+    if args.push:
+        url = push_to_hub(out, args.push)
+        print(f"pushed: {args.push} ({url}); load it with squad.load('hf-hub:{args.push}')")
     return 0
 
 

@@ -23,13 +23,13 @@ import logging
 import sys
 from pathlib import Path
 
-from squad.cli import device_arg, require_paths, run
+from squad.cli import beside, device_arg, require_paths, run
 from squad.cli.evaluate import add_inference_arguments, add_precision_argument
 from squad.config.tools import ExtractConfig, defaults, from_namespace
 
 
 def _default_out(checkpoint: str, task: str, theta: float | None, keep_top: float | None) -> Path:
-    folder = Path(checkpoint) if Path(checkpoint).is_dir() else Path(checkpoint).parent
+    folder = beside(checkpoint)
     crit = f"top{keep_top:g}" if keep_top is not None else f"theta{theta:g}"
     return folder / f"{task}_{crit}.pt"
 
@@ -41,7 +41,8 @@ def _split_or_none(text: str) -> str | None:
 def build_parser() -> argparse.ArgumentParser:
     """The arguments of ``tools/extract.py`` / ``squad-extract`` (defaults: `squad.config.tools.ExtractConfig`)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", required=True, help="run folder or model.pt of the trained multi-task model")
+    p.add_argument("--checkpoint", required=True, help="run folder or model.pt of the trained multi-task model, a "
+                   "Hugging Face-style folder or a hub id hf-hub:ORG/NAME[@REVISION]")
     p.add_argument("--task", required=True, help="task to extract (name or alias, e.g. depth)")
     p.add_argument("--theta", type=float, help="remove experts used by at most this share of the task's tokens, in "
                    "[0, 1) (default 0.01)")
@@ -62,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int)
     p.add_argument("--out", default=None, help="output file (default: <run>/<task>_theta<θ>.pt); the report is "
                    "written beside it as .json")
+    p.add_argument("--hf-out", default=None, metavar="FOLDER", help="also write the extracted model as a Hugging "
+                   "Face-style folder (model.safetensors, config.json with the kept experts, a model card)")
     p.set_defaults(**defaults(ExtractConfig))
     return p
 
@@ -82,6 +85,12 @@ def _extract(argv: list[str] | None) -> int:
     report = extract_to_file(load_model(args.checkpoint), args.task, out, cfg)
     print(format_report(report))
     print(f"model: {out}\nreport: {Path(out).with_suffix('.json')}")
+    if args.hf_out:
+        from squad.deploy.hf import save_pretrained
+        from squad.io import load_extracted
+
+        save_pretrained(load_extracted(out), args.hf_out)
+        print(f"folder: {args.hf_out} (model.safetensors, config.json, README.md; squad.load opens it)")
     return 0
 
 

@@ -31,7 +31,7 @@ import os
 import sys
 from pathlib import Path
 
-from squad.cli import device_arg, require_paths, run
+from squad.cli import beside, device_arg, require_paths, run
 from squad.config.tools import FinetuneConfig, defaults, from_namespace
 
 
@@ -45,7 +45,8 @@ def _floats(text: str) -> list[float]:
 def build_parser() -> argparse.ArgumentParser:
     """The arguments of ``tools/finetune_router.py`` / ``squad-finetune-router``."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", required=True, help="run folder or model.pt of a model trained without the task")
+    p.add_argument("--checkpoint", required=True, help="run folder, model.pt, Hugging Face-style folder or "
+                   "hf-hub:ORG/NAME of a model trained without the task")
     p.add_argument("--task", required=True, help="the new task (name or alias)")
     p.add_argument("--data", required=True, help="dataset root holding the task's data")
     size = p.add_mutually_exclusive_group()
@@ -96,7 +97,7 @@ def _finetune(argv: list[str] | None) -> int:
 
     modes = list(MODES) if args.mode == "all" else [m.strip() for m in args.mode.split(",") if m.strip()]
     fractions = args.fractions if args.fractions is not None or args.shots is not None else [0.01]
-    folder = Path(args.checkpoint) if Path(args.checkpoint).is_dir() else Path(args.checkpoint).parent
+    folder = beside(args.checkpoint)
     out = Path(args.out) if args.out else folder / f"finetune_{args.task}.json"
     from squad.io.files import check_writable
 

@@ -43,7 +43,8 @@ _SHOWN = 20  # images whose top-1 classes are printed
 def build_parser() -> argparse.ArgumentParser:
     """The arguments of ``tools/predict.py`` / ``squad-predict``."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", required=True, help="run folder, model.pt, checkpoint tag or extracted model")
+    p.add_argument("--checkpoint", required=True, help="run folder, model.pt, checkpoint tag, extracted model, "
+                   "Hugging Face-style folder or hf-hub:ORG/NAME")
     p.add_argument("--images", nargs="+", required=True, help="image files and/or folders of images")
     p.add_argument("--out", required=True, help="output folder (created)")
     p.add_argument("--tasks", nargs="+", help="tasks to predict, names or aliases, space- or comma-separated "

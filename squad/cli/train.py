@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-world-size-change", action="store_true",
                    help="resume on another number of ranks than the checkpoint was written by (the global batch "
                         "changes); without it such a resume exits 2")
+    p.add_argument("--hf-out", default=None, metavar="FOLDER",
+                   help="also write the final model as a Hugging Face-style folder (model.safetensors, config.json, "
+                        "a model card with the run's metrics and command; squad.load opens it)")
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the deepspeed launcher
     return p
 
@@ -135,6 +138,12 @@ def _train(argv: list[str] | None) -> int:
 
     if not launch_rank():  # once per launch, not once per rank (None: one plain process)
         print(f"model: {path}")
+        if args.hf_out:
+            import squad
+            from squad.deploy.hf import save_pretrained
+
+            save_pretrained(squad.load(path), args.hf_out)
+            print(f"folder: {args.hf_out} (model.safetensors, config.json, README.md; squad.load opens it)")
     return 0
 
 

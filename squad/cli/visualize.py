@@ -26,7 +26,7 @@ import logging
 import sys
 from pathlib import Path
 
-from squad.cli import device_arg, require_paths, run
+from squad.cli import beside, device_arg, require_paths, run
 from squad.cli.evaluate import add_inference_arguments
 from squad.config.tools import VisualizeConfig, defaults, from_namespace
 
@@ -34,7 +34,8 @@ from squad.config.tools import VisualizeConfig, defaults, from_namespace
 def build_parser() -> argparse.ArgumentParser:
     """The arguments of ``tools/visualize.py`` / ``squad-visualize``."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", required=True, help="run folder or model.pt of a multi-task model")
+    p.add_argument("--checkpoint", required=True, help="run folder, model.pt, Hugging Face-style folder or "
+                   "hf-hub:ORG/NAME of a multi-task model")
     p.add_argument("--data", help="dataset root for a calibration pass (needed for relations and token maps)")
     p.add_argument("--split")
     p.add_argument("--batches", type=int, help="calibration batches (0 = the whole split)")
@@ -59,7 +60,7 @@ def _visualize(argv: list[str] | None) -> int:
     from squad.io import load_model
 
     cfg = from_namespace(VisualizeConfig, args)  # the tool's options, checked, in one place
-    folder = Path(args.checkpoint) if Path(args.checkpoint).is_dir() else Path(args.checkpoint).parent
+    folder = beside(args.checkpoint)
     out = Path(args.out) if args.out else folder / "figures"
     from squad.io.files import check_writable
 

@@ -121,8 +121,9 @@ def run_record(meta: dict) -> dict:
                 first = json.loads(line)
             except ValueError:
                 continue
-            if first.get("command"):
-                record["command"] = first["command"]
+            command = str(first.get("command") or "")
+            if command:  # the launching argv: a script path first
+                record["command"] = f"python {command}" if command.split(" ", 1)[0].endswith(".py") else command
     return record
 
 
@@ -145,7 +146,8 @@ def model_card(model: nn.Module, config: dict) -> str:
     lines = [*front, f"# {name}", "",
              f"A squad vision transformer: {what}, ViT with {cfg.depth} blocks of width "
              f"{cfg.embed_dim} ({cfg.num_heads} heads), {cfg.img_size}×{cfg.img_size} images in {cfg.patch_size}×"
-             f"{cfg.patch_size} patches. Conditional layers: {', '.join(_KIND_NAMES.get(k, k) for k in kinds) or 'none (dense)'}.",
+             f"{cfg.patch_size} patches. Conditional layers: "
+             f"{', '.join(_KIND_NAMES.get(k, k) for k in kinds) or 'none (dense)'}.",
              "", "## Use", "", "```python", "import squad", "",
              "model = squad.load(\"hf-hub:ORG/NAME\")   # or the folder's path; no pickle is run",
              "preds = model(images)" + ("                  # images [B, 3, S, S] → the task's prediction"
@@ -167,7 +169,8 @@ def model_card(model: nn.Module, config: dict) -> str:
     return "\n".join(lines)
 
 
-_KIND_NAMES = {"moe": "MoE MLP", "moa": "MoE attention", "mod": "Mixture-of-Depths", "mone": "Mixture of Nested Experts"}
+_KIND_NAMES = {"moe": "MoE MLP", "moa": "MoE attention", "mod": "Mixture-of-Depths",
+               "mone": "Mixture of Nested Experts"}
 
 
 def _tags(kinds: list[str], model: nn.Module) -> list[str]:
@@ -309,6 +312,7 @@ def push_to_hub(folder: str | Path, repo_id: str, *, revision: str | None = None
     folder = Path(folder)
     if not hf_folder.is_folder(folder):
         raise ValueError(f"{folder}: not a squad model folder (save one with squad.save_pretrained first)")
+    hf_folder.read_config(folder)  # squad's, in a format this squad writes
     api = HfApi(token=token)
     api.create_repo(repo_id, private=private, exist_ok=True)
     info = api.upload_folder(repo_id=repo_id, folder_path=str(folder), revision=revision,

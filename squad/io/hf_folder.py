@@ -84,15 +84,9 @@ def resolve(source: str | Path) -> Path:
 
 
 def is_folder(path: Path) -> bool:
-    """Whether ``path`` is a folder squad wrote with `write_folder` (its ``config.json`` names a squad.hf format)."""
-    file = path / CONFIG
-    if not (path.is_dir() and file.is_file()):
-        return False
-    try:
-        fmt = json.loads(file.read_text()).get("format", "")
-    except (OSError, ValueError, AttributeError):
-        return False
-    return isinstance(fmt, str) and fmt.startswith(FORMAT_NAME + "/")
+    """Whether ``path`` is a Hugging Face-style folder (a ``config.json`` in it; `read_config` checks that squad
+    wrote it). Run folders hold ``config.yaml`` instead."""
+    return path.is_dir() and (path / CONFIG).is_file()
 
 
 # ------------------------------------------------------------------------------------------------------ writing

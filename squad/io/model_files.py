@@ -94,7 +94,8 @@ def load(path: str | Path) -> SquadViT | SingleTaskModel:
         * ``model.usage`` — the expert-usage statistics saved with it (`ExpertUsage`: training's statistics summed
           over ranks, from ``model.pt`` or the checkpoint), or None (none saved; always None for extracted files).
         * ``model.meta`` — the file's metadata without the weights: a dict with ``format`` (``"squad.model/1"``,
-          ``"squad.extracted/1"``, ``"squad.hf/1"`` or ``"deepspeed-checkpoint"``), ``path`` (the file or tag folder read) and
+          ``"squad.extracted/1"``, ``"squad.hf/1"`` or ``"deepspeed-checkpoint"``), ``path`` (the file or tag folder
+          read) and
           ``config`` (the model config as a dict), plus for full models ``tasks`` and ``extra`` (``step``,
           ``trained_tasks``, final ``metrics`` ...; for a checkpoint ``step``, ``tag``, ``trained_tasks`` and the
           loop counters ``loop``), and for extracted models ``task``, ``kept``, ``exact``, ``mone_capacity`` and the

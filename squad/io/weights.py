@@ -13,6 +13,7 @@ import torch
 
 from squad.config.model import ModelConfig
 from squad.io.checkpoints import MODEL_STATES
+from squad.io.hf_folder import resolve
 from squad.io.model_files import EXTRACTED_FORMAT, MODEL_FORMAT, load
 from squad.models.single_task import SingleTaskModel
 from squad.models.transfer import check_dense, dense_from_timm_state
@@ -103,7 +104,7 @@ def read_dense_source(path: str | Path, cfg: ModelConfig) -> tuple[SquadViT, boo
         ValueError: a file that is neither a squad model nor a timm ViT state dict, an extracted single-task model,
             or a model that is not dense.
     """
-    path = Path(path)
+    path = resolve(path)  # a hub id: its folder in huggingface_hub's cache
     if not path.exists():
         raise FileNotFoundError(f"dense model not found: {path} (a timm ViT state dict .pth/.pt/.safetensors, or a "
                                 f"squad model.pt / run folder)")

@@ -568,7 +568,7 @@ class RunFolder:
             shutil.copyfile(d / "config.yaml", d / "config.prev.yaml")
         atomic_write_text(d / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False), "the run's config")
         entry = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "host": socket.gethostname(), "pid": os.getpid(),
-                 "world_size": self.world,
+                 "command": " ".join(sys.argv)[:1000], "world_size": self.world,
                  "config_changes": {k: [old, new] for k, (old, new) in found.changes.items()},
                  "start_step": int(step), "resumed_from": str(loaded) if loaded else None}
         if skipped:

@@ -211,9 +211,9 @@ def test_onnx_of_every_layer_kind_runs_in_onnx_runtime(tmp_path, tiny_data, load
 
 def _real_images(root: Path) -> torch.Tensor:
     """Four RGB images of the synthetic dataset, prepared as tools/predict.py prepares photos."""
-    from squad.deploy.predict import list_images, load_image
+    from squad.deploy.predict import load_image
 
-    files = [f for f in list_images(root / "rgb") if f.suffix == ".png"][:4]
+    files = sorted(root.glob("rgb/*/*/*.png"))[:4]  # rgb/taskonomy/<building>/point_*_domain_rgb.png
     assert len(files) == 4
     return torch.stack([load_image(f, 32)[0] for f in files])
 

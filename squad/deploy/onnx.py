@@ -105,6 +105,11 @@ def export_onnx(model: nn.Module, path: str | Path | None = None, tasks: Sequenc
     why = _refusal(inner)
     if why is not None:
         raise ExportError(f"cannot export to ONNX: {why}")
+    try:
+        import onnx
+        import onnxscript  # noqa: F401 - the dynamo exporter's translation library
+    except ImportError as e:
+        raise ExportError(f"ONNX export needs onnx and onnxscript ({e}): pip install 'squad[onnx]'") from None
     if example_batch < 2:
         raise ExportError(f"example_batch must be >= 2 (a traced size of 0 or 1 is fixed), got {example_batch}")
     inner.to(device="cpu", dtype=torch.float32).eval()
@@ -128,8 +133,6 @@ def export_onnx(model: nn.Module, path: str | Path | None = None, tasks: Sequenc
                           f"{', '.join(kinds) or 'none'}): {type(e).__name__}: {first[:500]}") from e
     buf = io.BytesIO()
     program.model_proto.producer_name = "squad"
-    import onnx
-
     onnx.save_model(program.model_proto, buf)
     data = buf.getvalue()
     if path is not None:
@@ -146,7 +149,9 @@ def check_onnx(source: str | Path | bytes, model: nn.Module, images: torch.Tenso
     """
     import onnxruntime as ort
 
-    session = ort.InferenceSession(source if isinstance(source, bytes) else str(source),
+    options = ort.SessionOptions()
+    options.log_severity_level = 3  # errors only (not the optimiser's notes on nodes it leaves unfolded)
+    session = ort.InferenceSession(source if isinstance(source, bytes) else str(source), options,
                                    providers=["CPUExecutionProvider"])
     names = [o.name for o in session.get_outputs()]
     got = session.run(None, {session.get_inputs()[0].name: images.detach().float().cpu().numpy()})

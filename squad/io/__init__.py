@@ -6,6 +6,8 @@
   (`load_checkpoint_file`); the layout of the tags, saving and resuming are `squad.train.checkpointer`'s.
 - files.py: atomic writes (`atomic_write_text`, `atomic_torch_save`) and the message a failed write gives
   (`write_failure`).
+- hf_folder.py: Hugging Face-style folders (``model.safetensors`` sharded with the hub's index past a size,
+  ``config.json``; `load` reads them without pickle) and ``hf-hub:org/name`` ids resolved through huggingface_hub.
 - weights.py: the weight files other models start from (timm state dicts, dense squad models).
 - expert_files.py: the expert shard files of an expert-parallel run's tags, and its experts put back together.
 - zero3.py: a ZeRO-3 tag's fp32 weights put back together from its ranks' partitions.

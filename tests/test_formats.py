@@ -96,7 +96,7 @@ def test_model_card_reads_the_model_and_its_numbers(tmp_path):
     for line in ("library_name: squad", "pipeline_tag: image-to-image", "- mixture-of-experts",
                  "- mixture-of-depths", "- mixture-of-nested-experts", "license: other"):
         assert line in front, line
-    assert "| depth_euclidean | dense | 1 | 0.123 |" in card  # the validation metric in its task's row
+    assert "| depth_euclidean | dense | 1 | l1 0.123 |" in card  # the validation metric in its task's row
     prof = squad.profile(model)
     assert f"{prof['params']:,} parameters" in card
     assert f"| class_scene | {prof['tasks']['class_scene']['active_params']:,} |" in card

@@ -110,9 +110,11 @@ def run_record(meta: dict) -> dict:
 
         cfg = yaml.safe_load(cfg_file.read_text()) or {}
         data = cfg.get("data") or {}
-        train = cfg.get("train") or {}
+        optim, train = cfg.get("optim") or {}, cfg.get("train") or {}
         record["data"] = {k: data.get(k) for k in ("dataset", "root", "split", "val_split", "tasks") if k in data}
-        record["train"] = {k: train.get(k) for k in ("steps", "batch_size", "lr", "precision", "init") if k in train}
+        record["train"] = {**{k: optim.get(k) for k in ("steps", "epochs", "batch_per_rank", "grad_accum", "lr")
+                              if optim.get(k)},
+                           **{k: train.get(k) for k in ("precision", "zero_stage", "init") if train.get(k) is not None}}
         record["command"] = f"python tools/train.py --config {cfg_file}"
     history = folder / "run_history.jsonl"
     if history.is_file():
@@ -121,9 +123,10 @@ def run_record(meta: dict) -> dict:
                 first = json.loads(line)
             except ValueError:
                 continue
-            command = str(first.get("command") or "")
-            if command:  # the launching argv: a script path first
-                record["command"] = f"python {command}" if command.split(" ", 1)[0].endswith(".py") else command
+            words = [w for w in str(first.get("command") or "").split(" ") if w and not w.startswith("--local_rank")]
+            if words:  # the rank's argv (a launcher's --local_rank dropped): a script path first
+                launch = "python" if first.get("world_size", 1) == 1 else f"deepspeed --num_gpus {first['world_size']}"
+                record["command"] = " ".join([launch] + words if words[0].endswith(".py") else words)
     return record
 
 
@@ -199,20 +202,17 @@ def _task_table(inner: SquadViT, model: nn.Module, tasks: list[str], heads: dict
     if isinstance(model, SingleTaskModel):
         m = (config.get("report") or {}).get("metrics") or {}
         metrics = {model.task: m.get("extracted")} if m.get("extracted") else {}
-    names = sorted({k for t in tasks for k in (metrics.get(t) or {}) if isinstance(metrics.get(t), dict)})
-    rows = ["| task | head | channels | " + " | ".join(f"{n} (val)" for n in names) + (" |" if names else "|"),
-            "| --- | --- | --- |" + " --- |" * len(names)]
+    rows = ["| task | head | channels | validation metrics |", "| --- | --- | --- | --- |"]
     for t in tasks:
         h = heads.get(t)
         values = metrics.get(t) if isinstance(metrics.get(t), dict) else {}
-        cells = [_num(values.get(n)) for n in names]
-        rows.append(f"| {t} | {getattr(h, 'kind', '?')} | {getattr(h, 'channels', '?')} | "
-                    + " | ".join(cells) + (" |" if cells else "|"))
-    if not names:
+        shown = ", ".join(f"{n} {_num(v)}" for n, v in values.items()) or "–"
+        rows.append(f"| {t} | {getattr(h, 'kind', '?')} | {getattr(h, 'channels', '?')} | {shown} |")
+    if not any(isinstance(v, dict) and v for v in metrics.values()):
         rows += ["", "No validation metrics were saved with this model (a run without validation data)."]
     else:
-        rows += ["", "Metrics on the validation split at the end of training (lower is better for errors and "
-                 "losses, higher for accuracies)."]
+        rows += ["", "On the validation split at the end of training (errors and losses: lower is better; accuracies "
+                 "and δ thresholds, in percent: higher is better)."]
     return rows
 
 

@@ -249,6 +249,8 @@ def test_a_trained_run_goes_to_every_format_and_back(tmp_path, tiny_data, monkey
     name, value = next(iter(sorted(values.items())))
     assert f"{value:.4g}" in card, (name, value)
     assert f"tools/train.py --config {config}" in card and "trained 2 steps" in card
+    again = squad.save_pretrained(folder, tmp_path / "hf2") / "README.md"  # a folder's model keeps its run record
+    assert f"tools/train.py --config {config}" in again.read_text()
     _hub_cache(tmp_path / "cache", "org/run", tmp_path / "hf")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

@@ -71,8 +71,8 @@ def save_pretrained(model: nn.Module, folder: str | Path, *, run: dict | None = 
         model: a `SquadViT` or extracted `SingleTaskModel` (``squad.load`` of any squad file; ``.usage`` and
             ``.meta`` are saved when present).
         folder: the folder to write (created; an earlier folder's files are replaced).
-        run: the training run's record for the card (`run_record`); default: found from ``model.meta["path"]``
-            (the run folder beside a ``model.pt`` or checkpoint tag), else none.
+        run: the training run's record for the card (`run_record`); default: the one a folder's model was loaded
+            with, else found from ``model.meta["path"]`` (the run folder beside a ``model.pt`` or checkpoint tag).
         card: write ``README.md`` (`model_card`).
         max_shard_size: bytes per weights file; past it the weights are sharded with the hub's index file.
 
@@ -84,8 +84,9 @@ def save_pretrained(model: nn.Module, folder: str | Path, *, run: dict | None = 
     if not isinstance(inner, SquadViT):
         raise ValueError(f"save_pretrained takes a squad model (SquadViT or SingleTaskModel), got "
                          f"{type(model).__name__}")
-    if run is None:
-        run = run_record(getattr(model, "meta", None) or {})
+    if run is None:  # a model loaded from a folder keeps the record it was saved with
+        meta = getattr(model, "meta", None) or {}
+        run = meta.get("run") or run_record(meta)
     config = folder_config(model, run)
     usage = getattr(model, "usage", None)
     hf_folder.write_folder(folder, config, inner.state_dict(), usage.state_dict() if usage is not None else None,

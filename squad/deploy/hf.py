@@ -142,7 +142,8 @@ def model_card(model: nn.Module, config: dict) -> str:
     kinds = sorted({getattr(m, "kind", None) for m in inner.modules()} - {None})
     heads = {h.name: h for h in cfg.head_configs()}
     front = ["---", "library_name: squad", "license: other  # TODO: the licence the weights are released under",
-             f"pipeline_tag: {_pipeline(inner, tasks)}", "tags:", "- squad", "- vision", "- multi-task",
+             f"pipeline_tag: {_pipeline(inner, tasks)}", "tags:", "- squad", "- vision",
+             *(["- multi-task"] if len(tasks) > 1 else []),
              *[f"- {t}" for t in _tags(kinds, model)], "---", ""]
     name = cfg.name or "squad model"
     what = (f"the **{model.task}** subnetwork extracted from a multi-task model" if isinstance(model, SingleTaskModel)

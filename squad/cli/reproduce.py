@@ -74,6 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
                         f"several GPUs: one run each; the gpu scale is planned with {GPU_PARALLEL} on one GPU; "
                         "default 1 (in this process)")
     p.add_argument("--hostfile", default="hostfile", help="paper scale: the DeepSpeed hostfile the commands name")
+    p.add_argument("--rejudge", default=None, metavar="RESULTS",
+                   help="judge a report's results.json again under the current rule from the per-seed numbers it "
+                        "holds, training nothing: writes OUT/rejudged.md and OUT/rejudged.json, labelled as an "
+                        "interim re-judgement")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the plan (every run, those already done in OUT, the tolerance reruns) and its CPU "
+                        "budget on one core, and run nothing")
     return p
 
 
@@ -94,6 +101,16 @@ def _reproduce(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     command = "python tools/reproduce.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None
                                                                                 else sys.argv[1:]))
+    if args.rejudge:
+        from squad.reproduce.rejudge import write_rejudged
+
+        print(f"[reproduce] interim re-judgement: {write_rejudged(args.rejudge, args.out)}")
+        return 0
+    if args.dry_run:
+        from squad.reproduce.invocation import dry_run
+
+        dry_run(args.claims, args.scale, args.out, seeds=args.seeds, steps=args.steps, parallel=args.parallel)
+        return 0
     if args.scale != "paper":
         from squad.distributed import prepare_environment
 

@@ -97,10 +97,14 @@ def finetune_jobs(ctx: Context) -> list[Job]:
     return jobs
 
 
+MODE_WORDS = {"full": "full fine-tuning", "head": "training the head", "linear-probe": "a linear probe"}
+
+
 def finetune_judgement(tables: dict[str, dict], learnable: list[str]) -> tuple[list[dict], list[dict]]:
     """router-finetune's comparisons (judged) and those reported apart, from per-task tables (``metric``,
     ``lower_is_better``, ``runs``: each seed's ``table`` mode → fraction → metric). Tasks not in ``learnable``
-    go apart. The primary: router against full fine-tuning, averaged over the learnable tasks and fractions."""
+    go apart. The parts: router against each other mode, averaged over the learnable tasks and fractions; each task
+    and fraction is a secondary."""
     comparisons, apart = [], []
     counted = [t for t in tables if t in learnable]
     if counted:
@@ -115,8 +119,9 @@ def finetune_judgement(tables: dict[str, dict], learnable: list[str]) -> tuple[l
             return out
 
         metric = tables[counted[0]]["metric"]
-        comparisons.append(compare("router better than full fine-tuning, mean over the learnable held-out tasks and "
-                                   "fractions", mean_over("router"), mean_over("full"), pool=metric))
+        router = mean_over("router")
+        comparisons += [compare(f"router better than {MODE_WORDS.get(mode, mode)}, mean over the learnable held-out "
+                                "tasks and fractions", router, mean_over(mode), pool=metric) for mode in MODES[1:]]
     for task, t in tables.items():
         sign = -1.0 if t["lower_is_better"] else 1.0
         t["learnable"] = task in learnable
@@ -126,7 +131,7 @@ def finetune_judgement(tables: dict[str, dict], learnable: list[str]) -> tuple[l
                 other = [sign * r["table"][mode][frac] for r in t["runs"]]
                 c = compare(f"{task} at {float(frac):.1%}: router better than {mode}", router, other, pool=t["metric"])
                 (comparisons if t["learnable"] else apart).append(c)
-    judge(comparisons, apart)
+    judge(comparisons, apart, parts=len(MODES) - 1 if counted else 0)
     return comparisons, apart
 
 
@@ -255,7 +260,7 @@ def measure_pascal(ctx: Context) -> dict:
                    compare(f"parameters(pruned, {theta}) / parameters(Mod-Squad with the task's head only) ≤ "
                            f"{PASCAL_SHARE:.2f}, largest over tasks", share["pruned"]["ratio_max"],
                            [PASCAL_SHARE] * n, "at_most", pool="share")]
-    judge(comparisons)
+    judge(comparisons, parts=len(comparisons))
     memory = pctx.cost(pascal_spec(pctx, "pascal_mtl", seed0))["memory"]
     sc = pctx.scale
     return {"tasks": tasks, "methods": methods, "gate": gate, "comparisons": comparisons, "plumbing": True,

@@ -37,6 +37,7 @@ from squad.reproduce.scales import (
     render_seconds,
 )
 from squad.reproduce.specs import Context
+from squad.reproduce.tolerance import measure_tolerance, tolerance_specs, with_tolerance
 
 
 def say_to(stream=None) -> Callable[[str], None]:
@@ -91,6 +92,54 @@ def plan_invocation(scale: str | Scale, claims: Sequence[str] = ("all",), parall
                     (s.base or s).model.get("depth", (s.scale or scale).depth)) for s in specs]
     render = render_seconds(scale, cores) if any(n != "pascal-table3" for n in names) else 0.0
     return estimate_seconds(plan, {}, scale, names, len(seeds_), parallel, device, gpus, cores) + render
+
+
+def dry_run(claims: Sequence[str], scale: str = "small", out: str | Path = "reports/small", *,
+            seeds: int | None = None, steps: int | None = None, parallel: int = 1,
+            say: Callable[[str], None] | None = None) -> dict:
+    """The plan of an invocation without running anything: every run it needs (those finished in ``out`` already
+    marked), the tolerance reruns, and the planned CPU time of what is left on one core (`estimate_seconds`'s
+    constants: nothing is measured), per claim and in all. Prints it with ``say``; returns it as data."""
+    say = say or say_to()
+    names = resolve_claims(claims)
+    sc = get_scale(scale)
+    if steps is not None:
+        sc = dataclasses.replace(sc, steps=steps)
+    seeds_ = list(range(seeds or sc.seeds))
+    out = Path(out)
+    ctx = Context(sc, seeds_, out / "data" / "shards", out, Runner(out, sc, out / "data" / "shards"), "cpu",
+                  pascal=pascal_scale(sc, steps), pascal_data=out / "data" / "pascal_shards", parallel=parallel)
+
+    def plan_of(specs: Sequence[RunSpec]) -> list[Planned]:
+        return [Planned(s.family, s.steps, len(s.train_tasks or s.tasks),
+                        (s.base or s).model.get("depth", (s.scale or sc).depth)) for s in specs]
+
+    specs = list({s.name: s for n in names for s in CLAIMS[n].specs(ctx)}.values())
+    todo = [s for s in specs if not is_done(ctx.runner.path(s))]
+    reruns = tolerance_specs(ctx) if sc.tolerance_threads and "modsquad-table2" in names else []
+    left = [s for s in reruns if not is_done(out / "tolerance" / f"threads{sc.tolerance_threads}" / s.name)]
+    per_claim = {}
+    for n in names:
+        mine = [s for s in CLAIMS[n].specs(ctx) if s.name in {t.name for t in todo}]
+        per_claim[n] = {"runs": len({s.name for s in CLAIMS[n].specs(ctx)}), "to_train": len({s.name for s in mine}),
+                        "seconds": estimate_seconds(plan_of(list({s.name: s for s in mine}.values())), {}, sc, [n],
+                                                    len(seeds_), parallel, "cpu", 1, 1)}
+    total = estimate_seconds(plan_of(todo + left), {}, sc, names, len(seeds_), parallel, "cpu", 1, 1)
+    render = render_seconds(sc, 1) if not (out / "data" / "shards").is_dir() and names != ["pascal-table3"] else 0.0
+    plan = {"scale": sc.name, "seeds": seeds_, "claims": per_claim, "runs": len(specs), "done": len(specs) - len(todo),
+            "tolerance_runs": len(reruns), "tolerance_left": len(left), "render_seconds": render,
+            "seconds": total + render}
+    say(f"plan (nothing runs): {len(names)} claim(s) at scale {sc.name}, seeds {seeds_}: {len(specs)} runs, "
+        f"{plan['done']} done already in {out}")
+    for n, c in per_claim.items():
+        say(f"  {n}: {c['runs']} runs, {c['to_train']} to train, ~{format_duration(c['seconds'])} on one core "
+            "(with its evaluations)")
+    if reruns:
+        say(f"  tolerance: {len(reruns)} runs again with {sc.tolerance_threads} threads, {len(left)} to train")
+    say(f"budget left: ~{format_duration(plan['seconds'])} of one core (runs shared by claims counted once"
+        f"{', rendering the data' if render else ''}; planned from the constants of squad.reproduce.scales, not "
+        "measured); the same command without --dry-run runs it and resumes from the runs already done")
+    return plan
 
 
 def reproduce(claims: Sequence[str], scale: str = "small", out: str | Path = "reports/small", *,
@@ -201,6 +250,12 @@ def reproduce(claims: Sequence[str], scale: str = "small", out: str | Path = "re
         if jobs:
             say(f"{len(jobs)} post-training jobs, {parallel} at once")
             run_jobs(jobs, parallel, say, gpus)
+    tolerance = None
+    if scale.tolerance_threads and device == "cpu" and "modsquad-table2" in claims:
+        tolerance = measure_tolerance(ctx, scale.tolerance_threads, say, ctx.tasks)
+        ctx = with_tolerance(ctx, tolerance)
+        say(f"tolerance: Δt moves by up to {tolerance['tolerance'].get('Δt', float('nan')):.2f} points with "
+            f"{scale.tolerance_threads} threads")
     results = dict(previous)
     for name in claims:
         say(f"claim {name}")
@@ -216,7 +271,8 @@ def reproduce(claims: Sequence[str], scale: str = "small", out: str | Path = "re
             "data": {"root": str(root), "manifest": info}, "seconds": seconds, "parallel": parallel,
             "device": device, "data_line": data_line(pdata, pinfo) if pascal_only else data_line(root, info),
             "duration": format_duration(seconds),
-            "runs": {"total": len(specs), "trained": ctx.runner.trained, "skipped": ctx.runner.skipped}}
+            "runs": {"total": len(specs), "trained": ctx.runner.trained, "skipped": ctx.runner.skipped},
+            "tolerance": tolerance}
     if pdata is not None:
         meta["data"]["pascal"] = {"root": str(pdata), "manifest": pinfo}
         if not pascal_only:

@@ -161,7 +161,7 @@ def _post_training(claims: Sequence[str], ctx: Context, out: Path) -> list[str]:
                              f"--split test --out {_q(file)}")
             families = [f for f in ("mtl", "mtl_embed", "m3vit", "moe_mlp", "moe_attn", "modsquad")
                         if "modsquad-table2" in claims]
-            families += ["modsquad", "modsquad_balance"] if "mi-vs-balance" in claims else []
+            families += ["modsquad", "modsquad_balance_all", "modsquad_balance"] if "mi-vs-balance" in claims else []
             for f in dict.fromkeys(families):
                 run = runs / method_spec(ctx, f, seed).name
                 lines.append(f"python tools/evaluate.py --checkpoint {_q(run)} --data \"$TASKONOMY\" --split test "

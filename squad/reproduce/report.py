@@ -23,7 +23,9 @@ from pathlib import Path
 from squad.reproduce.claims import CLAIMS
 from squad.reproduce.figures import FIGURES, big, fig_claim
 from squad.reproduce.scales import Scale, format_duration
-from squad.reproduce.verdicts import RULE, spread, verdict
+from squad.reproduce.stats import MIN_SEEDS
+from squad.reproduce.tolerance import tolerance_line
+from squad.reproduce.verdicts import RULE, parts_of, parts_summary, provisional, spread, verdict
 from squad.tasks import get_task
 
 # ---------------------------------------------------------------------------------------------- formatting
@@ -71,11 +73,14 @@ def _gate(gate: dict) -> list[str]:
         arrow = "↓" if r["lower_is_better"] else "↑"
         rows.append([t, f"{r['metric']} {arrow}", _ms(r["reference"], "{:.4g}"),
                      f"{r['predictor']}: {_num(r['predictor_value'], '{:.4g}')}",
-                     ", ".join(_num(g, "{:+.1f}") for g in r["gain"]), "**counted**" if r["learnable"] else "apart"])
+                     ", ".join(_num(g, "{:+.1f}") for g in r["gain"]), _num(r.get("gain_lower"), "{:+.1f}"),
+                     "**counted**" if r["learnable"] else "apart"])
     return (["Learnability gate (Δt counts a task only when the reference model beats the best image-independent "
-             f"predictor by ≥ {gate['threshold']:g} % on every seed; both numbers on the validation split):", ""]
+             f"predictor, fitted on the validation images themselves, by ≥ {gate['threshold']:g} % on every seed and "
+             "by more than the seed noise: the mean gain's one-sided 95 % lower bound above it too; both numbers on "
+             "the validation split):", ""]
             + _table(["task", "metric", "reference model (mean ± sd)", "best image-independent predictor",
-                      "gain % per seed", "in Δt"], rows))
+                      "gain % per seed", "mean gain, 95 % lower bound", "in Δt"], rows))
 
 
 def _sanitize(obj):
@@ -234,28 +239,42 @@ def _section_pascal(d: dict) -> list[str]:
                   "Mod-Squad on the real PASCAL-Context, in %/degrees, for reference only):", ""] + _table(head, rows)
 
 
-SECTIONS = {"modsquad-table2": _section_table2, "pruning": _section_pruning, "router-finetune": _section_finetune,
+def _section_curve(d: dict) -> list[str]:
+    if not d.get("budgets"):
+        return []
+    rows = []
+    for f, per in d["table"].items():
+        label = d["labels"][f]
+        reach = d["reach_zero"].get(f)
+        rows.append([label, *[_ms(per[str(n)]["values"]) for n in d["budgets"]], _ms(d["slopes"][f]),
+                     f"~{reach:,.0f} steps" if reach else "–"])
+    return _table(["Δt % vs STL (mean ± sd)", *[f"{n:,} steps" for n in d["budgets"]], "per doubling",
+                   "reaches 0 near (extrapolated)"], rows)
+
+
+SECTIONS = {"modsquad-table2": _section_table2, "table2-curve": _section_curve, "pruning": _section_pruning,
+            "router-finetune": _section_finetune,
             "mi-vs-balance": _section_mi, "amod-table3": _section_amod, "mone-budget": _section_mone,
             "pascal-table3": _section_pascal}
 
 
 def _shows(comparisons: Sequence[dict]) -> str:
-    """One sentence on what the numbers show: the primary's status, then the secondary ones by status (at most 6
+    """One sentence on what the numbers show: each part's status, then the secondary ones by status (at most 6
     named per kind)."""
     if not comparisons:
         return "no comparison counts in the verdict (see the preconditions and what is reported apart)."
-    first = comparisons[0]
-    parts = [f"the primary comparison ({first['label']}) is {first.get('status', '?')}"]
+    parts = parts_of(comparisons)
+    out = ["parts: " + "; ".join(f"{c['label']} — {c.get('status', '?')}" for c in parts)]
     groups = {"holds": "holds (Holm-corrected)", "reversed": "reversed (Holm-corrected)",
-              "within noise": "within noise", "ahead": "ahead (direction only)", "behind": "behind (direction only)",
-              "one seed": "on one seed only"}
-    rest = comparisons[1:]
+              "within noise": "within noise", "within tolerance": "within the cross-machine tolerance",
+              "ahead": "ahead (direction only)", "behind": "behind (direction only)", "one seed": "on one seed only"}
+    rest = [c for c in comparisons if c not in parts]
     for status, text in groups.items():
         labels = [c["label"] for c in rest if c.get("status") == status]
         if labels:
             more = f"; and {len(labels) - 6} more" if len(labels) > 6 else ""
-            parts.append(f"secondary {text} ({len(labels)} of {len(rest)}): {'; '.join(labels[:6])}{more}")
-    return ". ".join(p[0].upper() + p[1:] for p in parts) + "."
+            out.append(f"secondary {text} ({len(labels)} of {len(rest)}): {'; '.join(labels[:6])}{more}")
+    return ". ".join(p[0].upper() + p[1:] for p in out) + "."
 
 
 def scale_line(scale: Scale, seeds: Sequence[int]) -> str:
@@ -265,14 +284,27 @@ def scale_line(scale: Scale, seeds: Sequence[int]) -> str:
             f"{scale.steps} steps of {scale.batch} images per run, seeds {', '.join(map(str, seeds))}")
 
 
-def _primary(d: dict) -> str:
-    """The primary comparison's label and its mean difference with the 95 % bounds, for the verdict table."""
+def part_cell(c: dict) -> str:
+    """One part for the verdict table: its label, mean difference, one-sided 95 % bounds, seeds and status."""
+    n = c.get("n", 0)
+    bounds = f" [{_num(c.get('lower'))}, {_num(c.get('upper'))}]" if n >= 3 else ""
+    return f"{c['label']}: {_num(c.get('mean'))}{bounds} — **{c.get('status', '?')}**"
+
+
+def parts_cell(d: dict) -> str:
+    """Every part of a claim (the verdict table's cell), one per line."""
     if not d.get("comparisons"):
         return "–"
-    c = d["comparisons"][0]
-    bounds = f" [{_num(c.get('lower'))}, {_num(c.get('upper'))}]" if c.get("n", 0) >= 3 else ""
-    n = c.get("n", 0)
-    return f"{c['label']}: mean d {_num(c.get('mean'))}{bounds} ({n} seed{'' if n == 1 else 's'})"
+    return "<br>".join(part_cell(c) for c in parts_of(d["comparisons"]))
+
+
+def verdict_cell(d: dict) -> str:
+    """The verdict, with what the parts would give where there are too few seeds for one."""
+    v = f"**{d['verdict']}**"
+    if d["verdict"] == "too few seeds":
+        would = provisional(d["comparisons"], d.get("preconditions", ()))
+        v += f" ({d['seeds']} < {MIN_SEEDS}; the parts give: {would})"
+    return v
 
 
 def write_report(out: Path, claims: dict[str, dict], meta: dict) -> Path:
@@ -296,6 +328,9 @@ def write_report(out: Path, claims: dict[str, dict], meta: dict) -> Path:
         d = claims[name]
         d["verdict"] = verdict(d["comparisons"], d.get("preconditions", ()), untestable=d.get("untestable"),
                                plumbing=bool(d.get("plumbing") or scale.plumbing))
+        d["seeds"] = len(meta["seeds"])
+        if d["verdict"] == "too few seeds":
+            d["provisional"] = provisional(d["comparisons"], d.get("preconditions", ()))
         stamp = (f"scale {scale.name} · {len(meta['seeds'])} seed{'s' if len(meta['seeds']) != 1 else ''} · "
                  f"{d.get('budget', f'{scale.steps} steps')}")
         d["figures"] = fig_claim(name, d, figures, stamp) + FIGURES[name](d, figures, stamp)
@@ -308,15 +343,23 @@ def write_report(out: Path, claims: dict[str, dict], meta: dict) -> Path:
              "stopping). Δt is Mod-Squad's: the mean over the learnable tasks of each task's relative gain on its "
              "primary metric against the baseline, in percent, higher is better.", "",
              "## Verdicts", ""]
-    lines += _table(["claim", "source", "primary comparison", "verdict"],
-                    [[f"[{n}](#{n})", CLAIMS[n].source, _primary(claims[n]), f"**{claims[n]['verdict']}**"]
+    lines += ["Each claim's parts with the mean difference d (> 0: as the paper says), its one-sided 95 % bounds "
+              "[lower, upper] and its status (Holm over the claim's parts); the claim is reproduced only when every "
+              "part holds.", ""]
+    lines += _table(["claim", "source", "parts: mean d [95 % bounds] — status", "verdict"],
+                    [[f"[{n}](#{n})", CLAIMS[n].source, parts_cell(claims[n]), verdict_cell(claims[n])]
                      for n in order])
+    if meta.get("tolerance"):
+        lines += [tolerance_line(meta["tolerance"]), ""]
     lines += ["## How a verdict is decided", "", RULE, ""]
     for name in order:
         d = claims[name]
         c = CLAIMS[name]
         lines += [f"## {name}", "", f"*{c.source}.* **Claim:** {c.statement}", "",
-                  f"Verdict: **{d['verdict']}**", ""]
+                  f"Verdict: {verdict_cell(d)}", ""]
+        if d["verdict"] in ("partly reproduced", "not reproduced", "inconclusive", "too few seeds") and \
+                d["comparisons"] and parts_summary(d["comparisons"]):
+            lines += [f"Parts that do not hold: {parts_summary(d['comparisons'])}.", ""]
         lines += [f"Measured at scale {scale.name}, {len(meta['seeds'])} seed(s), {d.get('budget', '')}.", ""]
         if d.get("untestable"):
             lines += [f"Untestable at this scale: {d['untestable']}.", ""]
@@ -328,7 +371,7 @@ def write_report(out: Path, claims: dict[str, dict], meta: dict) -> Path:
             lines += _table(["precondition", "detail", "status"],
                             [[p["label"], p.get("detail", ""), f"**{p['status']}**"] for p in d["preconditions"]])
         if d["comparisons"]:
-            lines += ["Comparisons (the rule above; the first is the primary):", ""] + _comparisons(d["comparisons"])
+            lines += ["Comparisons (the rule above; the parts first):", ""] + _comparisons(d["comparisons"])
         lines += [f"What the numbers show: {_shows(d['comparisons'])}", ""]
         if d.get("apart"):
             lines += ["Reported apart (controls, and tasks the test cannot use; not part of the verdict):", ""]
@@ -340,6 +383,7 @@ def write_report(out: Path, claims: dict[str, dict], meta: dict) -> Path:
     results = {"command": meta["command"], "scale": scale.name, "scale_settings": meta["scale_settings"],
                "seeds": list(meta["seeds"]), "data": meta["data"], "rule": RULE,
                "verdicts": {n: claims[n]["verdict"] for n in order}, "claims": {n: claims[n] for n in order},
+               "tolerance": meta.get("tolerance"),
                "seconds": meta["seconds"], "train_seconds": meta.get("train_seconds"), "runs": meta["runs"]}
     (out / "results.json").write_text(json.dumps(_sanitize(results), indent=1) + "\n")
     return report

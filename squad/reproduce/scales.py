@@ -108,6 +108,8 @@ class Scale:
     time_repeats: int  # forward passes timed per MoNE e_c
     table2_methods: tuple[str, ...] = ALL_TABLE2  # modsquad-table2's multi-task families (beside STL)
     curve_evals: int = 0  # validations along every run besides the first and the last (the figures' curves)
+    curve_steps: tuple[int, ...] = ()  # table2-curve's budgets (each a run of its own; ``steps`` reuses table2's)
+    tolerance_threads: int = 0  # the cross-machine tolerance: a sample of runs again with this many threads (0: no)
     plumbing: bool = False  # tiny: every step of every claim runs, no verdict is meant
 
     @property
@@ -119,10 +121,13 @@ GPU_STEPS = 600  # the gpu scale's steps: modsquad-table2 planned at <= 8 min on
 GPU_TABLE2_MINUTES = 8.0  # one command on a lent GPU (15 minutes of device time a session, start-up included)
 GPU_PARALLEL = 10  # --parallel the gpu scale is planned with (one GPU, runs sharing it)
 MONE_GRID = tuple(round(0.15 + 0.1 * i, 2) for i in range(9))  # the MoNE paper's {0.15, 0.25, …, 0.95}
-_COMMON = dict(thetas=(0.0, 0.001, 0.01, 0.03), keep_top=0.4, amod_capacity=0.5, mone_grid=MONE_GRID,
-               mone_experts=4, amod_tasks=("class_scene",))
+# pruning's θ curve: the paper's 0.01 and on to settings that remove most experts of a task (≤ 60 % of the parameters)
+_COMMON = dict(thetas=(0.0, 0.001, 0.01, 0.03, 0.06, 0.1, 0.15, 0.2), keep_top=0.4, amod_capacity=0.5,
+               mone_grid=MONE_GRID, mone_experts=4, amod_tasks=("class_scene",))
 
-_LEAN_TABLE2 = ("mtl", "mtl_embed", "m3vit", "modsquad")  # cpu and gpu: STL, MTL, its embedding control, M3ViT-like
+_LEAN_TABLE2 = ("mtl", "mtl_embed", "m3vit", "modsquad")  # gpu: STL, MTL, its embedding control, M3ViT-like
+# cpu: 5 seeds and the learning curve within ~8 h of one core: M3ViT-like (a secondary comparison only) is left out
+_CPU_TABLE2 = ("mtl", "mtl_embed", "modsquad")
 SCALES: dict[str, Scale] = {
     "tiny": Scale(name="tiny", tasks=("class_object", "class_scene", "depth_euclidean", "normal"), img_size=32,
                   patch_size=8, embed_dim=32, depth=2, num_heads=2, moa_experts=4, moa_top_k=2, moa_head_dim=16,
@@ -130,7 +135,8 @@ SCALES: dict[str, Scale] = {
                   workers=0, calib_batches=1, finetune_fractions=(0.25, 0.5), finetune_steps=2, finetune_batch=4,
                   finetune_lrs=(1e-3, 1e-2), finetune_holdout=0.25, finetune_evals=1, amod_depth=2,
                   amod_dense_steps=4, amod_steps=2, amod_evals=1, mone_fixed=(0.2, 1.0), cost_steps=2,
-                  time_repeats=2, curve_evals=1, plumbing=True, **_COMMON),
+                  time_repeats=2, curve_evals=1, curve_steps=(2, 3), plumbing=True,
+                  **dict(_COMMON, thetas=(0.0, 0.01, 0.2))),
     # fractions: the paper's 0.5-5 % of 3.8 M images are 19k-190k images; 0.5 % of this data's 3,000 training
     # images would be 15, so small and cpu learn from 150 to 1,500 images (5-50 %)
     "small": Scale(name="small", tasks=TASK_NAMES, img_size=64, patch_size=8, embed_dim=96, depth=4, num_heads=4,
@@ -142,11 +148,12 @@ SCALES: dict[str, Scale] = {
                    cost_steps=6, time_repeats=5, curve_evals=1, **_COMMON),
     "cpu": Scale(name="cpu", tasks=LEARNABLE, img_size=64, patch_size=8, embed_dim=96, depth=4, num_heads=4,
                  moa_experts=8, moa_top_k=4, moa_head_dim=24, moe_experts=8, moe_top_k=2, images=4000, buildings=16,
-                 batch=16, steps=1000, lr=1e-3, warmup=50, seeds=3, workers=0, calib_batches=8,
+                 batch=16, steps=1000, lr=1e-3, warmup=50, seeds=5, workers=0, calib_batches=8,
                  finetune_fractions=(0.05, 0.1, 0.2, 0.5), finetune_steps=150, finetune_batch=16,
                  finetune_lrs=(1e-4, 1e-3, 1e-2), finetune_holdout=0.2, finetune_evals=5, amod_depth=8,
-                 amod_dense_steps=1500, amod_steps=1000, amod_evals=4, mone_fixed=(0.2, 0.4, 0.6, 0.8, 1.0),
-                 cost_steps=6, time_repeats=5, table2_methods=_LEAN_TABLE2, curve_evals=4, **_COMMON),
+                 amod_dense_steps=1500, amod_steps=1000, amod_evals=4, mone_fixed=(0.2, 0.6, 1.0),
+                 cost_steps=6, time_repeats=5, table2_methods=_CPU_TABLE2, curve_evals=2,
+                 curve_steps=(250, 500, 1000, 2000), tolerance_threads=2, **_COMMON),
     "gpu": Scale(name="gpu", tasks=LEARNABLE, img_size=64, patch_size=8, embed_dim=192, depth=6, num_heads=6,
                  moa_experts=12, moa_top_k=6, moa_head_dim=32, moe_experts=8, moe_top_k=2, images=4000, buildings=16,
                  batch=64, steps=GPU_STEPS, lr=1e-3, warmup=50, seeds=3, workers=2, calib_batches=8,
@@ -168,9 +175,10 @@ SCALES: dict[str, Scale] = {
 # (`measure_cost`'s ``cpu_s`` with torch.set_num_threads(1)) divided by 1.7, the speed-up of two threads. Used by
 # `estimate_seconds` only for the families this invocation did not measure (the MTL + task embedding control and the
 # adapted MoD model step as MTL does).
+TWO_THREAD_SPEEDUP = 1.7  # a step on two threads against one (the constants below are two threads' wall seconds)
 SMALL_STEP_SECONDS: dict[str, float] = {
     "stl": 0.076 / 1.7, "mtl": 0.72 / 1.7, "m3vit": 0.92 / 1.7, "moe_mlp": 0.88 / 1.7, "moe_attn": 0.72 / 1.7,
-    "modsquad": 0.99 / 1.7, "modsquad_balance": 1.1 / 1.7, "mone": 0.62 / 1.7,
+    "modsquad": 0.99 / 1.7, "modsquad_balance": 1.1 / 1.7, "modsquad_balance_all": 1.1 / 1.7, "mone": 0.62 / 1.7,
 }
 DATA_SHARE = 0.2  # reading and augmenting the batches (HDF5 shards, one loader worker) beside a measured step
 # Per training run at small scale with 13 tasks: DeepSpeed set-up, the validations at step 0 and at the end (250
@@ -376,7 +384,8 @@ def estimate_seconds(plan: list[Planned], step_seconds: dict[str, float], scale:
         seeds: seeds per run.
         parallel: runs trained at once (``--parallel``); the fine-tunes of router-finetune run that way too.
         device: ``cpu`` or ``cuda``.
-        gpus, cores: of the machine (`parallel_speedup`).
+        gpus, cores: of the machine (`parallel_speedup`); on a CPU, ``cores=1`` plans one thread per run (the
+            constants' two-thread step times × `TWO_THREAD_SPEEDUP`).
     """
     gpu = device == "cuda"
     speedup = parallel_speedup(parallel, device, gpus, cores)
@@ -391,7 +400,8 @@ def estimate_seconds(plan: list[Planned], step_seconds: dict[str, float], scale:
         jobs += finetune_seconds(scale, msq, held) * seeds
     train = 0.0
     for p in plan:
-        per = step_seconds.get(p.key) or planned_step_seconds(p, scale, device)
+        per = step_seconds.get(p.key) or planned_step_seconds(p, scale, device) * (
+            TWO_THREAD_SPEEDUP if not gpu and cores == 1 else 1.0)  # one core: one thread's step time
         if p.family.startswith("pascal_"):
             share = 0.3 if p.family == "pascal_stl" else 1.0
             overhead = (GPU_RUN_OVERHEAD_S if gpu else PASCAL_RUN_OVERHEAD_S) * share

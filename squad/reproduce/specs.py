@@ -44,6 +44,7 @@ class Context:
     pascal: Scale | None = None  # pascal-table3's scale (default: `pascal_scale` of ``scale``)
     pascal_data: Path | None = None  # pascal-table3's PASCAL-Context root (default: OUT/data/pascal_shards)
     parallel: int = 1  # --parallel: runs (and router-finetune's fine-tunes) at once
+    tolerance: dict[str, float] | None = None  # unit → cross-machine spread (`squad.reproduce.tolerance`)
 
     @property
     def tasks(self) -> list[str]:
@@ -194,6 +195,20 @@ def amod_spec(ctx: Context, seed: int, routing: str) -> RunSpec:
     family = "mod_stl" if dense.family == "stl" else "mod"
     return RunSpec(f"amod-{routing}-finetune-s{seed}", family, seed, dense.tasks, scale.amod_steps,
                    evals=scale.amod_evals, init=init, lr=scale.lr / 3, warmup=0, base=dense)
+
+
+def amod_continued_spec(ctx: Context, seed: int) -> RunSpec:
+    """The plateau's control: the dense model A-MoD adapts, trained on from its weights for the fine-tune's steps at
+    the fine-tune's lr (no MoD): what the same steps give a model that keeps training."""
+    dense = amod_dense_spec(ctx, seed)
+    dense_run = ctx.runner.path(dense)
+
+    def init() -> tuple[dict, dict]:
+        model = load_model(dense_run)
+        return to_dict(model.cfg), {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    return RunSpec(f"amod-dense-continued-s{seed}", dense.family, seed, dense.tasks, ctx.scale.amod_steps,
+                   evals=ctx.scale.amod_evals, init=init, lr=ctx.scale.lr / 3, warmup=0, base=dense)
 
 
 def pascal_ctx(ctx: Context) -> Context:

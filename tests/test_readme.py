@@ -90,9 +90,9 @@ SKIPPED = {
     "test_reproduce.py runs every claim at --scale tiny, and the tiny command below runs here",
     "python tools/reproduce.py modsquad-table2 --scale gpu": "the gpu scale needs a GPU (minutes there, many hours "
     "on a CPU); test_reproduce.py checks its plan and runs --parallel at tiny scale",
-    "python tools/reproduce.py modsquad-table2 pruning mi-vs-balance amod-table3 mone-budget --scale cpu": "the "
-    "converged CPU runs train 54 models for hours (reports/cpu holds their report); test_reproduce.py runs every "
-    "claim at --scale tiny",
+    "python tools/reproduce.py modsquad-table2 table2-curve pruning mi-vs-balance amod-table3 mone-budget --scale cpu "
+    "--out runs/repro-cpu --report": "the converged CPU runs train 175 models for hours (its --dry-run below prints "
+    "the plan and runs here); test_reproduce.py runs every claim at --scale tiny",
     "make gpu-check": "needs a CUDA GPU; test_gpu_check.py runs its refusal, stage runner and report on the CPU",
     "python3 tools/gpu_check.py": "needs a CUDA GPU (the same as make gpu-check)",
 }
@@ -288,6 +288,8 @@ def workspace(tmp_path_factory) -> Path:
     ws = tmp_path_factory.mktemp("readme")
     for name in ("tools", "configs"):
         (ws / name).symlink_to(ROOT / name)
+    (ws / "reports" / "cpu").mkdir(parents=True)  # `--rejudge reports/cpu/results.json` reads the committed report's
+    shutil.copy(ROOT / "reports" / "cpu" / "results.json", ws / "reports" / "cpu")
     tree = write_random_tree(ws / PATHS["/data/taskonomy"], n=16, size=32, buildings=2)
     csv = next(tree.glob("train_val_test_*.csv"))
     for split in ("tiny", "full"):

@@ -3,26 +3,33 @@
 The embedded data is the synthetic Taskonomy; the report is report.md, PNG figures and results.json.
 
     python tools/reproduce.py pruning --scale tiny --out /tmp/r                    # the plumbing, in minutes
-    python tools/reproduce.py modsquad-table2 pruning mi-vs-balance amod-table3 mone-budget --scale cpu \\
-        --out runs/repro-cpu --report reports/cpu                                  # converged, CPU, hours
+    python tools/reproduce.py modsquad-table2 table2-curve pruning mi-vs-balance amod-table3 mone-budget \\
+        --scale cpu --out runs/repro-cpu --report reports/cpu     # converged, CPU, hours (--dry-run: the plan)
+    python tools/reproduce.py all --rejudge reports/cpu/results.json --out reports/cpu   # old data, current rule
     python tools/reproduce.py modsquad-table2 --scale gpu --parallel 10 --out reports/gpu   # one H100, <= 8 min
     python tools/reproduce.py all --scale paper --out plans/paper --data /data/taskonomy   # configs + commands
 
 Claims: modsquad-table2 (Mod-Squad Table 2: STL against the scale's multi-task families — MTL, an MTL + task
 embedding control, M3ViT-like, MoE MLP only, MoE attention only, Mod-Squad; Δt, parameters, MACs, step time, peak
-memory), pruning (extraction at θ and keep-top: parameters, like with like, vs Δt), router-finetune (router / head /
+memory), table2-curve (Δt of MTL and Mod-Squad against STL at each of the scale's budgets, each a run of its own:
+does the gap close with training, and how fast), pruning (extraction along a θ curve and keep-top: parameters, like
+with like, vs Δt), router-finetune (router / head /
 full / linear-probe on fractions of a new task's data, every mode with the same budget and stopping rule; only on a
-converged pretrain, else untestable), mi-vs-balance (MI loss vs a per-task balance loss, the untrained model beside:
-expert-use sparsity, I(T;E), Δt), amod-table3 (a dense model of 8 blocks trained to a plateau of its validation
-curve → MoD with attention routing or a learned router, no training then a fine-tune of 1,000+ steps), mone-budget
+converged pretrain, else untestable), mi-vs-balance (MI loss vs a balance loss over all tasks, a per-task one and
+the untrained model beside: expert-use sparsity, I(T;E), Δt), amod-table3 (a dense model of 8 blocks trained to a
+plateau → MoD with attention routing or a learned router, no training then a fine-tune of 1,000+ steps, beside the
+dense model trained on for those steps), mone-budget
 (one MoNE model with e_c drawn per step from 0.15-0.95 vs models trained at e_c 0.2/0.4/0.6/0.8, every one for the
 same steps, training compute in MACs, forward time per e_c), pascal-table3 (Mod-Squad Table 3's plumbing on the
 synthetic PASCAL-Context: STL, MTL, Mod-Squad and the pruned Mod-Squad; no verdict on synthetic data); ``all`` for
 every claim.
 
-Verdicts: a claim's primary comparison decides it by a one-sided paired t-test over >= 3 seeds (seed variance
-pooled over its comparisons; the others Holm-corrected); 2 seeds give the direction only. Δt counts only the tasks
-whose single-task model beats the best image-independent predictor by >= 5 % on every seed (the learnability gate).
+Verdicts: a claim declares its parts; it is reproduced when every part holds, partly reproduced when some do (each
+named), by one-sided paired t-tests on each comparison's own per-seed differences (Holm over the parts); a verdict
+needs >= 5 seeds (3-4: "too few seeds", the parts shown), and a difference inside the cross-machine tolerance (a
+sample of runs trained again with another thread count) is no finding. Δt counts only the tasks whose reference model
+beats the best image-independent predictor fitted on the validation images by >= 5 % on every seed and beyond the
+seed noise (the learnability gate).
 
 Every run is an ordinary run folder in OUT/runs (squad.load and the other tools open it); finished runs are skipped,
 so the same command resumes an interrupted invocation (runs of 400 steps or more resume from their last quarter).

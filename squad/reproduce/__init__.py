@@ -7,13 +7,16 @@ One experiment per claim; each run is an ordinary run folder; a report (markdown
   when done; refused when done with other settings; long runs checkpoint and resume);
 * `specs`: the runs each claim needs (`Context`, `cached` post-training results);
 * `parallel`: ``--parallel N``: N runs (or post-training jobs) at once, each in a process of its own;
-* `stats` and `verdicts`: paired per-seed differences, a one-sided t-test with the seed variance pooled over a
-  claim's comparisons, Holm for the secondary ones, the verdict rule, Δt;
+* `stats` and `verdicts`: paired per-seed differences, a one-sided t-test per comparison on its own differences,
+  Holm over a claim's parts (and over its secondary ones), the verdict rule (reproduced only when every part holds),
+  a null simulation on the report's own shapes, Δt;
+* `tolerance`: the cross-machine tolerance — a sample of runs trained again with another thread count;
+* `rejudge`: an interim re-judgement of a committed results.json under the current rule;
 * `gate`: the learnability gate — Δt counts a task only when its reference model beats the best image-independent
-  predictor (`squad.eval.prior`) by ≥ 5 % on every seed;
+  predictor (`squad.eval.prior`, fitted on the validation images) by ≥ 5 % on every seed and beyond the seed noise;
 * `measure`: baselines, Δt curves over training steps with 95 % intervals, the plateau of a validation curve;
-* `claims` (the registry), `claims_modsquad` (modsquad-table2, pruning, mi-vs-balance), `claims_transfer`
-  (router-finetune, pascal-table3), `claims_budget` (amod-table3, mone-budget);
+* `claims` (the registry), `claims_modsquad` (modsquad-table2, pruning, mi-vs-balance), `claims_curve`
+  (table2-curve), `claims_transfer` (router-finetune, pascal-table3), `claims_budget` (amod-table3, mone-budget);
 * `finetune`: router-finetune's fine-tunes, every mode with the same budget, lr choice and stopping rule;
 * `report` and `figures`: report.md, figures/*.png, results.json;
 * `paper`: ``--scale paper``'s run configs and ``deepspeed --hostfile`` commands (written, not run).

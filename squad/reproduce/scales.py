@@ -6,10 +6,12 @@
   heads), 200 steps of 16 images per run, 2 seeds (direction only: a verdict needs 3). Most of the 13 tasks do not
   learn beyond an image-independent predictor in so few steps (the learnability gate leaves them out).
 * ``cpu``: the claims at convergence on the CPU: the 4 tasks this data makes learnable (`LEARNABLE`: class_scene,
-  class_object, keypoints2d, depth_zbuffer) at 64 px, width 96, depth 4, 1,000 steps of 16 images per run, 3 seeds,
-  one thread per run, validated 6 times along every run (the curves of the figures), resumable (checkpoints every
-  250 steps); table2 trains STL, MTL, MTL + task embedding, M3ViT-like and Mod-Squad. Hours on one core
-  (`plan_table`).
+  class_object, keypoints2d, depth_zbuffer) at 64 px, width 96, depth 4, 1,000 steps of 16 images per run, 5 seeds
+  (`squad.reproduce.stats.MIN_SEEDS`, what a verdict needs), one thread per run, validated 4 times along every run
+  (the curves of the figures), resumable (checkpoints every 250 steps); table2 trains STL, MTL, MTL + task embedding
+  and Mod-Squad; table2-curve adds 250, 500 and 2,000 steps (``curve_steps``); the first seed's STL, MTL and
+  Mod-Squad runs are trained again with 2 threads for the cross-machine tolerance (``tolerance_threads``). Hours on
+  one core (``tools/reproduce.py ... --dry-run`` prints the plan).
 * ``gpu``: the same 4 tasks at 64 px with a ViT of width 192, depth 6, 6 heads, 64 images per step, 3 seeds, the
   data rendered on the machine itself (4,000 images: tens of seconds on 16 cores; the shards of a larger render do
   not fit what can be carried to a lent GPU). Its steps are chosen so that ``modsquad-table2`` fits one command of

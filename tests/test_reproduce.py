@@ -131,6 +131,8 @@ def test_tiny_results_json_and_figures(tiny_report):
     assert [c["label"].split(" (")[0] for c in results["claims"]["modsquad-table2"]["apart"]] == \
         ["control: Δt(MTL + task embedding) > Δt(MTL)", "control: Δt(Mod-Squad) > Δt(MTL + task embedding)"]
     assert results["claims"]["modsquad-table2"]["comparisons"][0]["label"] == "Δt(Mod-Squad) > Δt(MTL)"
+    second = [c for c in results["claims"]["modsquad-table2"]["comparisons"] if "second validation split" in c["label"]]
+    assert len(second) == 3 and (out / "runs" / "modsquad-s0" / "reproduce_test.json").is_file()  # the test buildings
     for m in table2.values():  # the cost side is measured, not assumed
         assert m["params"] > 0 and m["macs"] > 0 and m["step_s"] > 0
     for k in ("mtl", "modsquad"):  # a Δt curve per seed over the validation steps (tiny: steps 0 and 3)

@@ -125,6 +125,7 @@ def _mone(d: dict) -> dict:
 REJUDGE = {"modsquad-table2": _table2, "pruning": _pruning, "mi-vs-balance": _mi, "amod-table3": _amod,
            "mone-budget": _mone}
 NOT_MEASURED = ("five seeds (a verdict needs 5; these are 3)", "the cross-machine tolerance",
+                "table2's parts on a second validation split (the test buildings)",
                 "the learnability gate against validation-fitted predictors (Δt here counts the tasks the old, "
                 "training-fitted gate let through)", "the learning curve over 250-2,000 steps (table2-curve)")
 

@@ -41,8 +41,8 @@ from squad.reproduce.scales import (
 )
 from squad.reproduce.specs import Context, cached, method_spec, mone_spec, training_macs
 from squad.reproduce.stats import MIN_SEEDS, NULL_SHAPES, holm, judge_arrays, judge_family, simulate_null
+from squad.reproduce.tolerance import other_threads, tolerance_line
 from squad.reproduce.tolerance import spread as tolerance_spread
-from squad.reproduce.tolerance import tolerance_line
 from squad.reproduce.verdicts import (
     RULE,
     STATUSES,
@@ -562,8 +562,9 @@ def test_the_tolerance_is_the_spread_of_delta_t_when_runs_are_trained_again(tmp_
     after = (100 * (89.0 - 93.2) / 93.2 - 2.0) / 2
     assert out["dt"]["modsquad"]["change"] == pytest.approx(after - before)
     assert out["tolerance"]["Δt"] == pytest.approx(max(abs(v["change"]) for v in out["dt"].values()))
-    line = tolerance_line({**out, "threads": 2, "runs": list(first)})
-    assert "2 threads" in line and f"{out['tolerance']['Δt']:.2f} Δt points" in line
+    line = tolerance_line({**out, "threads": 1, "threads_used": 2, "runs": list(first)})
+    assert "1 threads instead of 2" in line and f"{out['tolerance']['Δt']:.2f} Δt points" in line
+    assert other_threads(2, used=1) == 2 and other_threads(2, used=2) == 1 and other_threads(1, used=1) == 2
 
 
 def test_dry_run_prints_the_plan_and_its_one_core_budget_and_counts_finished_runs(tmp_path):

@@ -255,7 +255,7 @@ def reproduce(claims: Sequence[str], scale: str = "small", out: str | Path = "re
         tolerance = measure_tolerance(ctx, scale.tolerance_threads, say, ctx.tasks)
         ctx = with_tolerance(ctx, tolerance)
         say(f"tolerance: Δt moves by up to {tolerance['tolerance'].get('Δt', float('nan')):.2f} points with "
-            f"{scale.tolerance_threads} threads")
+            f"{tolerance['threads']} threads instead of {tolerance['threads_used']}")
     results = dict(previous)
     for name in claims:
         say(f"claim {name}")

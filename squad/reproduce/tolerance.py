@@ -27,6 +27,7 @@ from squad.reproduce.parallel import Job, run_jobs
 from squad.reproduce.runs import final_metrics, is_done, train_run
 from squad.reproduce.specs import Context, cached, method_spec, stl_specs
 from squad.reproduce.verdicts import delta, finite
+from squad.runtime import cpu_threads_per_rank
 
 TOLERANCE_FAMILIES = ("mtl", "modsquad")  # the multi-task families whose Δt the sample reruns
 
@@ -35,6 +36,22 @@ def tolerance_specs(ctx: Context) -> list:
     """The runs the tolerance reruns: the first seed's single-task models and `TOLERANCE_FAMILIES`."""
     seed = ctx.seeds[0]
     return [*stl_specs(ctx, seed), *(method_spec(ctx, f, seed) for f in TOLERANCE_FAMILIES)]
+
+
+def threads_in_use() -> int:
+    """The intra-op threads this process's runs train with (`squad.runtime.cpu_threads_per_rank`, else torch's)."""
+    import torch
+
+    return cpu_threads_per_rank() or torch.get_num_threads()
+
+
+def other_threads(wanted: int, used: int | None = None) -> int:
+    """A thread count other than the one the runs used: ``wanted``, unless that is the same (then 1, or 2 when the
+    runs used 1) — a rerun with the same count sums in the same order and measures nothing."""
+    used = threads_in_use() if used is None else used
+    if wanted != used:
+        return wanted
+    return 1 if used != 1 else 2
 
 
 def rerun_dir(ctx: Context, threads: int) -> Path:
@@ -108,7 +125,10 @@ def _seed(runs: dict[str, Path]) -> int:
 
 
 def measure_tolerance(ctx: Context, threads: int, say: Callable[[str], None], tasks: Sequence[str]) -> dict:
-    """Reruns the sample with ``threads`` threads and measures the spread (cached in ``OUT/cache``)."""
+    """Reruns the sample with ``threads`` threads (`other_threads`: never the count the runs used) and measures the
+    spread (cached in ``OUT/cache``)."""
+    used = threads_in_use()
+    threads = other_threads(threads, used)
     specs = tolerance_specs(ctx)
     dirs = rerun(ctx, threads, say)
     original = {s.name: ctx.runner.path(s) for s in specs}
@@ -116,7 +136,7 @@ def measure_tolerance(ctx: Context, threads: int, say: Callable[[str], None], ta
     key = {"runs": [ctx.run_settings(s) for s in specs], "threads": threads, "tasks": list(tasks)}
     out = cached(ctx.cache_file(f"tolerance-threads{threads}.json"), key,
                  lambda: spread(original, again, tasks))
-    return {**out, "threads": threads, "runs": [s.name for s in specs]}
+    return {**out, "threads": threads, "threads_used": used, "runs": [s.name for s in specs]}
 
 
 def tolerance_line(t: dict) -> str:
@@ -125,8 +145,9 @@ def tolerance_line(t: dict) -> str:
     dts = "; ".join(f"{f} {v['original']:+.2f} → {v['again']:+.2f}" for f, v in t.get("dt", {}).items())
     tol = t.get("tolerance", {}).get("Δt")
     mc = t.get("metric_change", {})
-    return (f"Cross-machine tolerance: the runs {runs} trained again with {t.get('threads')} threads (another "
-            f"summation order, as another machine gives) move each task's metric by up to {mc.get('max', 0):.2f} % "
+    return (f"Cross-machine tolerance: the runs {runs} trained again with {t.get('threads')} threads instead of "
+            f"{t.get('threads_used', '?')} (another summation order, as another machine gives) move each task's "
+            f"metric by up to {mc.get('max', 0):.2f} % "
             f"(mean {mc.get('mean', 0):.2f} %) and Δt by {dts}: a tolerance of {tol:.2f} Δt points. A part whose "
             "mean difference is no larger is **within tolerance** (no finding)." if tol is not None else
             "Cross-machine tolerance: not measured (no rerun finished).")

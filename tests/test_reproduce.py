@@ -701,10 +701,13 @@ def test_parallel_trains_runs_in_processes_of_their_own(tmp_path):
     assert "2 at once" in res.stdout
     lines = re.findall(r"^\[reproduce\] run \d+/\d+ (\S+): trained \d+ steps in \d+ s \(in a process of its own, 2 "
                        r"at once\)$", res.stdout, flags=re.M)
-    # the pretrained model and the 2 STL references, A-MoD's dense model, then its 2 fine-tunes (a second wave)
+    # the pretrained model and the 2 STL references, A-MoD's dense model, then its 2 fine-tunes and the dense model
+    # trained on (a second wave: from its weights)
     assert sorted(lines) == sorted(["modsquad-without-object-scene-s0", "stl-class_object-s0", "stl-class_scene-s0",
-                                    "amod-dense-s0", "amod-attention-finetune-s0", "amod-learned-finetune-s0"])
-    assert lines.index("amod-dense-s0") < lines.index("amod-attention-finetune-s0")
+                                    "amod-dense-s0", "amod-attention-finetune-s0", "amod-learned-finetune-s0",
+                                    "amod-dense-continued-s0"])
+    assert lines.index("amod-dense-s0") < min(lines.index("amod-attention-finetune-s0"),
+                                              lines.index("amod-dense-continued-s0"))
     assert re.search(r"^\[reproduce\] finetune-class_scene-s0: .* \(in a process of its own", res.stdout,
                      flags=re.M), res.stdout[-3000:]
     results = json.loads((out / "results.json").read_text())

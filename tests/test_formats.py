@@ -237,6 +237,9 @@ def test_a_trained_run_goes_to_every_format_and_back(tmp_path, tiny_data, monkey
     config = write_run_config(tmp_path / "tiny.yaml", tiny_data, ["depth_euclidean", "class_scene"],
                               optim={"warmup_steps": 1, "steps": 2}, train={"ckpt_every": 2, "eval_every": 2})
     res = run_command([PY, "tools/train.py", "--config", str(config), "--out", str(tmp_path / "run"),
+                       "--hf-out", "/dev/null/hf"], ROOT, tool_env(), 300)
+    assert res.returncode == 2 and "--hf-out" in res.stderr and not (tmp_path / "run").exists()  # before training
+    res = run_command([PY, "tools/train.py", "--config", str(config), "--out", str(tmp_path / "run"),
                        "--hf-out", str(tmp_path / "hf")], ROOT, tool_env(), 300)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     run = squad.load(tmp_path / "run")

@@ -82,6 +82,8 @@ def _extract(argv: list[str] | None) -> int:
     out = args.out or _default_out(args.checkpoint, args.task, cfg.theta, cfg.keep_top)
     # before the model is loaded and calibrated
     check_writable(out, "--out" if args.out else "the default --out")
+    if args.hf_out:
+        check_writable(Path(args.hf_out), "--hf-out", folder=True)
     report = extract_to_file(load_model(args.checkpoint), args.task, out, cfg)
     print(format_report(report))
     print(f"model: {out}\nreport: {Path(out).with_suffix('.json')}")

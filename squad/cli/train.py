@@ -123,6 +123,10 @@ def _train(argv: list[str] | None) -> int:
     signals.install()
     args = build_parser().parse_args(argv)
     try:
+        if args.hf_out:
+            from squad.io.files import check_writable
+
+            check_writable(Path(args.hf_out), "--hf-out", folder=True)  # refused before training, not after
         cfg, out, lock = preflight(args, signals)  # nothing heavy imported yet
     except BaseException:
         signals.restore()  # a refused run leaves the process as it found it (a tool called in-process)

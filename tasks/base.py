@@ -93,6 +93,19 @@ class Task:
         """File contents → (value in units, valid mask). See the module docstring for shapes."""
         raise NotImplementedError
 
+    def decode_codes(self, codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`decode` of a batch on any device: ``codes`` are a dense domain's compacted file codes as ``float32
+        [B, C, H, W]`` (C: the channels `compact_raw` keeps); returns ``(value [B, C, H, W], mask bool [B, 1, H,
+        W])``, equal to stacking `decode` per sample (`squad.data.device` decodes training batches with it). This
+        default runs `decode` per sample on the CPU; the 13 Taskonomy tasks override it with batched arithmetic."""
+        dtype = np.uint8 if self.bits == 8 else np.uint16
+        out = []
+        for c in codes.cpu():
+            arr = c.permute(1, 2, 0).numpy().astype(dtype)
+            out.append(self.decode(arr[..., 0] if arr.shape[2] == 1 else arr))
+        return (torch.stack([v for v, _ in out]).to(codes.device),
+                torch.stack([m for _, m in out]).to(codes.device))
+
     def filter_frame(self, value: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
         """Filters a decoded dense value ``[C, H, W]`` of the whole resized frame (the identity unless `frame_filter`).
 
@@ -102,6 +115,11 @@ class Task:
                 filter must not carry invalid pixels' values into valid ones.
         """
         return value
+
+    def filter_frames(self, value: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """`filter_frame` of a batch ``[B, C, H, W]`` with ``valid`` ``bool [B, 1, H, W]``, on any device (this
+        default loops over the samples)."""
+        return torch.stack([self.filter_frame(v, m) for v, m in zip(value, valid, strict=True)])
 
     def hflip(self, value: torch.Tensor) -> torch.Tensor:
         """Mirrors a decoded dense value ``[..., H, W]`` left-right (vector fields override this)."""

@@ -72,6 +72,18 @@ class ClassTask(Task):
             return torch.zeros_like(v), torch.zeros(1, dtype=torch.bool)
         return v / total, torch.ones(1, dtype=torch.bool)
 
+    def decode_codes(self, codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`decode` of a batch of vectors ``float32 [B, C]`` on any device → ``(value [B, C], mask [B, 1])``."""
+        finite = torch.isfinite(codes).all(1, keepdim=True)
+        v = torch.where(finite, codes, torch.zeros((), device=codes.device))
+        negative = (v < 0).any(1, keepdim=True)
+        total = v.sum(1, keepdim=True)
+        soft = torch.softmax(v, dim=1)
+        share = v / torch.where(total > 0, total, torch.ones((), device=codes.device))
+        ok = finite & (negative | (total > 0))
+        value = torch.where(negative, soft, share)
+        return torch.where(ok, value, torch.zeros((), device=codes.device)), ok
+
     def target(self, value: torch.Tensor) -> torch.Tensor:
         if self.loss_kind == "mse":
             return value.float()

@@ -58,6 +58,10 @@ class DepthTask(Task):
         metres = torch.where(mask, code_t / DEPTH_SCALE, torch.zeros(()))
         return metres.unsqueeze(0), mask.unsqueeze(0)
 
+    def decode_codes(self, codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        mask = codes != NO_GEOMETRY
+        return torch.where(mask, codes / DEPTH_SCALE, torch.zeros((), device=codes.device)), mask
+
     def target(self, value: torch.Tensor) -> torch.Tensor:
         return torch.log1p(value.float().clamp_min(0) * DEPTH_SCALE) / _LOG_RANGE
 

@@ -82,6 +82,12 @@ class NormalTask(UnitVectorTask):
         vec = torch.from_numpy(np.ascontiguousarray(code)).to(torch.float32).permute(2, 0, 1)  # [3, H, W]
         return self.unit_vectors(vec / 127.5 - 1.0)
 
+    def decode_codes(self, codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        vec = codes / 127.5 - 1.0  # [B, 3, H, W]
+        norm = vec.square().sum(1, keepdim=True).sqrt()
+        mask = norm >= _MIN_NORM
+        return torch.where(mask, vec / norm.clamp_min(_EPS), torch.zeros((), device=codes.device)), mask
+
     def loss(self, pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         mask = self.check_batch(pred, target, mask)
         cos = F.cosine_similarity(pred.float(), target.float(), dim=1, eps=_EPS).unsqueeze(1)  # [B, 1, H, W]

@@ -231,6 +231,10 @@ class ScalarTask(Task):
         mask = torch.ones((1, *value.shape[-2:]), dtype=torch.bool)
         return value, mask
 
+    def decode_codes(self, codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        value = codes * self.spec.code_scale + self.spec.code_offset
+        return value, torch.ones((value.shape[0], 1, *value.shape[-2:]), dtype=torch.bool, device=codes.device)
+
     def filter_frame(self, value: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
         """The spec's Gaussian blur (σ = blur_sigma · frame / 256 px) over the whole resized frame; mask-aware when
         `valid` is given. The identity for specs without a blur."""
@@ -238,6 +242,22 @@ class ScalarTask(Task):
             return value
         sigma = self.spec.blur_sigma * max(value.shape[-2:]) / BLUR_REFERENCE
         return gaussian_blur(value, sigma, valid)
+
+    def filter_frames(self, value: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """`filter_frame` of a batch on its device: the blur of `gaussian_blur` as batched matrix products (a
+        sample whose pixels are all valid takes the plain blur, as `gaussian_blur` gives it)."""
+        if self.spec.blur_sigma <= 0:
+            return value
+        sigma = self.spec.blur_sigma * max(value.shape[-2:]) / BLUR_REFERENCE
+        bh = gaussian_matrix(value.shape[-2], float(sigma)).to(value.device)
+        bw = gaussian_matrix(value.shape[-1], float(sigma)).to(value.device)
+        c = value.shape[1]
+        v = value.float()
+        m = valid.to(v.dtype)
+        x = bh @ torch.cat([v * m, m, v], dim=1) @ bw.T  # masked numerator, the mask's blur, the plain blur
+        num, den, plain = x[:, :c], x[:, c:c + 1], x[:, c + 1:]
+        masked = torch.where(valid, num / den.clamp_min(1e-12), torch.zeros((), dtype=x.dtype, device=x.device))
+        return torch.where(valid.flatten(1).all(1).view(-1, 1, 1, 1), plain, masked)
 
     def target(self, value: torch.Tensor) -> torch.Tensor:
         v = value.float()

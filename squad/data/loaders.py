@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from squad.data.benchmark import DATASETS, check_dataset_tasks
+from squad.data.device import collate_integers
 from squad.data.nyud import NYUDDataset
 from squad.data.pascal import PascalContextDataset
 from squad.data.samplers import InOrderBatches, ResumableSampler
@@ -24,6 +26,7 @@ from squad.tasks import NYUD_TASKS, PASCAL_TASKS
 
 # names only PASCAL-Context / NYUD provide: asking a Taskonomy tree for them is an error naming its tasks
 BENCHMARK_ONLY_TASKS = frozenset(PASCAL_TASKS) | frozenset(NYUD_TASKS)
+MAX_AUTO_WORKERS = 8  # loader workers per rank when data.workers is left to the cores (tools/bench.py --only data)
 
 
 def build_dataset(root: str | Path, tasks: str | Sequence[str], split: str | Sequence[str] = "train",
@@ -75,10 +78,34 @@ def build_dataset(root: str | Path, tasks: str | Sequence[str], split: str | Seq
     return TaskonomyDataset(root, tasks, split=split, **kwargs)
 
 
+def loader_workers(workers: int | None, ranks_per_node: int = 1) -> int:
+    """DataLoader workers per rank: `workers` when set; None gives this process's share of the cores it may run on
+    (``os.sched_getaffinity``) less one for the training process itself, at least 1 and at most `MAX_AUTO_WORKERS`.
+    On a GPU node that is the cores per GPU less one (`ranks_per_node`: the ranks sharing the node's cores)."""
+    if workers is not None:
+        return int(workers)
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(MAX_AUTO_WORKERS, cores // max(1, ranks_per_node) - 1))
+
+
+def integer_stage(dataset: SampleDataset) -> bool:
+    """Whether a dataset's pipeline hands over integers for `squad.data.device.decode_batch` (Taskonomy's square
+    crops do; the benchmarks' fit-and-pad runs per sample)."""
+    return hasattr(dataset.pipeline, "integers")
+
+
 def build_loader(dataset: SampleDataset, batch_size: int, *, seed: int = 0, num_workers: int = 0, rank: int = 0,
-                 world: int = 1, grad_accum: int = 1, pin_memory: bool = False) -> DataLoader:
+                 world: int = 1, grad_accum: int = 1, pin_memory: bool = False, prefetch: int = 4,
+                 device_decode: bool = True, block: int = 1, buffer: int = 1) -> DataLoader:
     """The training loader: this rank's share of a seeded permutation per epoch, full global batches only, resumable
     mid-epoch (`squad.data.samplers.ResumableSampler`).
+
+    With `device_decode` and a pipeline that has an integer stage (`integer_stage`), batches are integer batches
+    (`squad.data.device`): the workers read and crop, and the training loop decodes them with
+    `squad.data.device.decode_batch` on its device; otherwise batches are `collate`'s decoded ones.
 
     Call `set_epoch(loader, epoch)` before each epoch: it sets the order, the augmentation draws and, after a resume,
     the batches of the epoch already consumed.
@@ -95,10 +122,18 @@ def build_loader(dataset: SampleDataset, batch_size: int, *, seed: int = 0, num_
         grad_accum: micro-batches per optimiser step: with ``world`` and ``batch_size``, the global batch the sampler
             lays out the same way however it is split (so a run can move to another number of ranks).
         pin_memory: pin batches (useful with GPUs).
+        prefetch: batches each worker keeps ready (``prefetch_factor``); workers persist across epochs.
+        device_decode: integer batches where the pipeline allows them (above).
+        block, buffer: the read-sized permutation (`squad.data.samplers.block_order`; block 1: sample by sample).
     """
-    sampler = ResumableSampler(len(dataset), batch_size, world, rank, grad_accum, seed=seed)
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers, collate_fn=collate,
-                      drop_last=True, pin_memory=pin_memory, generator=torch.Generator().manual_seed(seed))
+    sampler = ResumableSampler(len(dataset), batch_size, world, rank, grad_accum, seed=seed, block=block,
+                               buffer=buffer)
+    integers = device_decode and integer_stage(dataset)
+    dataset.integer_batches = integers
+    workers = {"persistent_workers": True, "prefetch_factor": prefetch} if num_workers > 0 else {}
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
+                      collate_fn=collate_integers if integers else collate, drop_last=True, pin_memory=pin_memory,
+                      generator=torch.Generator().manual_seed(seed), **workers)
 
 
 def set_epoch(loader: DataLoader, epoch: int, skip_batches: int = 0) -> None:

@@ -26,10 +26,16 @@ class ResumableSampler(Sampler[int]):
         num_replicas, rank: the ranks and this one.
         grad_accum: micro-batches per optimiser step.
         seed: the permutation's seed (with the epoch); ``shuffle=False`` keeps the dataset order.
+        block: 1 draws the permutation sample by sample (``torch.randperm``). Above 1, the permutation is read-sized
+            for a cluster file system (`block_order`): blocks of ``block`` neighbouring samples in a shuffled order
+            (across shards), then shuffled within windows of ``buffer`` blocks — so a micro-batch reads about
+            ``buffer`` contiguous runs per domain instead of ``batch_size`` single samples.
+        buffer: blocks per shuffle window (with ``block`` > 1).
     """
 
     def __init__(self, length: int, batch_size: int, num_replicas: int = 1, rank: int = 0, grad_accum: int = 1,
-                 seed: int = 0, shuffle: bool = True):
+                 seed: int = 0, shuffle: bool = True, block: int = 1, buffer: int = 1):
+        self.block, self.buffer = max(1, int(block)), max(1, int(buffer))
         self.length, self.batch_size = int(length), int(batch_size)
         self.num_replicas, self.rank, self.grad_accum = int(num_replicas), int(rank), int(grad_accum)
         self.seed, self.shuffle = int(seed), shuffle
@@ -44,7 +50,9 @@ class ResumableSampler(Sampler[int]):
         return self.length // (self.batch_size * self.num_replicas * self.grad_accum) * self.grad_accum
 
     def __iter__(self):
-        if self.shuffle:
+        if self.shuffle and self.block > 1:
+            order = block_order(self.length, self.block, self.buffer, self.seed + self.epoch).tolist()
+        elif self.shuffle:
             g = torch.Generator().manual_seed(self.seed + self.epoch)
             order = torch.randperm(self.length, generator=g).tolist()
         else:
@@ -57,6 +65,17 @@ class ResumableSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return self.batches_per_epoch() * self.batch_size
+
+
+def block_order(length: int, block: int, buffer: int, seed: int) -> torch.Tensor:
+    """A permutation of ``range(length)`` for block reads: the blocks ``[k·block, (k+1)·block)`` in a seeded random
+    order, then the samples shuffled within each window of ``buffer`` consecutive blocks of that order."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = torch.randperm(-(-length // block), generator=g)
+    order = (blocks[:, None] * block + torch.arange(block)).flatten()
+    order = order[order < length]
+    window = torch.arange(len(order), dtype=torch.float64) // (block * buffer)
+    return order[torch.argsort(window + torch.rand(len(order), generator=g, dtype=torch.float64))]
 
 
 class ShardSampler(Sampler[int]):

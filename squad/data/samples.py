@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, Protocol
 
@@ -114,6 +115,7 @@ class SampleDataset(Dataset):
         self.missing = missing
         self.seed = seed
         self.epoch = 0
+        self.integer_batches = False  # __getitems__ gives integer samples (`squad.data.device`); __getitem__ never
         self.substitute = True  # serve the next index for an unusable sample (training); False: None (evaluation)
         self.reported = False  # a report (squad.data.accounting) was made: the tools do not print another
         self.split: str | Sequence[str] = "all"
@@ -186,15 +188,22 @@ class SampleDataset(Dataset):
         self.epoch = int(epoch)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
+        return self._fetch(index)
+
+    def _fetch(self, index: int, integers: bool = False) -> dict[str, Any] | None:
+        """`__getitem__`'s sample, or with `integers` the pipeline's integer sample (plus ``id`` and ``cpu_s``)."""
         n = len(self)
         if not 0 <= index < n:
             raise IndexError(f"index {index} out of range for a dataset of {n} samples")
+        t0 = time.perf_counter()
         rng = np.random.default_rng([self.seed, self.epoch, index]) if self.pipeline.augment else None
         self.issues.mark_used()
         if not self.substitute:
-            return self._load(index, rng)
+            return self._load(index, rng, integers)
         for attempt in range(min(_MAX_SKIP, n)):
-            sample = self._load((index + attempt) % n, rng)
+            sample = self._load((index + attempt) % n, rng, integers)
+            if sample is not None and integers:
+                sample["cpu_s"] = time.perf_counter() - t0
             if sample is not None:
                 return sample
         what = (f"every one of the {n} samples is" if n <= _MAX_SKIP else
@@ -204,15 +213,32 @@ class SampleDataset(Dataset):
             f"{self.num_wrong_size} wrong-size files so far; the last: {self._last_problem or 'unknown'}); check the "
             f"data (data.root, or re-make it)")
 
+    def __getitems__(self, indices: Sequence[int]) -> list[dict[str, Any]]:
+        """The samples of one batch (a DataLoader worker's fetch). With ``integer_batches`` (set by
+        `squad.data.build_loader` when the pipeline has an integer stage) they are the pipeline's integer samples
+        (`squad.data.transforms.SamplePipeline.integers`, for `squad.data.device.collate_integers`), read through
+        `_prefetch` (shards: one contiguous read per run of neighbouring samples and domain); else
+        ``[self[i] for i in indices]``."""
+        if not self.integer_batches:
+            return [self[i] for i in indices]
+        self._prefetch(indices)
+        try:
+            return [self._fetch(i, integers=True) for i in indices]
+        finally:
+            self._prefetch(())
+
     # ---------------------------------------------------------------------------------------- internals
+    def _prefetch(self, indices: Sequence[int]) -> None:
+        """Reads what `indices` need ahead of their `_read` calls (empty: drop it); a no-op unless overridden."""
+
     def _read(self, index: int, domain: str) -> np.ndarray:
         raise NotImplementedError
 
     def _describe(self, index: int, domain: str) -> str:
         return f"{self._ids[index]} ({domain})"
 
-    def _load(self, index: int, rng: np.random.Generator | None) -> dict[str, Any] | None:
-        """One sample, or None when it has to be skipped."""
+    def _load(self, index: int, rng: np.random.Generator | None, integers: bool = False) -> dict[str, Any] | None:
+        """One sample (with `integers`: the pipeline's integer sample), or None when it has to be skipped."""
         bits = int(self._present[index])
         raws: dict[str, np.ndarray | None] = {}
         for k, domain in enumerate(self.domains):
@@ -233,6 +259,8 @@ class SampleDataset(Dataset):
             raws[domain] = None
         while True:
             try:
+                if integers:
+                    return {**self.pipeline.integers(raws, rng), "id": str(self._ids[index])}
                 rgb, targets, masks = self.pipeline(raws, rng)
                 break
             except DecodeError as e:

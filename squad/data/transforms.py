@@ -191,6 +191,28 @@ def resize_raw(raw: np.ndarray, size: tuple[int, int], resample: str, valid: np.
     return out.numpy().astype(raw.dtype)
 
 
+def wire_codes(code: np.ndarray, bits: int) -> np.ndarray:
+    """A checked integer image (`integer_image`) in the dtype a batch carries it in: uint8 for 8-bit domains, uint16
+    for 16-bit ones."""
+    dtype = np.uint8 if bits == 8 else np.uint16
+    return code if code.dtype == dtype else code.astype(dtype)
+
+
+def class_vector(task: Task, raw: np.ndarray) -> np.ndarray:
+    """A class file's vector as ``float32 [C]`` (checked as `Task.decode` checks it).
+
+    Raises:
+        DecodeError: not numeric, or not `Task.channels` values.
+    """
+    arr = np.asarray(raw)
+    if not (np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)):
+        raise DecodeError(f"task {task.name}: expected a numeric vector, got dtype {arr.dtype}")
+    arr = arr.astype(np.float32).reshape(-1)
+    if arr.shape[0] != task.channels:
+        raise DecodeError(f"task {task.name}: expected {task.channels} values, got shape {np.shape(raw)}")
+    return arr
+
+
 class Footprint:
     """The geometry of one sample at its stored size — depth_zbuffer's valid pixels — and, cached per output size,
     their coverage (`coverage`): what the mask-aware resize of every masked domain of the sample uses.
@@ -412,6 +434,68 @@ class SamplePipeline:
                 if task.geometric:
                     masks[task.name] = masks[task.name] & geo
         return rgb, targets, masks
+
+    # ------------------------------------------------------------------------------ integer batches (device)
+    @property
+    def full_frame_domains(self) -> list[str]:
+        """Domains whose whole resized frame is handed over (not the crop): a task with a `Task.frame_filter`
+        (filtered on the frame before the crop), and depth_zbuffer when it masks such a filter."""
+        filtered = [t for t in self.tasks if t.frame_filter and t.head_kind == "dense"]
+        out = [t.domain for t in filtered]
+        if any(t.geometric for t in filtered) and GEOMETRY_DOMAIN in self.domains and GEOMETRY_DOMAIN not in out:
+            out.append(GEOMETRY_DOMAIN)
+        return out
+
+    def integers(self, raws: dict[str, np.ndarray | None], rng: np.random.Generator | None) -> dict:
+        """The per-sample CPU stage of a training batch: steps 1–3 of the module docstring (compact, resize when
+        the stored size differs, the crop), kept as the file's integers; decoding, the filter, the flip and the
+        masks run batched on the training device (`squad.data.device.decode_batch`), giving what `__call__`
+        gives.
+
+        Returns:
+            ``{"arrays": {domain: uint8/uint16 [h, w(, C)] crop (the whole frame for `full_frame_domains`),
+            float32 [C] class vector, or None where missing}, "crop": (top, left), "flip": bool}``.
+
+        Raises:
+            DecodeError: (with its ``domain``) a file `__call__` would refuse.
+        """
+        stored_hw = tuple(raws["rgb"].shape[:2])
+        try:
+            check_size("rgb", raws["rgb"], None, self.resize is not None)
+            rgb_raw = self.prepare_raw("rgb", raws["rgb"])
+        except DecodeError as e:
+            e.domain = "rgb"
+            raise
+        hw = rgb_raw.shape[:2]
+        out_hw = hw if self.image_size is None else (self.image_size, self.image_size)
+        top, left = crop_box(hw, out_hw, rng if self.augment else None)
+        flip = bool(self.augment and rng is not None and rng.random() < 0.5)
+        full = self.full_frame_domains
+        arrays: dict[str, np.ndarray | None] = {"rgb": rgb_raw[top: top + out_hw[0], left: left + out_hw[1]]}
+        footprint = None
+        order = sorted(self.domains[1:], key=lambda d: d != GEOMETRY_DOMAIN)  # the footprint first
+        for domain in order:
+            raw = raws.get(domain)
+            if raw is None:
+                arrays[domain] = None
+                continue
+            task = self.task(domain)
+            try:
+                if task.head_kind == "class":
+                    arrays[domain] = class_vector(task, raw)
+                    continue
+                check_size(domain, raw, stored_hw, self.resize is not None)
+                if domain == GEOMETRY_DOMAIN:
+                    footprint = self.footprint(raw)
+                raw = self._prepare(domain, raw, None, footprint)[0]
+                code = wire_codes(integer_image(raw, task.bits, task.name), task.bits)
+                if tuple(code.shape[:2]) != tuple(hw):
+                    raise DecodeError(f"raw size {tuple(code.shape[:2])} differs from the rgb size {tuple(hw)}")
+            except DecodeError as e:
+                e.domain = domain
+                raise
+            arrays[domain] = code if domain in full else code[top: top + out_hw[0], left: left + out_hw[1]]
+        return {"arrays": arrays, "crop": (top, left), "flip": flip}
 
     @staticmethod
     def _missing(task: Task, hw: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -241,11 +241,12 @@ class SampleDataset(Dataset):
         """One sample (with `integers`: the pipeline's integer sample), or None when it has to be skipped."""
         bits = int(self._present[index])
         raws: dict[str, np.ndarray | None] = {}
+        any_bad = self.issues.count("corrupt") or self.issues.count("wrong_size")
         for k, domain in enumerate(self.domains):
             if not bits >> k & 1:
                 raws[domain] = None
                 continue
-            bad = self.issues.known(index, k)
+            bad = self.issues.known(index, k) if any_bad else None
             if bad is not None:
                 self._last_problem = self._last_problem or f"{self._describe(index, domain)}: {bad}"
             else:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import mmap
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -119,6 +120,9 @@ class ShardDataset(SampleDataset):
                                     f"{self.tasks} and missing={self.missing!r}{lost}")
         self._handles: dict[int, h5py.File] = {}
         self._dsets: dict[tuple[int, str], h5py.Dataset] = {}
+        self._maps: dict[tuple[int, str], Any] = {}  # `_chunks`
+        self._files: dict[int, np.ndarray] = {}  # shard files mapped into memory
+        self._runs: dict[tuple[int, str], list[tuple[int, np.ndarray]]] = {}  # `_prefetch`
         self._pid = -1
 
     def _index(self, packed: list[str], buildings: set[str] | None) -> None:
@@ -169,11 +173,12 @@ class ShardDataset(SampleDataset):
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state["_handles"], state["_dsets"], state["_pid"], state["_runs"] = {}, {}, -1, {}
+        state["_maps"], state["_files"] = {}, {}
         return state
 
     def _dataset(self, fi: int, domain: str) -> h5py.Dataset:
         if self._pid != os.getpid():  # first use in this process (or after a fork): never reuse a parent's handle
-            self._handles, self._dsets = {}, {}
+            self._handles, self._dsets, self._maps, self._files = {}, {}, {}, {}
             self._pid = os.getpid()
         key = (fi, domain)
         if key not in self._dsets:
@@ -185,6 +190,36 @@ class ShardDataset(SampleDataset):
     def _describe(self, index: int, domain: str) -> str:
         fi, row = self._loc[index]
         return f"{self.files[fi]}[{row}] {self._ids[index]} ({domain})"
+
+    def _chunks(self, fi: int, domain: str) -> tuple[np.ndarray, np.ndarray, np.dtype, tuple[int, ...], int] | None:
+        """Where each sample's chunk of one domain lies in its shard file, for reads without a copy: ``(the file's
+        bytes as a memory map, byte offset per row, dtype, sample shape, bytes per sample)``; None when the dataset's chunks are not
+        one raw sample each (compressed or filtered shards are read through h5py)."""
+        key = (fi, domain)
+        if key not in self._maps:
+            self._maps[key] = None
+            dset = self._dataset(fi, domain)
+            plain = (dset.chunks is not None and dset.chunks == (1, *dset.shape[1:]) and dset.compression is None
+                     and not dset.shuffle and not dset.fletcher32 and dset.scaleoffset is None)
+            if plain and len(dset):
+                offsets = np.full(len(dset), -1, dtype=np.int64)
+
+                def found(info) -> None:
+                    offsets[info.chunk_offset[0]] = info.byte_offset
+
+                try:
+                    dset.id.chunk_iter(found)
+                except (AttributeError, RuntimeError, OSError):  # an HDF5 older than 1.12.3: h5py reads
+                    offsets[:] = -1
+                if (offsets >= 0).all():
+                    if fi not in self._files:
+                        with open(self.root / self.files[fi], "rb") as f:
+                            self._files[fi] = np.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ),
+                                                            dtype=np.uint8)
+                    shape = tuple(dset.shape[1:])
+                    self._maps[key] = (self._files[fi], offsets, dset.dtype, shape,
+                                       dset.dtype.itemsize * int(np.prod(shape)))
+        return self._maps[key]
 
     def _prefetch(self, indices: Sequence[int]) -> None:
         """Reads the rows of a batch as runs: neighbouring rows of one shard (gaps up to `RUN_GAP` rows read
@@ -200,6 +235,8 @@ class ShardDataset(SampleDataset):
             for run in np.split(rows, cuts):
                 first, last = int(run[0]), int(run[-1]) + 1
                 for domain in self.domains:
+                    if self._chunks(int(fi), domain) is not None:
+                        continue  # read in place by _read
                     try:
                         block = self._dataset(int(fi), domain)[first:last]
                     except (OSError, KeyError):
@@ -208,12 +245,16 @@ class ShardDataset(SampleDataset):
 
     def _read(self, index: int, domain: str) -> np.ndarray:
         fi, row = self._loc[index]
-        for first, block in getattr(self, "_runs", {}).get((int(fi), domain), ()):
+        for first, block in self._runs.get((int(fi), domain), ()):
             if 0 <= row - first < len(block):
                 return block[row - first]
         try:
+            if self.integer_batches and (where := self._chunks(int(fi), domain)) is not None:
+                data, offsets, dtype, shape, nbytes = where
+                start = int(offsets[row])
+                return data[start: start + nbytes].view(dtype).reshape(shape)
             return self._dataset(int(fi), domain)[int(row)]
-        except (OSError, KeyError) as e:
+        except (OSError, KeyError, ValueError) as e:
             raise CorruptFileError(f"unreadable {self._describe(index, domain)}: {e}") from e
 
 

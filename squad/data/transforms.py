@@ -459,7 +459,7 @@ class SamplePipeline:
         Raises:
             DecodeError: (with its ``domain``) a file `__call__` would refuse.
         """
-        stored_hw = tuple(raws["rgb"].shape[:2])
+        stored_hw = raws["rgb"].shape[:2]
         try:
             check_size("rgb", raws["rgb"], None, self.resize is not None)
             rgb_raw = self.prepare_raw("rgb", raws["rgb"])
@@ -470,32 +470,47 @@ class SamplePipeline:
         out_hw = hw if self.image_size is None else (self.image_size, self.image_size)
         top, left = crop_box(hw, out_hw, rng if self.augment else None)
         flip = bool(self.augment and rng is not None and rng.random() < 0.5)
-        full = self.full_frame_domains
         arrays: dict[str, np.ndarray | None] = {"rgb": rgb_raw[top: top + out_hw[0], left: left + out_hw[1]]}
         footprint = None
-        order = sorted(self.domains[1:], key=lambda d: d != GEOMETRY_DOMAIN)  # the footprint first
-        for domain in order:
+        for domain, task, wire, full in self._integer_plan():
             raw = raws.get(domain)
             if raw is None:
                 arrays[domain] = None
                 continue
-            task = self.task(domain)
             try:
-                if task.head_kind == "class":
-                    arrays[domain] = class_vector(task, raw)
+                if wire is None:
+                    arrays[domain] = (raw if raw.dtype == np.float32 and raw.shape == (task.channels,)
+                                      else class_vector(task, raw))
                     continue
-                check_size(domain, raw, stored_hw, self.resize is not None)
-                if domain == GEOMETRY_DOMAIN:
-                    footprint = self.footprint(raw)
-                raw = self._prepare(domain, raw, None, footprint)[0]
-                code = wire_codes(integer_image(raw, task.bits, task.name), task.bits)
-                if tuple(code.shape[:2]) != tuple(hw):
+                if raw.shape[:2] != stored_hw:
+                    check_size(domain, raw, stored_hw, self.resize is not None)
+                if stored_hw != hw:  # resized: mask-aware, with the sample's geometry
+                    if domain == GEOMETRY_DOMAIN:
+                        footprint = self.footprint(raw)
+                    raw = self._prepare(domain, raw, None, footprint)[0]
+                else:
+                    raw = task.compact_raw(raw)
+                code = raw if raw.dtype == wire else wire_codes(integer_image(raw, task.bits, task.name), task.bits)
+                if code.shape[:2] != hw:
                     raise DecodeError(f"raw size {tuple(code.shape[:2])} differs from the rgb size {tuple(hw)}")
             except DecodeError as e:
                 e.domain = domain
                 raise
-            arrays[domain] = code if domain in full else code[top: top + out_hw[0], left: left + out_hw[1]]
+            arrays[domain] = code if full else code[top: top + out_hw[0], left: left + out_hw[1]]
         return {"arrays": arrays, "crop": (top, left), "flip": flip}
+
+    def _integer_plan(self) -> list[tuple[str, Task, np.dtype | None, bool]]:
+        """`integers`' domains after rgb, depth_zbuffer first (the footprint of a resize): (domain, task, the dtype
+        the batch carries — None for a class vector —, whether the whole frame is handed over). Built once."""
+        if getattr(self, "_plan", None) is None:
+            full = self.full_frame_domains
+            plan = []
+            for d in sorted(self.domains[1:], key=lambda d: d != GEOMETRY_DOMAIN):
+                task = self.task(d)
+                wire = None if task.head_kind == "class" else np.dtype(np.uint8 if task.bits == 8 else np.uint16)
+                plan.append((d, task, wire, d in full))
+            self._plan = plan
+        return self._plan
 
     @staticmethod
     def _missing(task: Task, hw: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:

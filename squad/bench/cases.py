@@ -92,7 +92,8 @@ CASES: list[Case] = [
     Case("routed_attention", "squad.kernels.bench:bench_routed_attention", "routed attention with scores vs SDPA"),
     Case("traffic", "squad.bench.traffic_profile:bench_traffic",
          "routed layers' kernels, syncs, atomics, FLOPs, bytes vs dense twins (CPU, exact) + modelled H100 time"),
-    Case("data", "squad.bench.data:bench_shards_vs_png", "HDF5 shards vs PNG tree, 13 domains, images/s"),
+    Case("data", "squad.bench.data:bench_data",
+         "loader samples/s per core at 224 px, 13 domains, augmented: shards, PNG tree; by stage; cores per GPU"),
     Case("engine", "squad.bench.engine:bench_engine",
          "training engine step and whole run / bare fwd+bwd+AdamW step (small STL run, 1 thread, CPU time)"),
     Case("extraction", "squad.bench.extract:bench_extraction",
@@ -117,11 +118,12 @@ def error_row(case: str, message: str) -> BenchResult:
     return BenchResult(case, math.nan, "", "error", False, {"error": message})
 
 
-def run_case(case: Case, quick: bool = False, device: str = "cpu") -> list[BenchResult]:
+def run_case(case: Case, quick: bool = False, device: str = "cpu", options: dict | None = None) -> list[BenchResult]:
     """Runs one case; any failure (missing module, exception, no rows) becomes one error row.
 
-    ``device`` reaches the cases that take a ``device`` argument (their GPU rows on ``"cuda"``); the others run as
-    they always do.
+    ``device`` reaches the cases that take a ``device`` argument (their GPU rows on ``"cuda"``), and each of
+    ``options`` (e.g. ``step_rate``, ``tools/bench.py --step-rate``) the cases that take it when it is not None; the
+    others run as they always do.
     """
     try:
         fn = case.load()
@@ -129,8 +131,9 @@ def run_case(case: Case, quick: bool = False, device: str = "cpu") -> list[Bench
         return [error_row(case.name, f"cannot import {case.ref}: {type(e).__name__}: {e}")]
     kwargs: dict = {"quick": quick}
     try:
-        if "device" in inspect.signature(fn).parameters:
-            kwargs["device"] = device
+        params = inspect.signature(fn).parameters
+        kwargs.update({k: v for k, v in {"device": device, **(options or {})}.items()
+                       if k in params and v is not None})
     except (TypeError, ValueError):  # no signature to read: call it the plain way
         pass
     try:
@@ -145,13 +148,13 @@ def run_case(case: Case, quick: bool = False, device: str = "cpu") -> list[Bench
 
 def run_cases(names: Sequence[str] | None = None, quick: bool = False,
               on_rows: Callable[[Case, list[BenchResult]], None] | None = None,
-              device: str = "cpu") -> list[BenchResult]:
+              device: str = "cpu", options: dict | None = None) -> list[BenchResult]:
     """Runs the named cases (all when None) in registry order; ``on_rows`` sees each case's rows as they come."""
     cases = CASES if not names else [get_case(n) for n in names]
     out: list[BenchResult] = []
     for case in cases:
         log.info("bench case %s", case.name)
-        rows = run_case(case, quick, device)
+        rows = run_case(case, quick, device, options)
         if on_rows is not None:
             on_rows(case, rows)
         out.extend(rows)

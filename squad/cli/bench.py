@@ -51,6 +51,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-tuning", action="store_true",
                    help="keep libgomp's spinning wait policy and glibc's default malloc thresholds")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
+    p.add_argument("--step-rate", type=float, default=None, metavar="IMG_S",
+                   help="images/s one GPU trains at, for the data case's loader cores per GPU (default: the modelled "
+                        "H100 rate of modsquad_vit_b, 3000)")
     p.add_argument("--fit-traffic", action="store_true",
                    help="refit the traffic profile's H100 cost model to what an H100 measured at 84de653 (records "
                         "that commit's code from git history) and print each case's residual; timing cases run only "
@@ -137,7 +140,8 @@ def _bench(argv: list[str] | None) -> int:
         def progress(case, case_rows):
             print(f"[{case.name}] done ({len(case_rows)} rows)", file=sys.stderr, flush=True)
 
-        rows = bench_cases.run_cases(args.only, quick=args.quick, on_rows=progress, device=args.device)
+        rows = bench_cases.run_cases(args.only, quick=args.quick, on_rows=progress, device=args.device,
+                                     options={"step_rate": args.step_rate})
         env = bench_cases.environment()
         print(f"torch {env['torch']}, {env['threads']} threads, {env['cpus']} CPUs, OMP_WAIT_POLICY "
               f"{env['omp_wait_policy']}, malloc tuned {env['malloc_tuned']}, load average "

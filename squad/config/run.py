@@ -31,7 +31,11 @@ class DataConfig:
     resize: int | None = None  # resize before the random crop (default: no resize for synthetic data)
     augment: bool = True  # random crop and flip (PASCAL-Context, NYUD-v2: also a random scale)
     missing: Literal["skip", "mask"] = "skip"  # a sample lacking a task's file: left out, or kept with it masked
-    workers: int = 2  # data loader worker processes per rank
+    workers: int | None = None  # loader workers per rank; null: the cores per GPU (per rank) less one, at most 8
+    prefetch: int = 4  # batches each loader worker keeps ready
+    block: int = 64  # samples read as one contiguous block (the epoch order shuffles blocks, then within a buffer)
+    shuffle_buffer: int = 4  # blocks shuffled together (block 1: a plain random permutation)
+    device_decode: bool = True  # workers hand over integer crops; the training device decodes them (squad.data.device)
     val_batches: int = 0  # validation batches per evaluation (0 = the whole split)
 
     def check(self, path: str) -> None:
@@ -42,8 +46,11 @@ class DataConfig:
             if value not in SPLIT_NAMES:
                 raise ConfigError(f"{path}.{key} must be one of {', '.join(SPLIT_NAMES)}, got {value!r}")
         for key in ("workers", "val_batches"):
-            if getattr(self, key) < 0:
+            if getattr(self, key) is not None and getattr(self, key) < 0:
                 raise ConfigError(f"{path}.{key} must be >= 0, got {getattr(self, key)}")
+        for key in ("prefetch", "block", "shuffle_buffer"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"{path}.{key} must be >= 1, got {getattr(self, key)}")
         for key in ("image_size", "resize"):
             if getattr(self, key) is not None and getattr(self, key) < 1:
                 raise ConfigError(f"{path}.{key} must be >= 1 (or null), got {getattr(self, key)}")

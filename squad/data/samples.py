@@ -191,19 +191,16 @@ class SampleDataset(Dataset):
         return self._fetch(index)
 
     def _fetch(self, index: int, integers: bool = False) -> dict[str, Any] | None:
-        """`__getitem__`'s sample, or with `integers` the pipeline's integer sample (plus ``id`` and ``cpu_s``)."""
+        """`__getitem__`'s sample, or with `integers` the pipeline's integer sample (plus its ``id``)."""
         n = len(self)
         if not 0 <= index < n:
             raise IndexError(f"index {index} out of range for a dataset of {n} samples")
-        t0 = time.perf_counter()
         rng = np.random.default_rng([self.seed, self.epoch, index]) if self.pipeline.augment else None
         self.issues.mark_used()
         if not self.substitute:
             return self._load(index, rng, integers)
         for attempt in range(min(_MAX_SKIP, n)):
             sample = self._load((index + attempt) % n, rng, integers)
-            if sample is not None and integers:
-                sample["cpu_s"] = time.perf_counter() - t0
             if sample is not None:
                 return sample
         what = (f"every one of the {n} samples is" if n <= _MAX_SKIP else
@@ -221,11 +218,15 @@ class SampleDataset(Dataset):
         ``[self[i] for i in indices]``."""
         if not self.integer_batches:
             return [self[i] for i in indices]
+        t0 = time.thread_time()
         self._prefetch(indices)
         try:
-            return [self._fetch(i, integers=True) for i in indices]
+            out = [self._fetch(i, integers=True) for i in indices]
         finally:
             self._prefetch(())
+        if out:
+            out[0]["cpu_s"] = time.thread_time() - t0  # this thread's CPU seconds for the batch (the run log's rate)
+        return out
 
     # ---------------------------------------------------------------------------------------- internals
     def _prefetch(self, indices: Sequence[int]) -> None:

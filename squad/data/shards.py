@@ -193,8 +193,8 @@ class ShardDataset(SampleDataset):
 
     def _chunks(self, fi: int, domain: str) -> tuple[np.ndarray, np.ndarray, np.dtype, tuple[int, ...], int] | None:
         """Where each sample's chunk of one domain lies in its shard file, for reads without a copy: ``(the file's
-        bytes as a memory map, byte offset per row, dtype, sample shape, bytes per sample)``; None when the dataset's chunks are not
-        one raw sample each (compressed or filtered shards are read through h5py)."""
+        bytes as a memory map, byte offset per row, dtype, sample shape, bytes per sample)``; None when the dataset's
+        chunks are not one raw sample each (compressed or filtered shards are read through h5py)."""
         key = (fi, domain)
         if key not in self._maps:
             self._maps[key] = None

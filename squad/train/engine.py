@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -26,6 +27,8 @@ from squad.analysis.figures import usage_figure
 from squad.config.base import to_dict
 from squad.config.run import RunConfig, deepspeed_config, precision
 from squad.data import build_dataset, build_loader, eval_loader, report, set_epoch
+from squad.data.device import decode_batch, is_integer_batch
+from squad.data.loaders import loader_workers
 from squad.distributed import (
     all_reduce_sum,
     broadcast_object,
@@ -191,9 +194,17 @@ class Trainer:
         o = self.cfg.optim
         # the loader draws its workers' base seed from its own generator, never from the global RNG that the
         # step reseeds (router noise), so where an epoch starts does not shift the noise
+        d = self.cfg.data
+        self.workers = loader_workers(d.workers, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         self.loader = build_loader(self.train_set, o.batch_per_rank, seed=self.cfg.train.seed,
-                                   num_workers=self.cfg.data.workers, rank=self.rank, world=self.world,
-                                   grad_accum=o.grad_accum, pin_memory=self.cuda)
+                                   num_workers=self.workers, rank=self.rank, world=self.world,
+                                   grad_accum=o.grad_accum, pin_memory=self.cuda, prefetch=d.prefetch,
+                                   device_decode=d.device_decode, block=d.block, buffer=d.shuffle_buffer)
+        if self.rank == 0:
+            log.info("data: %d loader workers per rank (data.workers%s), %s batches, blocks of %d samples "
+                     "shuffled %d at a time", self.workers, "" if d.workers is not None else ": from the cores",
+                     "integer (decoded on the training device)" if self.train_set.integer_batches else "decoded",
+                     d.block, d.shuffle_buffer)
         self.batches_per_epoch = len(self.loader)
         if self.batches_per_epoch == 0:
             raise ValueError(f"data.root={self.cfg.data.root}: {len(self.train_set)} training images are fewer than "
@@ -331,12 +342,26 @@ class Trainer:
             self.state.epoch += 1
             self.state.batch_in_epoch = 0
 
+    def _next_batch(self, batches):
+        """The next micro-batch on the device (an integer batch decoded there, `squad.data.device`), timing how long
+        the step waited on the loader and summing the loader's own CPU time for the run log's data line."""
+        t0 = time.perf_counter()
+        batch = next(batches)
+        w = self._window
+        w["data_wait"] += time.perf_counter() - t0
+        w["samples"] += len(batch["id"])
+        w["loader_cpu"] += batch.get("cpu_s", 0.0)
+        return self._to_device(batch)
+
     def _to_device(self, batch):
-        images = batch["rgb"].to(self.device, non_blocking=True)
+        if is_integer_batch(batch):
+            images, targets, masks = decode_batch(batch, self.train_set.pipeline, self.device)
+        else:
+            images = batch["rgb"].to(self.device, non_blocking=True)
+            targets = {t: v.to(self.device, non_blocking=True) for t, v in batch["targets"].items()}
+            masks = {t: v.to(self.device, non_blocking=True) for t, v in batch["masks"].items()}
         if self.dtype is not None:
             images = images.to(self.dtype)
-        targets = {t: v.to(self.device, non_blocking=True) for t, v in batch["targets"].items()}
-        masks = {t: v.to(self.device, non_blocking=True) for t, v in batch["masks"].items()}
         return images, targets, masks
 
     def train(self) -> Path:
@@ -356,7 +381,7 @@ class Trainer:
 
         bar = tqdm(total=self.total_steps, initial=self.state.step, disable=not (self.rank == 0 and
                    self.cfg.train.progress), desc="train", dynamic_ncols=True, mininterval=2.0)
-        self._window = {"logs": {}, "since": time.perf_counter(), "images": 0}
+        self._window = self._new_window()
         batches = self._batches()
         while self.state.step < self.total_steps:
             stop = self._step(batches)
@@ -385,7 +410,7 @@ class Trainer:
         while micro < accum:
             slot = micro * self.world + self.rank  # the micro-batch's place in the global batch (ResumableSampler)
             torch.manual_seed(hash((self.cfg.train.seed, self.state.step, slot)) % (2**62))
-            images, targets, masks = self._to_device(next(batches))
+            images, targets, masks = self._next_batch(batches)
             assignment = self._assignment(images.shape[0], self.state.step, slot)
             total, losses, weights, parts, stats = self.engine(images, targets, masks, assignment)
             flags = torch.tensor([float(torch.isfinite(total.detach())), float(self.checkpointer.stop_requested())])
@@ -423,7 +448,27 @@ class Trainer:
             w = self._window
             dt = time.perf_counter() - w["since"]
             self._log(w["logs"], w["images"] / max(dt, 1e-9), bar)
-            self._window = {"logs": {}, "since": time.perf_counter(), "images": 0}
+            if self.rank == 0:
+                log.info("%s", self._data_line(w, dt))
+            self._window = self._new_window()
+
+    @staticmethod
+    def _new_window() -> dict:
+        return {"logs": {}, "since": time.perf_counter(), "images": 0, "data_wait": 0.0, "samples": 0,
+                "loader_cpu": 0.0}
+
+    def _data_line(self, w: dict, seconds: float) -> str:
+        """The run log's data line for one logging window (this rank): what the loader gives and whether the step
+        waited on it."""
+        wait = w["data_wait"]
+        if w["loader_cpu"] > 0:
+            per_core = w["samples"] / w["loader_cpu"]
+            rate = (f"the loader gives {per_core * max(1, self.workers):.0f} samples/s ({per_core:.0f} per worker "
+                    f"core × {self.workers})")
+        else:
+            rate = f"the loader gave {w['samples'] / max(seconds, 1e-9):.0f} samples/s"
+        waited = "the step never waited on data" if wait < 0.01 * seconds else "the step waited on data"
+        return f"data: {rate}; {waited} ({wait:.2f} s of {seconds:.1f} s, {100 * wait / max(seconds, 1e-9):.1f} %)"
 
     def _validation_due(self) -> bool:
         every = self.cfg.train.eval_every
@@ -501,7 +546,7 @@ class Trainer:
         """Validation metrics of every trained task (logged; also the expert-usage heatmaps)."""
         if self.val_set is None:
             return {}
-        loader = eval_loader(self.val_set, self.cfg.optim.batch_per_rank, self.cfg.data.workers)
+        loader = eval_loader(self.val_set, self.cfg.optim.batch_per_rank, self.workers)
         results = evaluate(self.model, loader, self.tasks, self.device, self.cfg.data.val_batches, self.dtype)
         if self.rank == 0:
             step = self.state.step

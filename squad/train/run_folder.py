@@ -70,8 +70,8 @@ RESUMABLE_KEYS = (
     "train.log_every", "train.eval_every", "train.ckpt_every", "train.keep_checkpoints", "train.stop_at",
     "train.max_nonfinite", "train.progress", "train.init",  # init is read only by a fresh start
     "train.activation_checkpointing", "train.checkpoint_every",  # memory only: same losses and gradients
-    "data.root", "data.workers", "data.val_split", "data.val_batches", "train.save_on_signal",
-    "train.peer_timeout",
+    "data.root", "data.workers", "data.prefetch", "data.device_decode", "data.val_split", "data.val_batches",
+    "train.save_on_signal", "train.peer_timeout",
     "model.moe.expert_parallel", "model.moa.expert_parallel",  # where experts live, not what they compute
 )
 # May change on resume when the global batch (batch_per_rank × grad_accum × ranks) stays the same: a run moved to

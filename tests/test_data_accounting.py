@@ -245,3 +245,17 @@ def test_training_on_a_truncated_shard_names_it_and_goes_on(truncated_shards, tm
     assert "Traceback" not in res.stderr and f"unreadable shard file {shard}" in res.stderr
     log = (tmp_path / "run" / "train.log").read_text()
     assert "4 samples lost in unreadable shard files" in log, log[-2000:]
+
+
+def test_a_tool_reports_pending_data_lines_before_its_last_line(tiny_data):
+    """The demo prints the data lines of what it read before its verdict (`report_pending`), so `squad.cli.run` has
+    none left to print after it."""
+    from squad.data.accounting import report_pending, track
+
+    with track() as tracked:
+        ds = build_dataset(tiny_data, ["depth_euclidean"], "val")
+        ds[0]
+        lines = report_pending()
+        assert len(lines) == 1 and lines[0].startswith("data val") and "every file read" in lines[0]
+        assert tracked.pending() == [] and report_pending() == []
+    assert report_pending() == []

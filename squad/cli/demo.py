@@ -126,9 +126,12 @@ def _demo(argv: list[str] | None) -> int:
 
     extract_and_compare(out, data)
     figures = draw_figures(out, data)
+    from squad.data.accounting import report_pending
     from squad.demo import share
 
     folder = share(out)
+    for line in report_pending():  # here, so that the verdict stays the demo's last line
+        print(f"[squad] {line}")
 
     say("6. where things are")
     print(f"run folder:      {out}")

@@ -8,9 +8,13 @@ Readers and the sample pipeline:
 - benchmark.py, pascal.py, nyud.py: PASCAL-Context (PASCAL_MT) and NYUD-v2 (MTI-Net / ATRC) readers, and their
   sample pipeline (`BenchmarkPipeline`: any aspect ratio, fit and pad).
 - shards.py: HDF5 shards (`ShardDataset`, `BenchmarkShardDataset`), read with the same sample format.
-- transforms.py: Taskonomy's sample pipeline (mask-aware resize, crop, flip; `SamplePipeline`).
+- transforms.py: Taskonomy's sample pipeline (mask-aware resize, crop, flip; `SamplePipeline`), and its integer
+  stage for training batches (`SamplePipeline.integers`: read and crop only).
+- device.py: integer training batches (`collate_integers`) and their batched decoding on the training device
+  (`decode_batch`: float targets, blur, flips, masks — equal to the per-sample pipeline's).
 - accounting.py: files a dataset could not use, counted once over workers and ranks (`report`, `DataReport`).
-- samplers.py: the resumable training sampler and the in-order evaluation batches.
+- samplers.py: the resumable training sampler (with a read-sized epoch order: shuffled blocks, then a buffer) and
+  the in-order evaluation batches.
 - loaders.py: `build_dataset` (a `ShardDataset` / `BenchmarkShardDataset` when the folder holds a shard index,
   `PascalContextDataset` / `NYUDDataset` for those layouts, `TaskonomyDataset` otherwise), `build_loader`,
   `set_epoch`, `eval_loader`.

@@ -73,8 +73,9 @@ def block_order(length: int, block: int, buffer: int, seed: int) -> torch.Tensor
     g = torch.Generator().manual_seed(seed)
     blocks = torch.randperm(-(-length // block), generator=g)
     order = (blocks[:, None] * block + torch.arange(block)).flatten()
-    order = order[order < length]
-    window = torch.arange(len(order), dtype=torch.float64) // (block * buffer)
+    window = (torch.arange(len(blocks), dtype=torch.float64) // buffer).repeat_interleave(block)
+    keep = order < length  # the last block may be short
+    order, window = order[keep], window[keep]
     return order[torch.argsort(window + torch.rand(len(order), generator=g, dtype=torch.float64))]
 
 

@@ -166,10 +166,11 @@ def test_training_run_logs_the_summary(tiny_data, tmp_path):
            "--set", f"data.root={data}", "--set", "data.tasks=[depth]", "--set", "optim.steps=2",
            "--set", "optim.batch_per_rank=4", "--set", "model.img_size=32", "--set", "model.depth=2",
            "--set", "model.embed_dim=64", "--set", "model.num_heads=2", "--set", "data.workers=0",
-           "--set", "train.progress=false"]
+           "--set", "train.progress=false", "--set", "data.block=1"]  # the order whose 8 samples include index 2
     res = run_command(cmd, ROOT, tool_env(), 600)
     assert res.returncode == 0, res.stderr[-3000:]
     text = (out / "train.log").read_text()
+    assert "data: the loader gives" in text and "integer (decoded on the training device) batches" in text
     train_lines = [x for x in text.splitlines() if "data train (" in x]
     assert len(train_lines) == 1 and "1 corrupt file" in train_lines[0], text[-2000:]
     assert any("data val (" in x for x in text.splitlines())

@@ -128,7 +128,8 @@ def bench_data(tmpdir: str | Path | None = None, quick: bool = False, device: st
     n, batch, repeats = (96, 16, 1) if quick else (512, 64, 2)
     tree = write_random_tree(tmpdir / "tree512", n=n, size=TREE, unique=16)
     small = write_random_tree(tmpdir / "tree256", n=n, size=STORED, unique=16)
-    shards = pack_shards(tree, tmpdir / "shards", image_size=STORED, partitions=("train",), workers=2)
+    shards = tmpdir / "shards"
+    pack_shards(tree, shards, image_size=STORED, partitions=("train",), workers=2)
     opts = {"image_size": IMAGE, "resize": STORED, "augment": True, "split": "train"}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one loader core

@@ -348,7 +348,11 @@ class Trainer:
         t0 = time.perf_counter()
         batch = next(batches)
         w = self._window
-        w["data_wait"] += time.perf_counter() - t0
+        if getattr(self, "_workers_started", False):
+            w["data_wait"] += time.perf_counter() - t0
+        else:  # the first batch waits for the workers to start: said apart in the first data line
+            self._workers_started = True
+            w["start_wait"] = time.perf_counter() - t0
         w["samples"] += len(batch["id"])
         w["loader_cpu"] += batch.get("cpu_s", 0.0)
         return self._to_device(batch)
@@ -463,12 +467,14 @@ class Trainer:
         wait = w["data_wait"]
         if w["loader_cpu"] > 0:
             per_core = w["samples"] / w["loader_cpu"]
-            rate = (f"the loader gives {per_core * max(1, self.workers):.0f} samples/s ({per_core:.0f} per worker "
-                    f"core × {self.workers})")
+            where = f"{per_core:.0f} per worker core × {self.workers}" if self.workers else "in the training process"
+            rate = f"the loader gives {per_core * max(1, self.workers):.0f} samples/s ({where})"
         else:
             rate = f"the loader gave {w['samples'] / max(seconds, 1e-9):.0f} samples/s"
         waited = "the step never waited on data" if wait < 0.01 * seconds else "the step waited on data"
-        return f"data: {rate}; {waited} ({wait:.2f} s of {seconds:.1f} s, {100 * wait / max(seconds, 1e-9):.1f} %)"
+        start = f"; the first batch (the loader starting) took {w['start_wait']:.2f} s" if "start_wait" in w else ""
+        return (f"data: {rate}; {waited} ({wait:.2f} s of {seconds:.1f} s, {100 * wait / max(seconds, 1e-9):.1f} %)"
+                f"{start}")
 
     def _validation_due(self) -> bool:
         every = self.cfg.train.eval_every

@@ -34,6 +34,7 @@ def data(tmp_path_factory):
 def datasets(data):
     yield "tree, resized", TaskonomyDataset(data["tree"], "all", **OPTS)
     yield "shards, stored size", ShardDataset(data["shards"], "all", **OPTS)
+    yield "shards, resized", ShardDataset(data["shards"], "all", **{**OPTS, "resize": 28})
     yield "tree, missing files", TaskonomyDataset(data["holes"], "all", missing="mask", **OPTS)
 
 

@@ -460,6 +460,9 @@ class SamplePipeline:
             DecodeError: (with its ``domain``) a file `__call__` would refuse.
         """
         stored_hw = raws["rgb"].shape[:2]
+        resizes = self.resize is not None and stored_hw != (self.resize, self.resize)
+        if resizes:  # arrays read in place (read-only shard maps) are copied for torch's resize
+            raws = {d: (a if a is None or a.flags.writeable else a.copy()) for d, a in raws.items()}
         try:
             check_size("rgb", raws["rgb"], None, self.resize is not None)
             rgb_raw = self.prepare_raw("rgb", raws["rgb"])

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from squad.data.accounting import track
 from squad.data.device import collate_integers, decode_batch
 from squad.data.offline.pack import pack_shards
 from squad.data.offline.random_tree import write_random_tree
@@ -44,13 +45,13 @@ def _batches(ds: SampleDataset, batch: int) -> list[list[int]]:
     return [order[i:i + batch] for i in range(0, len(order), batch)]
 
 
-def per_core(ds: SampleDataset, batch: int, repeats: int) -> dict[str, float]:
+def per_core(ds: SampleDataset, batch: int, repeats: int, limit: int | None = None) -> dict[str, float]:
     """Samples/s of one core through the integer stage (the best of `repeats` epochs after a warm-up one), and the
     per-sample microseconds of its stages: ``read`` (the stored arrays), ``crop`` (augmentation draws, checks, the
     crop; a resize where the stored size differs) and ``collate`` (stacking the batch, a DataLoader worker's
-    copy into shared memory aside)."""
+    copy into shared memory aside). `limit`: the first batches of the epoch only."""
     ds.integer_batches = True
-    batches = _batches(ds, batch)
+    batches = _batches(ds, batch)[:limit]
     n = sum(len(b) for b in batches)
 
     def epoch() -> None:
@@ -136,11 +137,12 @@ def bench_data(tmpdir: str | Path | None = None, quick: bool = False, device: st
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one loader core
     try:
-        h5 = ShardDataset(shards, "all", **opts)
-        figures = {"shards": per_core(h5, batch, repeats),
-                   "png_512": per_core(TaskonomyDataset(tree, "all", **opts), batch, repeats),
-                   "png_256": per_core(TaskonomyDataset(small, "all", **opts), batch, repeats)}
-        old = per_sample_pipeline(ShardDataset(shards, "all", **opts), batch)
+        with track():  # the bench's own data: no accounting lines at the tool's end
+            h5 = ShardDataset(shards, "all", **opts)
+            figures = {"shards": per_core(h5, batch, repeats),  # the PNG trees: 2 batches, once (decoding is slow)
+                       "png_512": per_core(TaskonomyDataset(tree, "all", **opts), batch, 1, limit=2),
+                       "png_256": per_core(TaskonomyDataset(small, "all", **opts), batch, 1, limit=2)}
+            old = per_sample_pipeline(ShardDataset(shards, "all", **opts), batch)
     finally:
         torch.set_num_threads(threads)
     base = {"image_size": image, "stored_size": stored, "domains": len(h5.domains), "augment": True,
@@ -153,6 +155,10 @@ def bench_data(tmpdir: str | Path | None = None, quick: bool = False, device: st
         ok = f["samples_per_s"] >= TARGET_PER_CORE if key == "shards" else None
         rows.append(BenchResult(name, f["samples_per_s"], f">= {TARGET_PER_CORE:.0f}" if key == "shards" else "",
                                 "samples/s/core", ok, {**base, **f, "source": what}))
+    for key, label in (("shards", "shards"), ("png_512", "png_tree_512px")):
+        for stage in ("read", "crop", "collate"):
+            rows.append(BenchResult(f"data_{label}_{stage}_us", figures[key][f"{stage}_us"], "", "us/sample", None,
+                                    {**base, "stage": stage}))
     ratio = figures["shards"]["samples_per_s"] / figures["png_512"]["samples_per_s"]
     rows.append(BenchResult("hdf5_vs_png_13_domains", ratio, ">= 3", "x", ratio >= 3,
                             {**base, "shards": figures["shards"]["samples_per_s"],

@@ -18,10 +18,11 @@ error saying so. The engine is DeepSpeed's under every launcher, and the precisi
 The run folder is locked while a run uses it (run.lock names the holder; a second run into it exits 2). A resume
 may change only the keys that keep it exact: optim.steps/epochs/min_lr/clip, train.log_every/eval_every/
 ckpt_every/keep_checkpoints/stop_at/max_nonfinite/progress/activation_checkpointing/checkpoint_every/save_on_signal/
-peer_timeout, data.root/workers/val_split/val_batches, model.moe.expert_parallel and model.moa.expert_parallel
-(recorded in train.log, config.prev.yaml and run_history.jsonl), and optim.batch_per_rank/grad_accum when the
-global batch stays the same; any other change is refused — start a new run for it. A run resumes on any number of
-ranks that keeps its global batch (batch_per_rank × grad_accum × ranks), for every ZeRO stage.
+peer_timeout, data.root/workers/prefetch/device_decode/val_split/val_batches, model.moe.expert_parallel and
+model.moa.expert_parallel (recorded in train.log, config.prev.yaml and run_history.jsonl), and
+optim.batch_per_rank/grad_accum when the global batch stays the same; any other change is refused — start a new run
+for it. A run resumes on any number of ranks that keeps its global batch (batch_per_rank × grad_accum × ranks), for
+every ZeRO stage.
 
 SIGTERM, SIGUSR1 and SIGHUP (train.save_on_signal) make every rank checkpoint at the next step boundary and exit 75,
 leaving <out>/STOPPED: run the same command again to resume. Before the first training step (start-up, the step-0

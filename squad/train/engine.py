@@ -201,10 +201,12 @@ class Trainer:
                                    grad_accum=o.grad_accum, pin_memory=self.cuda, prefetch=d.prefetch,
                                    device_decode=d.device_decode, block=d.block, buffer=d.shuffle_buffer)
         if self.rank == 0:
-            log.info("data: %d loader workers per rank (data.workers%s), %s batches, blocks of %d samples "
-                     "shuffled %d at a time", self.workers, "" if d.workers is not None else ": from the cores",
+            order = (f"blocks of {d.block} samples shuffled {d.shuffle_buffer} at a time" if d.block > 1
+                     else "sample by sample")
+            log.info("data: %d loader workers per rank (data.workers%s), %s batches, read in %s", self.workers,
+                     "" if d.workers is not None else ": from the cores",
                      "integer (decoded on the training device)" if self.train_set.integer_batches else "decoded",
-                     d.block, d.shuffle_buffer)
+                     order)
         self.batches_per_epoch = len(self.loader)
         if self.batches_per_epoch == 0:
             raise ValueError(f"data.root={self.cfg.data.root}: {len(self.train_set)} training images are fewer than "

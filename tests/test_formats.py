@@ -200,6 +200,11 @@ def test_onnx_of_every_layer_kind_runs_in_onnx_runtime(tmp_path, tiny_data, load
     session = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
     assert [o.name for o in session.get_outputs()] == HEADS
     assert session.get_inputs()[0].name == "images"
+    import onnx
+
+    graph = onnx.load(str(tmp_path / "m.onnx"))
+    custom = {f"{n.domain}:{n.op_type}" for n in graph.graph.node if n.domain not in ("", "ai.onnx")}
+    assert not custom and not graph.functions, custom  # standard ONNX ops only: no squad or Triton op left
     real = _real_images(tiny_data)
     for images in (_images(1, 1), _images(5, 2), real):
         got = dict(zip(HEADS, session.run(None, {"images": images.numpy()}), strict=True))

@@ -124,5 +124,12 @@ def test_training_loader_yields_integer_batches_from_a_worker(data):
     for t in TASK_NAMES:
         torch.testing.assert_close(targets[t], ref["targets"][t], rtol=1e-5, atol=1e-6)
         assert torch.equal(masks[t], ref["masks"][t])
+    set_epoch(loader, 2)  # the persistent worker draws epoch 2's crops and flips, not those it started with
+    later = {i: (c.tolist(), f.item()) for b in loader for i, c, f in zip(b["id"], b["crop"], b["flip"], strict=True)}
+    fresh = ShardDataset(data["shards"], "all", **OPTS)
+    fresh.set_epoch(2)
+    fresh.integer_batches = True
+    want = {s["id"]: (list(s["crop"]), s["flip"]) for s in fresh.__getitems__(list(range(len(fresh))))}
+    assert later == want
     plain = build_loader(ds, 4, device_decode=False)
     assert not is_integer_batch(next(iter(plain)))

@@ -61,10 +61,27 @@ class ResumableSampler(Sampler[int]):
         b, w = self.batch_size, self.num_replicas
         for j in range(skip, self.batches_per_epoch()):
             slot = j * w + self.rank
-            yield from order[slot * b:(slot + 1) * b]
+            for i in order[slot * b:(slot + 1) * b]:
+                yield EpochIndex(i, self.epoch)
 
     def __len__(self) -> int:
         return self.batches_per_epoch() * self.batch_size
+
+
+class EpochIndex(int):
+    """A sample index carrying the epoch it is drawn for: DataLoader workers that persist across epochs keep the
+    dataset as it was when they started, so the augmentation draws read the epoch from the index
+    (`squad.data.samples.SampleDataset`), never from the workers' stale copy."""
+
+    epoch: int
+
+    def __new__(cls, index: int, epoch: int) -> EpochIndex:
+        out = super().__new__(cls, index)
+        out.epoch = int(epoch)
+        return out
+
+    def __reduce__(self):
+        return EpochIndex, (int(self), self.epoch)
 
 
 def block_order(length: int, block: int, buffer: int, seed: int) -> torch.Tensor:

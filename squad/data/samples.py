@@ -193,9 +193,10 @@ class SampleDataset(Dataset):
     def _fetch(self, index: int, integers: bool = False) -> dict[str, Any] | None:
         """`__getitem__`'s sample, or with `integers` the pipeline's integer sample (plus its ``id``)."""
         n = len(self)
+        index, epoch = int(index), getattr(index, "epoch", self.epoch)  # the training sampler's index carries it
         if not 0 <= index < n:
             raise IndexError(f"index {index} out of range for a dataset of {n} samples")
-        rng = np.random.default_rng([self.seed, self.epoch, index]) if self.pipeline.augment else None
+        rng = np.random.default_rng([self.seed, epoch, index]) if self.pipeline.augment else None
         self.issues.mark_used()
         if not self.substitute:
             return self._load(index, rng, integers)

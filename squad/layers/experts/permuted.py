@@ -8,19 +8,23 @@ gathers and scatters inside its own kernels; `squad.kernels.choice` says which o
 Every move of rows is a gather by a permutation of the plan (`Dispatch.order` / ``inverse``) whose backward is the
 gather by the inverse permutation, never an ``index_add``: no atomics, no host read, and one graph under
 `torch.compile`. With M tokens, k slots, R = M·k rows in expert order (row i: token ``token[i]``, expert
-``row_expert[i]``; no-op and dropped slots after the last group):
+``row_expert[i]``; no-op and dropped slots after the last group), and as few passes over [R, ·] rows as eager code
+allows (each is a kernel reading and writing ~190 MB at ViT-B sizes; a bias gather and add were two more a side):
 
-    xs  = x[token]                              [R, D]
-    a   = xs ⊗ W1 + b1[row_expert]               [R, H]   (⊗: the grouped GEMM, row i times W1[row_expert[i]])
+    xs  = [x, 1, 0…][token]                     [R, D + p] (p keeps rows 16-byte aligned)
+    a   = xs ⊗ [W1; b1; 0…]                     [R, H]   (⊗: the grouped GEMM; the bias rides in as a weight row)
     h   = gelu(a)
-    y   = h ⊗ W2 + b2[row_expert]                [R, D]
-    out = Σ_slots (g · y)[inverse]              [M, D]   (g [R]: each row's gate; 0 on no-op rows)
+    y   = h ⊗ W2                                 [R, D]
+    out = g ⊙ y[inverse] + G b2                  [M, D]   (one ``baddbmm``: y as [M, k, D] weighted by the gates
+                                                           g [M, k]; G [M, E + 1] the gates per expert)
 
-The backward is written out (four grouped GEMMs, two per-group bias sums, the gate's gradient <grad, y>), so what
-autograd would do with the gathers (atomic ``index_add`` into [M, D] and [E, H]) never happens. Rows of no group
-(no-op and dropped slots, after the last group) are left as the library op leaves them (unwritten) except where
-they would reach a token: the second projection's output and the input gradient are zeroed there; the weight
-gradients and bias sums only read rows inside the groups.
+The backward is written out (four grouped GEMMs; b1's gradient is the extra row of W1's, b2's is Gᵀ grad, the
+gate's <grad, y> + <grad, b2[e]>), so what autograd would do with the gathers (atomic ``index_add`` into [M, D])
+never happens, and no per-group sum (``embedding_bag``, slow on a GPU) is needed. Rows of no group (no-op and
+dropped slots, after the last group) are left as the library op leaves them (unwritten) except where they would
+reach a token: the second projection's output and the input gradient are zeroed there; the weight gradients only
+read rows inside the groups. G's column E (no-op and dropped slots) meets a zero bias row and is dropped from b2's
+gradient; a token's real experts are distinct (top-k), so G holds each of its gates once.
 
 Where the library op cannot take the operands (float64 anywhere; on CUDA and in compiled code anything but bf16;
 widths whose rows are not 16-byte aligned) `grouped_gemm` runs its per-group reference (`grouped_gemm_reference`,
@@ -33,7 +37,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from squad.layers.experts.grouped import library_grouped_mm, native_grouped_mm, segment_sum
+from squad.layers.experts.grouped import library_grouped_mm, native_grouped_mm
 from squad.layers.experts.plan import Dispatch
 
 
@@ -82,14 +86,6 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.
     return grouped_gemm_reference(a, b, offs)
 
 
-def _rows_bias(bias: torch.Tensor | None, plan: Dispatch) -> torch.Tensor | None:
-    """[R, N] each row's expert bias (zero on no-op rows), or None."""
-    if bias is None:
-        return None
-    padded = torch.cat([bias, bias.new_zeros(1, bias.shape[1])])  # [E + 1, N]
-    return padded.index_select(0, plan.row_expert)
-
-
 def _zero_tail_(rows: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
     """Zeroes the rows of no group (no-op and dropped slots; ``valid`` [R, 1] False there), in place."""
     return rows if valid is None else rows.masked_fill_(~valid, 0)
@@ -101,47 +97,79 @@ def _slots_sum(rows: torch.Tensor, plan: Dispatch) -> torch.Tensor:
     return rows.index_select(0, plan.inverse).view(-1, plan.k, rows.shape[1]).sum(1)
 
 
+def _with_ones(x: torch.Tensor) -> torch.Tensor:
+    """[M, D] → [M, D + p]: x, a column of ones, zeros (p keeps 16-byte rows 16-byte aligned): the first
+    projection's bias rides in its GEMM as one more input row of the weights."""
+    p = max(1, 16 // x.element_size())
+    pad = torch.zeros(x.shape[0], p, dtype=x.dtype, device=x.device)
+    pad[:, 0] = 1
+    return torch.cat([x, pad], 1)
+
+
+def _with_bias_row(w: torch.Tensor, b: torch.Tensor, p: int) -> torch.Tensor:
+    """[E, D, H] weights and [E, H] bias → [E, D + p, H]: the bias as input row D, zero rows after it."""
+    return torch.cat([w, b.unsqueeze(1), torch.zeros(w.shape[0], p - 1, w.shape[2], dtype=w.dtype, device=w.device)], 1)
+
+
+def _slot_matrix(gates: torch.Tensor, plan: Dispatch) -> torch.Tensor:
+    """[M, E + 1] each token's gate on each expert (column E: no-op and dropped slots; slots name distinct experts)."""
+    experts = plan.slot_experts()  # [M, k]
+    sel = torch.zeros(gates.shape[0], plan.num_experts + 1, dtype=gates.dtype, device=gates.device)
+    return sel.scatter(1, experts, gates)
+
+
 class _PermutedMLP(torch.autograd.Function):
     """out[m] = Σ_j g[m, j] · (gelu(x[m] W1[e_mj] + b1[e_mj]) W2[e_mj] + b2[e_mj]) on the library's grouped GEMM."""
 
     @staticmethod
     def forward(ctx, x, w1, b1, w2, b2, gates, plan):  # x [M, D], w1 [E, D, H], w2 [E, H, D], gates [M, k]
         offs = plan.offsets
+        m, d = x.shape
         valid = (plan.row_expert < plan.num_experts).unsqueeze(1) if plan.tail else None  # [R, 1]
-        xs = x.index_select(0, plan.token)  # [R, D] expert order
-        a = grouped_gemm(xs, w1, offs)  # [R, H]; rows of no group unspecified (never read past the next mask)
-        if b1 is not None:
-            a.add_(_rows_bias(b1, plan))
+        xa = _with_ones(x) if b1 is not None else x  # [M, D + p]
+        xs = xa.index_select(0, plan.token)  # [R, D (+ p)] expert order
+        w1a = _with_bias_row(w1, b1, xa.shape[1] - d) if b1 is not None else w1
+        a = grouped_gemm(xs, w1a, offs)  # [R, H] with the bias; rows of no group unspecified
         h = F.gelu(a)
-        y = grouped_gemm(h, w2, offs)  # [R, D]
-        if b2 is not None:
-            y.add_(_rows_bias(b2, plan))
-        _zero_tail_(y, valid)
-        g = gates.reshape(-1).index_select(0, plan.order).to(x.dtype)  # [R] gate of each row
+        y = _zero_tail_(grouped_gemm(h, w2, offs), valid)  # [R, D] without the bias
+        yk = y.index_select(0, plan.inverse).view(m, plan.k, d)  # [M, k, D] (token, slot) order
+        g = gates.to(x.dtype)
+        if b2 is not None:  # Σ_j g_j b2[e_j] = G b2 with G [M, E + 1] the gates per expert (no-op column: zero bias)
+            sel = _slot_matrix(g, plan)
+            b2p = torch.cat([b2, torch.zeros(1, d, dtype=b2.dtype, device=b2.device)])  # [E + 1, D]
+            out = torch.baddbmm((sel @ b2p).unsqueeze(1), g.unsqueeze(1), yk).view(m, d)
+        else:
+            sel, b2p = None, None
+            out = torch.bmm(g.unsqueeze(1), yk).view(m, d)
         if any(ctx.needs_input_grad):
-            ctx.save_for_backward(xs, w1, w2, a, h, y, g, valid if valid is not None else g.new_empty(0))
+            none = g.new_empty(0)
+            ctx.save_for_backward(xs, w1, w2, a, h, yk, g, valid if valid is not None else none,
+                                  sel if sel is not None else none, b2p if b2p is not None else none)
             ctx.plan, ctx.has_b1, ctx.has_b2, ctx.gates_dtype = plan, b1 is not None, b2 is not None, gates.dtype
-        return _slots_sum(y * g.unsqueeze(1), plan)  # [M, D]; no-op rows are zero
+        return out  # [M, D]; no-op rows are zero
 
     @staticmethod
     def backward(ctx, grad):  # grad [M, D]
-        xs, w1, w2, a, h, y, g, valid = ctx.saved_tensors
+        xs, w1, w2, a, h, yk, g, valid, sel, b2p = ctx.saved_tensors
         plan = ctx.plan
         offs = plan.offsets
+        m, d = grad.shape
         valid = valid if valid.numel() else None
-        gs = grad.index_select(0, plan.token)  # [R, D]: each row's output gradient (its token's)
-        grad_gates = torch.bmm(gs.unsqueeze(1), y.unsqueeze(2)).view(-1)  # [R] <grad, y>, zero on no-op rows
-        grad_gates = grad_gates.index_select(0, plan.inverse).view(-1, plan.k)
-        dy = gs.mul_(g.unsqueeze(1))  # [R, D]; rows of no group meet only the group-bounded GEMMs below
-        gw2 = grouped_gemm(h.t(), dy, offs)  # [E, H, D]
-        gb2 = segment_sum(dy, plan) if ctx.has_b2 else None
+        grad = grad.contiguous()
+        grad_gates = torch.bmm(yk, grad.unsqueeze(2)).view(m, plan.k)  # [M, k] <grad, y>; zero on no-op slots
+        gb2 = None
+        if ctx.has_b2:
+            grad_gates = grad_gates + (grad @ b2p.t()).gather(1, plan.slot_experts())  # + <grad, b2[e]>
+            gb2 = (sel.t() @ grad)[: plan.num_experts]  # [E, D] Σ over each expert's slots of g · grad
+        dy = (grad.unsqueeze(1) * g.unsqueeze(2)).view(-1, d).index_select(0, plan.order)  # [R, D] expert order
+        gw2 = grouped_gemm(h.t(), dy, offs)  # [E, H, D]; rows of no group meet only group-bounded GEMMs
         dh = grouped_gemm(dy, w2.transpose(1, 2), offs)  # [R, H]
         da = torch.ops.aten.gelu_backward(dh, a)  # dh · gelu'(a), one pass
-        gw1 = grouped_gemm(xs.t(), da, offs)  # [E, D, H]
-        gb1 = segment_sum(da, plan) if ctx.has_b1 else None
+        gw1 = grouped_gemm(xs.t(), da, offs)  # [E, D (+ p), H]: row D the bias gradient
+        gb1 = gw1[:, d] if ctx.has_b1 else None
         dxs = _zero_tail_(grouped_gemm(da, w1.transpose(1, 2), offs), valid)  # [R, D]
         dx = _slots_sum(dxs, plan)
-        return dx, gw1, gb1, gw2, gb2, grad_gates.to(ctx.gates_dtype), None
+        return dx, gw1[:, :d], gb1, gw2, gb2, grad_gates.to(ctx.gates_dtype), None
 
 
 def permuted_mlp(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2: torch.Tensor,

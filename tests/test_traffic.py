@@ -164,6 +164,16 @@ def test_a_gather_reads_only_the_rows_it_indexes():
     assert (select.bytes_read, select.bytes_written) == (picked + 25 * 8, picked)
 
 
+def test_a_factory_reads_nothing_of_its_template():
+    """``new_zeros`` / ``zeros_like`` take only their argument's dtype and device (and shape): they write their
+    output and read nothing."""
+    x = torch.randn(4096, 768, device="meta", dtype=torch.bfloat16)
+    t = record(lambda: (x.new_zeros(4096, 8), torch.zeros_like(x)))
+    small, like = t.records
+    assert (small.bytes_read, small.bytes_written) == (0, 4096 * 8 * 2)
+    assert (like.bytes_read, like.bytes_written) == (0, x.numel() * 2)
+
+
 def test_squads_ops_are_priced_by_what_their_kernels_do():
     """The head-select GEMMs compute every head (2·M·K·E·d) and read each operand once; the row ops read and write
     only the rows they index; the fused MLP's FLOPs are its tiles' (widths rounded up to its K tile and N chunk)."""

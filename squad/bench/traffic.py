@@ -81,6 +81,9 @@ _ATOMIC = {"index_add", "index_add_", "scatter_add", "scatter_add_", "scatter_re
            "_index_put_impl_"}
 _PIN = {"_pin_memory", "pin_memory"}
 _GATHER = {"gather": 0, "index_select": 0, "index": 0, "take": 0, "take_along_dim": 0, "embedding": 0}
+# factories whose tensor argument is a template (its dtype, device, maybe shape), never read
+_TEMPLATE = {"new_zeros", "new_ones", "new_empty", "new_full", "new_empty_strided", "empty_like", "zeros_like",
+             "ones_like", "full_like", "rand_like", "randn_like", "randint_like"}
 """Gathers: the position of the argument they read only where indexed (the source)."""
 _MATMUL = {"mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "grouped_mm", "_scaled_grouped_mm", "addmv", "mv",
            "dot", "vdot", "_addmm_activation"}
@@ -419,7 +422,7 @@ class TrafficRecorder(TorchDispatchMode):
         read = 0.0
         source = args[_GATHER[name]] if name in _GATHER and outputs else None
         for t in inputs:  # an out= buffer is only written; an in-place target is read and written
-            if id(t) in seen or (id(t) in written_ids and not in_place):
+            if id(t) in seen or (id(t) in written_ids and not in_place) or name in _TEMPLATE:
                 continue
             seen.add(id(t))
             if t is source:  # a gather reads one output's worth of its source

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from squad.data import ShardDataset, TaskonomyDataset, build_loader, collate, set_epoch
-from squad.data.device import collate_integers, decode_batch, is_integer_batch
+from squad.data.device import collate_integers, decode_batch, is_integer_batch, unpack
 from squad.data.loaders import MAX_AUTO_WORKERS, loader_workers
 from squad.data.offline.pack import pack_shards
 from squad.data.offline.random_tree import write_random_tree
@@ -47,7 +47,8 @@ def test_integer_batches_decode_to_the_per_sample_targets(data):
             ds.integer_batches = True
             batch = collate_integers(ds.__getitems__(idx))
             ds.integer_batches = False
-            assert is_integer_batch(batch) and batch["flip"].any() and not batch["flip"].all(), what
+            flips = unpack(batch)["flip"]
+            assert is_integer_batch(batch) and flips.any() and not flips.all(), what
             rgb, targets, masks = decode_batch(batch, ds.pipeline)
             assert batch["id"] == ref["id"]
             torch.testing.assert_close(rgb, ref["rgb"], rtol=0, atol=0)
@@ -125,7 +126,8 @@ def test_training_loader_yields_integer_batches_from_a_worker(data):
         torch.testing.assert_close(targets[t], ref["targets"][t], rtol=1e-5, atol=1e-6)
         assert torch.equal(masks[t], ref["masks"][t])
     set_epoch(loader, 2)  # the persistent worker draws epoch 2's crops and flips, not those it started with
-    later = {i: (c.tolist(), f.item()) for b in loader for i, c, f in zip(b["id"], b["crop"], b["flip"], strict=True)}
+    later = {i: (c.tolist(), f.item()) for b in loader
+             for i, c, f in zip(b["id"], unpack(b)["crop"], unpack(b)["flip"], strict=True)}
     fresh = ShardDataset(data["shards"], "all", **OPTS)
     fresh.set_epoch(2)
     fresh.integer_batches = True

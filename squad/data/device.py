@@ -33,24 +33,18 @@ def is_integer_batch(batch: Any) -> bool:
     return isinstance(batch, dict) and INTEGERS in batch
 
 
-def _stack(arrays: Sequence[np.ndarray]) -> torch.Tensor:
-    """Stacks equal-shaped arrays into one tensor (uint16 viewed as int16), in shared memory inside a worker."""
-    first = arrays[0]
-    dtype = np.int16 if first.dtype == np.uint16 else first.dtype
-    out = torch.empty((len(arrays), *first.shape), dtype=torch.from_numpy(np.empty(0, dtype)).dtype)
-    if get_worker_info() is not None:
-        out.share_memory_()
-    view = out.numpy()
-    for i, a in enumerate(arrays):
-        view[i] = a.view(dtype) if a.dtype != dtype else a
-    return out
+_DTYPES = {"uint8": torch.uint8, "int16": torch.int16, "float32": torch.float32, "int64": torch.int64,
+           "bool": torch.bool}
 
 
 def collate_integers(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Stacks the integer samples of `squad.data.samples.SampleDataset` (``integer_batches`` on) into a batch:
-    ``integers`` ``{domain: tensor [B, ...] or None}`` (None: no sample of the batch has the domain), ``present``
-    ``bool [B, D]``, ``crop`` ``int64 [B, 2]`` (top, left), ``flip`` ``bool [B]``, ``id`` and ``cpu_s`` (the worker
-    seconds the batch took, for the loader's rate in the run log).
+    """Packs the integer samples of `squad.data.samples.SampleDataset` (``integer_batches`` on) into a batch held in
+    ONE byte buffer (``buffer``, in shared memory inside a DataLoader worker: one segment to hand over, one copy to
+    pin and to move to the GPU), with ``layout`` saying where each part lies; `unpack` gives the parts as tensors:
+    ``integers`` ``{domain: [B, ...] or None}`` (uint8, uint16 carried as int16, float32 class vectors; None: no
+    sample of the batch has the domain), ``present`` ``bool [B, D]``, ``crop`` ``int64 [B, 2]`` (top, left) and
+    ``flip`` ``bool [B]``. Beside them: ``domains``, ``id`` and ``cpu_s`` (the worker's CPU seconds for the batch,
+    for the loader's rate in the run log).
 
     Raises:
         ValueError: an empty list.
@@ -58,22 +52,65 @@ def collate_integers(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
     if not samples:
         raise ValueError("collate_integers: no samples")
     t0 = time.thread_time()
+    n = len(samples)
     domains = list(samples[0]["arrays"])
-    integers: dict[str, torch.Tensor | None] = {}
-    present = torch.zeros(len(samples), len(domains), dtype=torch.bool)
-    for k, d in enumerate(domains):
-        have = [s["arrays"][d] for s in samples]
-        template = next((a for a in have if a is not None), None)
-        if template is None:
-            integers[d] = None
-            continue
-        present[:, k] = torch.tensor([a is not None for a in have])
-        integers[d] = _stack([a if a is not None else np.zeros_like(template) for a in have])
-    return {INTEGERS: integers, "domains": domains, "present": present,
-            "crop": torch.tensor([s["crop"] for s in samples], dtype=torch.int64),
-            "flip": torch.tensor([s["flip"] for s in samples], dtype=torch.bool),
+    parts: dict[str, tuple[np.dtype, tuple[int, ...]]] = {}
+    templates: dict[str, np.ndarray] = {}
+    for d in domains:
+        template = next((s["arrays"][d] for s in samples if s["arrays"][d] is not None), None)
+        if template is not None:
+            templates[d] = template
+            dtype = np.dtype(np.int16) if template.dtype == np.uint16 else template.dtype
+            parts[d] = (dtype, (n, *template.shape))
+    parts["present"] = (np.dtype(np.bool_), (n, len(domains)))
+    parts["crop"] = (np.dtype(np.int64), (n, 2))
+    parts["flip"] = (np.dtype(np.bool_), (n,))
+    layout, total = {}, 0
+    for key, (dtype, shape) in parts.items():
+        layout[key] = (total, dtype.name, shape)
+        total += -(-int(np.prod(shape)) * dtype.itemsize // 8) * 8  # 8-byte aligned parts
+    buffer = torch.empty(total, dtype=torch.uint8)
+    if get_worker_info() is not None:
+        buffer.share_memory_()
+    raw = buffer.numpy()
+
+    def part(key: str) -> np.ndarray:
+        off, name, shape = layout[key]
+        dtype = np.dtype(name)
+        return raw[off: off + int(np.prod(shape)) * dtype.itemsize].view(dtype).reshape(shape)
+
+    for d in templates:
+        out = part(d)
+        for i, s in enumerate(samples):
+            a = s["arrays"][d]
+            if a is None:
+                out[i] = 0
+            else:
+                out[i] = a.view(out.dtype) if a.dtype != out.dtype else a
+    part("present")[...] = [[s["arrays"][d] is not None for d in domains] for s in samples]
+    part("crop")[...] = [s["crop"] for s in samples]
+    part("flip")[...] = [s["flip"] for s in samples]
+    return {INTEGERS: {d: layout.get(d) for d in domains}, "layout": layout, "buffer": buffer, "domains": domains,
             "id": [s["id"] for s in samples],
             "cpu_s": sum(s.get("cpu_s", 0.0) for s in samples) + time.thread_time() - t0}
+
+
+def unpack(batch: dict[str, Any], device: torch.device | str = "cpu") -> dict[str, Any]:
+    """The parts of a `collate_integers` batch as tensors on `device` (views of its buffer, moved in one copy without
+    blocking): ``integers``, ``present``, ``crop``, ``flip``."""
+    buf = batch["buffer"].to(device, non_blocking=True)
+
+    def part(entry: tuple[int, str, tuple[int, ...]] | None) -> torch.Tensor | None:
+        if entry is None:
+            return None
+        off, name, shape = entry
+        dtype = _DTYPES[name]
+        size = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+        return buf[off: off + size].view(dtype).view(shape)
+
+    layout = batch["layout"]
+    return {INTEGERS: {d: part(e) for d, e in batch[INTEGERS].items()},
+            **{k: part(layout[k]) for k in ("present", "crop", "flip")}}
 
 
 def _codes(t: torch.Tensor) -> torch.Tensor:
@@ -103,10 +140,9 @@ def decode_batch(batch: dict[str, Any], pipeline, device: torch.device | str = "
         device: the training device.
     """
     device = torch.device(device)
-    ints = {d: (t.to(device, non_blocking=True) if t is not None else None) for d, t in batch[INTEGERS].items()}
-    present = batch["present"].to(device, non_blocking=True)
-    crop = batch["crop"].to(device, non_blocking=True)
-    flip = batch["flip"].to(device, non_blocking=True).view(-1, 1, 1, 1)
+    parts = unpack(batch, device)
+    ints, present, crop = parts[INTEGERS], parts["present"], parts["crop"]
+    flip = parts["flip"].view(-1, 1, 1, 1)
     col = {d: k for k, d in enumerate(batch["domains"])}
     rgb = ints["rgb"].permute(0, 3, 1, 2).to(torch.float32).div_(255.0)
     n, hw = rgb.shape[0], tuple(rgb.shape[-2:])

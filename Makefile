@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml constraints.txt
 	@echo "squad set-up: done"
 
 demo: $(STAMP)
-	$(PY) tools/demo.py
+	@$(PY) tools/demo.py
 
 # The suite runs in TEST_JOBS pytest-xdist workers (a file's tests stay in one worker: its module fixtures run once),
 # its files in the order tests/conftest.py collects them (the longest first);

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Export a squad model (extracted single-task, dense or MoD) as a torch.export program.
+"""Export a squad model as a torch.export program, an ONNX file or a Hugging Face-style folder.
 
 The tool lives in `squad.cli.export` (also installed as `squad-export`); usage and examples:
 ``python tools/export.py --help``.

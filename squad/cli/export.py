@@ -1,5 +1,6 @@
-"""Export a squad model (extracted single-task or full) as a torch.export program, an ONNX file or a Hugging
-Face-style folder.
+"""Export a squad model as a torch.export program, an ONNX file or a Hugging Face-style folder.
+
+The model may be a full one or an extracted single-task one.
 
 The program (.pt2) runs with PyTorch alone, without squad; ``--format onnx`` writes an ONNX file for ONNX Runtime or
 TensorRT; ``--format hf`` a folder with model.safetensors, config.json and a model card that ``squad.load`` opens

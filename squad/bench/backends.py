@@ -69,7 +69,7 @@ def _moe_times(e: int, d: int, h: int, k: int, tokens: int) -> dict[str, float]:
     from squad.layers.moe_mlp import ExpertMLP
 
     torch.manual_seed(0)
-    layer = ExpertMLP(e, d, h).cuda().to(torch.bfloat16)
+    layer = ExpertMLP(e, d, h).to("cuda", torch.bfloat16)
     x = torch.randn(tokens, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     scores = torch.rand(tokens, e, device="cuda")
     gates, experts = scores.topk(k, dim=1)
@@ -94,7 +94,7 @@ def _mone_times(name: str) -> dict[str, float]:
 
     cfg = squad.load_config(REPO / "configs" / "model" / f"{name}.yaml").model
     torch.manual_seed(0)
-    model = squad.build_model(cfg).eval().cuda().to(torch.bfloat16)
+    model = squad.build_model(cfg).eval().to("cuda", torch.bfloat16)
     x = torch.randn(MONE_IMAGES, 3, cfg.img_size, cfg.img_size, device="cuda", dtype=torch.bfloat16)
     tasks = model.task_names[:1]
     blocks = [m for m in model.modules() if isinstance(m, MoNEBlock)]

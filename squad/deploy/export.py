@@ -99,6 +99,24 @@ def _inner(model: nn.Module) -> tuple[SquadViT, list[str]]:
                       f"{type(model).__name__}")
 
 
+def _exportable(model: nn.Module, tasks: Sequence[str] | None) -> tuple[SquadViT, list[str]]:
+    """The SquadViT inside ``model`` and the task names an export of it returns (each once; default: its tasks).
+
+    Raises:
+        ExportError: not a squad model, a task it does not predict, or a task named twice.
+    """
+    inner, default = _inner(model)
+    try:
+        names = [inner.task_names[i] for i in inner.task_index(list(tasks) if tasks else default)]
+    except ValueError as e:
+        if isinstance(model, SingleTaskModel):
+            raise ExportError(f"this extracted model predicts {model.task} only ({e})") from None
+        raise ExportError(str(e)) from None
+    if len(set(names)) != len(names):
+        raise ExportError(f"tasks {list(tasks or [])} name a task twice: list each task once")
+    return inner, names
+
+
 def _refusal(model: SquadViT) -> str | None:
     """Why ``model`` cannot be exported as it is set up, with what to do; None when it can."""
     for name, module in model.named_modules():
@@ -130,15 +148,7 @@ def export_program(model: nn.Module, tasks: Sequence[str] | None = None, *, dyna
         ExportError: not a squad model, an unknown task, a setting that cannot be exported (the message names the
             layer and what to do), or torch.export failing on the model (its error, summarised).
     """
-    inner, default = _inner(model)
-    try:
-        names = [inner.task_names[i] for i in inner.task_index(list(tasks) if tasks else default)]
-    except ValueError as e:
-        if isinstance(model, SingleTaskModel):
-            raise ExportError(f"this extracted model predicts {model.task} only ({e})") from None
-        raise ExportError(str(e)) from None
-    if len(set(names)) != len(names):
-        raise ExportError(f"tasks {list(tasks or [])} name a task twice: list each task once")
+    inner, names = _exportable(model, tasks)
     why = _refusal(inner)
     if why is not None:
         raise ExportError(f"cannot export: {why}")

@@ -35,9 +35,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from squad.deploy.export import ExportedSquad, ExportError, _inner, _refusal
+from squad.deploy.export import ExportedSquad, ExportError, _exportable, _inner, _refusal
 from squad.io.files import atomic_write_bytes
-from squad.models.single_task import SingleTaskModel
 
 __all__ = ["TRANSLATIONS", "check_onnx", "export_onnx"]
 
@@ -93,15 +92,7 @@ def export_onnx(model: nn.Module, path: str | Path | None = None, tasks: Sequenc
         ExportError: not a squad model, an unknown task, a layer the export cannot express (named), or the
             exporter failing (its error, summarised with the model's routed layer kinds).
     """
-    inner, default = _inner(model)
-    try:
-        names = [inner.task_names[i] for i in inner.task_index(list(tasks) if tasks else default)]
-    except ValueError as e:
-        if isinstance(model, SingleTaskModel):
-            raise ExportError(f"this extracted model predicts {model.task} only ({e})") from None
-        raise ExportError(str(e)) from None
-    if len(set(names)) != len(names):
-        raise ExportError(f"tasks {list(tasks or [])} name a task twice: list each task once")
+    inner, names = _exportable(model, tasks)
     why = _refusal(inner)
     if why is not None:
         raise ExportError(f"cannot export to ONNX: {why}")

@@ -93,3 +93,38 @@ def test_kernel_backends_are_measured_at_the_shipped_shapes_and_reported():
     md = gpucheck.markdown(report)
     assert "| moe_mlp | E16,D768,H768,k4 | modsquad_vit_b | grouped_mm 1.000, triton 2.000 | grouped_mm |" in md
     assert "| mone | D384,H1536,heads6 | mone_vit_s | OOM | — |" in md and "/c.json" in md
+
+
+def test_a_stage_stopped_at_its_limit_takes_what_it_started_along_and_keeps_its_log(tmp_path):
+    """At the limit the stage's whole process group is stopped (a launcher's ranks would hold the GPU into the next
+    stage) and what it printed before is in its log (`gpucheck.stream` prints a command's lines as they come)."""
+    marker = tmp_path / "grandchild-lived"
+    (tmp_path / "rank.py").write_text(textwrap.dedent(f"""\
+        import pathlib, subprocess, sys, time
+        print("rank 0 starting", flush=True)
+        time.sleep(3)
+        pathlib.Path({str(marker)!r}).touch()
+        """))
+    (tmp_path / "stage.py").write_text(textwrap.dedent(f"""\
+        import sys
+        from squad.bench.gpucheck import stream
+        stream([sys.executable, {str(tmp_path / "rank.py")!r}])
+        """))
+    report = gpucheck.run_check(tmp_path, [Stage("deepspeed", 1.5)], total_s=60,
+                                commands={"deepspeed": [sys.executable, str(tmp_path / "stage.py")]})
+    assert report["stages"]["deepspeed"]["status"] == "timeout"
+    assert "rank 0 starting" in (tmp_path / "deepspeed.log").read_text()
+    import time
+
+    time.sleep(3.5)
+    assert not marker.exists()
+
+
+def test_only_runs_the_stages_named_and_judges_them_alone(tmp_path, load_tool, capsys):
+    tool = load_tool("tools/gpu_check.py")
+    assert tool.main(["--only", "tests,warp", "--out", str(tmp_path / "c")]) == 2
+    assert "unknown stage(s) warp" in capsys.readouterr().err and not (tmp_path / "c").exists()
+    report = gpucheck.run_check(tmp_path, [Stage("tests", 30)], total_s=60,
+                                commands={"tests": [*WRITE, "tests", "{result}"]})
+    assert report["ok"] and list(report["stages"]) == ["tests"]
+    assert not gpucheck.assemble({"tests": {"status": "ok"}}, {}, 1.0)["ok"]  # all stages by default

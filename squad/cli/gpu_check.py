@@ -3,6 +3,7 @@ rows beside the H100 cost model, train steps, a DeepSpeed run.
 
     python tools/gpu_check.py                     # results in $OUT/gpu-check when $OUT is set, else reports/gpu_check
     python tools/gpu_check.py --out /tmp/check    # (make gpu-check runs the same)
+    python tools/gpu_check.py --only tests,deepspeed   # some stages again, after a fix
 
 At most 9 minutes on one H100 (each stage has its own limit; `squad.bench.gpucheck`); writes gpu_check.json and
 gpu_check.md into the folder, with one log per stage. Exit 0 when every stage ran and passed (a missed performance
@@ -32,14 +33,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=None,
                    help="folder for gpu_check.json, gpu_check.md and the stage logs (default: $OUT/gpu-check when "
                         "$OUT is set, else reports/gpu_check)")
+    p.add_argument("--only", default=None, metavar="STAGE[,STAGE]",
+                   help="run these stages only, in the check's order (tests, kernels, bench, step, deepspeed); "
+                        "a rerun after a fix")
     return p
 
 
 def _gpu_check(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
-    from squad.bench.gpucheck import FILES, NoGpu, require_gpu, run_check
+    from squad.bench.gpucheck import FILES, STAGES, NoGpu, require_gpu, run_check
     from squad.io.files import check_writable
 
+    stages = STAGES
+    if args.only is not None:
+        names = [n.strip() for n in args.only.split(",") if n.strip()]
+        unknown = [n for n in names if n not in {s.name for s in STAGES}]
+        if unknown or not names:
+            print(f"error: --only {args.only!r}: unknown stage(s) {', '.join(unknown) or '(none named)'}; the "
+                  f"stages are {', '.join(s.name for s in STAGES)}", file=sys.stderr)
+            return 2
+        stages = [s for s in STAGES if s.name in names]
     out = check_writable(args.out or default_out(), "--out", folder=True)  # before minutes of work
     try:
         gpu = require_gpu()
@@ -47,7 +60,7 @@ def _gpu_check(argv: list[str] | None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"gpu-check on {gpu}: results in {out}", flush=True)
-    report = run_check(out)
+    report = run_check(out, stages)
     for name, result in report["stages"].items():
         print(f"  {name}: {result.get('status')} ({result.get('wall_s', 0):.0f} s)")
     print(f"wrote {out / FILES[0]} and {out / FILES[1]} ({report['wall_s']:.0f} s)")

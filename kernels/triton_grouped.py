@@ -24,7 +24,9 @@ Kernels:
   2 ``gate_grad``: the backward of a gated projection ``y = s · act(aux) W``: out = s · acc · act'(aux) and, per N
   tile, EXTRA[i, tile] = Σ_n acc · act(aux) (the gate's gradient, partial sums added by the caller), with act GELU
   when AUX_GELU else the identity; with a bias given, Σ_k A[a(i), k] · bias[g, k] is added to tile 0's sum (the
-  gate's gradient through the bias of the projection whose backward this is).
+  gate's gradient through the bias of the projection whose backward this is). That sum is a loop of its own after
+  the GEMM's K loop, reading the row tile again: summed inside the pipelined K loop from the tile `tl.dot` consumes,
+  it gave wrong outputs on an H200 at 128×128 tiles (reports/bench/gpu_check_h200; the interpreter showed nothing).
 - `_grouped_wgrad_kernel`: dW[g] = Σ_{i in g} A[a(i)]ᵀ · (scale[i] · B[b(i)]) and, when asked, db[g] = Σ_{i in g}
   scale[i] · B[b(i)] (the weight and bias gradients), one program per (group, dW tile) looping over the group's rows.
 
@@ -97,10 +99,15 @@ def _grouped_mm_kernel(A, A_ROWS, W, BIAS, ENDS, SCALE, OUT_ROWS, OUT, EXTRA, AU
             a = a.to(tl.float32)
             w = w.to(tl.float32)
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
-        if EPILOGUE == 2 and HAS_BIAS:
-            if pid_n == 0:
+    if EPILOGUE == 2 and HAS_BIAS:
+        if pid_n == 0:  # the bias's share of the gate gradient: a loop of its own over the row tile (see below)
+            for k0 in range(0, K, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                mask_k = offs_k < K
+                a = tl.load(A + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak,
+                            mask=mask_m[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
                 bk = tl.load(BIAS + grp * stride_bg + offs_k * stride_bn, mask=mask_k, other=0.0).to(tl.float32)
-                bias_dot += tl.sum(a.to(tl.float32) * bk[None, :], axis=1)
+                bias_dot += tl.sum(a * bk[None, :], axis=1)
     if HAS_SCALE:
         scale = tl.load(SCALE + offs_m, mask=mask_m, other=0.0).to(tl.float32)[:, None]
     if EPILOGUE == 0:

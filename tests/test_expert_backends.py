@@ -209,10 +209,14 @@ def test_each_backend_on_a_gpu_matches_the_cpu_algorithm(case, backend):
     """Each expert-GEMM backend in bf16 on the GPU (the library's CUTLASS kernel, squad's Triton kernels) against the
     CPU algorithm in float64."""
     experts, e, leaves, grad = _problem(case, 64, 128)
+    leaves, grad = [v.to(torch.bfloat16).double() for v in leaves], grad.to(torch.bfloat16).double()  # same inputs
     want = _run(experts, e, leaves, grad, torch.float64, "cpu", False, backend)
     got = _run(experts, e, leaves, grad, torch.bfloat16, "cuda", False, backend)
-    for w, g in zip(want, got, strict=True):
-        torch.testing.assert_close(g.double().cpu(), w, rtol=4e-2, atol=1e-1)
+    for name, w, g in zip(["y", "dx", "dw1", "db1", "dw2", "db2", "dgates"], want, got, strict=True):
+        # bf16 results of sums over up to 40 rows: an H200 gave 2 of 24,576 weight-gradient entries 0.14 off (on
+        # values near 30, one bf16 step) against an absolute 0.1; the tolerance scales with the tensor
+        torch.testing.assert_close(g.double().cpu(), w, rtol=4e-2, atol=2e-2 * float(w.abs().max()),
+                                   msg=lambda msg, n=name: f"{backend} {n}: {msg}")
 
 
 @pytest.mark.gpu

@@ -472,16 +472,34 @@ def test_gpu_layers_never_wait_for_the_device(name):
         assert torch.isfinite(x.grad).all(), step
 
 
+def _router(layer):
+    return next(m for m in layer.modules() if hasattr(m, "top_k") and hasattr(m, "gate"))
+
+
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("name", ["moe", "moa"])
-def test_gpu_bf16_layers_match_float32_within_tolerance(name):
-    """The CUDA bf16 path against the float32 CPU path with the same weights (bf16's ~3 significant digits)."""
-    ref_layer = _gpu_layers()[name].float().eval()
-    gpu_layer = _gpu_layers()[name].cuda().to(torch.bfloat16).eval()
+def test_gpu_layers_match_the_cpu_path_in_float32_and_within_bf16_per_token(name):
+    """The CUDA path against the CPU path with the same weights: in float32 to 1e-5 (the algorithms are the same);
+    in bf16 token by token, each token that took the same experts on both within 2 % (an H200 gave 0.75 %), and
+    at most 2 % of tokens routed otherwise (bf16 logits flip near-ties: 0.5 % there, carrying a whole-tensor error
+    of 4-5 %, which is why the comparison is per token)."""
     x = torch.randn(4, 197, 256)
     ids, segments = torch.tensor([0, 1, 1, 2]), [(0, 0, 1), (1, 1, 3), (2, 3, 4)]
-    ref = ref_layer(x, ForwardContext(task_ids=ids, num_tasks=3, segments=segments))
-    out = gpu_layer(x.cuda().bfloat16(), ForwardContext(task_ids=ids.cuda(), num_tasks=3, segments=segments))
-    err = (out.float().cpu() - ref).norm() / ref.norm()
-    assert err < 3e-2, err
+    ref_layer = _gpu_layers()[name].float().eval()
+    with torch.no_grad():
+        ref = ref_layer(x, ForwardContext(task_ids=ids, num_tasks=3, segments=segments))
+        ref_route = _router(ref_layer)(x, ForwardContext(task_ids=ids, num_tasks=3, segments=segments))
+    for dtype in (torch.float32, torch.bfloat16):
+        layer = _gpu_layers()[name].cuda().to(dtype).eval()
+        xd = x.cuda().to(dtype)
+        with torch.no_grad():
+            out = layer(xd, ForwardContext(task_ids=ids.cuda(), num_tasks=3, segments=segments)).float().cpu()
+            route = _router(layer)(xd, ForwardContext(task_ids=ids.cuda(), num_tasks=3, segments=segments))
+        if dtype == torch.float32:
+            assert (out - ref).norm() / ref.norm() < 1e-5
+            continue
+        err = ((out - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-6)).flatten()  # per token
+        same = (ref_route.experts.sort(-1).values == route.experts.cpu().sort(-1).values).all(-1)
+        assert same.float().mean() >= 0.98, f"{name}: {(~same).sum()} of {same.numel()} tokens routed otherwise"
+        assert err[same].max() < 2e-2, err[same].max()

@@ -41,7 +41,7 @@ its own `Task.raw_valid` (depth, normal) or a plain resize (the scalar domains, 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -346,6 +346,22 @@ class SamplePipeline:
             return resize_raw(raw, out, "nearest", valid), geo.resized(out)
         return resize_raw(raw, out, "bilinear", valid, task.raw_fill, weight), valid_out
 
+    def _rgb_window(self, raws: Mapping[str, object], rng) -> tuple:
+        """The sample's rgb raw (sized as `prepare_raw` makes it) and its window: (rgb raw, its [h, w], the output
+        [h, w], top, left, flip). The crop and then the flip are drawn from ``rng`` when augmenting, in that order,
+        here alone: the per-sample pipeline and the integer one draw the same and so agree sample for sample."""
+        try:
+            check_size("rgb", raws["rgb"], None, self.resize is not None)
+            rgb_raw = self.prepare_raw("rgb", raws["rgb"])
+        except DecodeError as e:
+            e.domain = "rgb"
+            raise
+        hw = rgb_raw.shape[:2]
+        out_hw = hw if self.image_size is None else (self.image_size, self.image_size)
+        top, left = crop_box(hw, out_hw, rng if self.augment else None)
+        flip = bool(self.augment and rng is not None and rng.random() < 0.5)
+        return rgb_raw, hw, out_hw, top, left, flip
+
     def __call__(self, raws: dict[str, np.ndarray | None], rng: np.random.Generator | None
                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """Builds one sample.
@@ -359,16 +375,7 @@ class SamplePipeline:
             rgb ``float32 [3, H, W]``, targets ``{task: value}``, masks ``{task: bool}`` (shapes in squad.tasks.base).
         """
         stored_hw = tuple(raws["rgb"].shape[:2])
-        check_size("rgb", raws["rgb"], None, self.resize is not None)
-        try:
-            rgb_raw = self.prepare_raw("rgb", raws["rgb"])
-        except DecodeError as e:
-            e.domain = "rgb"
-            raise
-        hw = rgb_raw.shape[:2]
-        out_hw = hw if self.image_size is None else (self.image_size, self.image_size)
-        top, left = crop_box(hw, out_hw, rng if self.augment else None)
-        flip = bool(self.augment and rng is not None and rng.random() < 0.5)
+        rgb_raw, hw, out_hw, top, left, flip = self._rgb_window(raws, rng)
 
         def same_size(a_hw: tuple[int, ...]) -> None:
             if tuple(a_hw) != tuple(hw):
@@ -463,16 +470,7 @@ class SamplePipeline:
         resizes = self.resize is not None and stored_hw != (self.resize, self.resize)
         if resizes:  # arrays read in place (read-only shard maps) are copied for torch's resize
             raws = {d: (a if a is None or a.flags.writeable else a.copy()) for d, a in raws.items()}
-        try:
-            check_size("rgb", raws["rgb"], None, self.resize is not None)
-            rgb_raw = self.prepare_raw("rgb", raws["rgb"])
-        except DecodeError as e:
-            e.domain = "rgb"
-            raise
-        hw = rgb_raw.shape[:2]
-        out_hw = hw if self.image_size is None else (self.image_size, self.image_size)
-        top, left = crop_box(hw, out_hw, rng if self.augment else None)
-        flip = bool(self.augment and rng is not None and rng.random() < 0.5)
+        rgb_raw, hw, out_hw, top, left, flip = self._rgb_window(raws, rng)
         arrays: dict[str, np.ndarray | None] = {"rgb": rgb_raw[top: top + out_hw[0], left: left + out_hw[1]]}
         footprint = None
         for domain, task, wire, full in self._integer_plan():

@@ -222,6 +222,16 @@ def lean_setting(points: dict[str, dict]) -> str:
     return min(thetas, key=lambda k: statistics.fmean(points[k]["ratio_max"])) if thetas else next(iter(points))
 
 
+
+def pruning_parts(points: dict, full: dict, label: str, n: int) -> list[dict]:
+    """The pruning claim's two parts at one setting ``label`` of the θ curve: the extracted models keep Δt (within
+    `EQUAL_MARGIN` of the full model's) and the largest task keeps at most `SHARE` of the parameters (``n`` seeds)."""
+    return [compare(f"Δt(extracted, {label}) ≥ Δt(full model) − {EQUAL_MARGIN:g}", points[label]["dt"],
+                    full["dt"], "not_worse", EQUAL_MARGIN),
+            compare(f"parameters(extracted, {label}) / parameters(full model with the task's head only) "
+                    f"≤ {SHARE:.2f}, largest over tasks", points[label]["ratio_max"], [SHARE] * n, "at_most",
+                    pool="share")]
+
 def measure_pruning(ctx: Context) -> dict:
     """Extraction at every θ and at keep-top: parameters vs Δt (Table 2's pruned row, Fig. 3)."""
     points: dict[str, dict[str, list]] = {}
@@ -245,16 +255,9 @@ def measure_pruning(ctx: Context) -> dict:
     lean = lean_setting(points)
     n = len(ctx.seeds)
 
-    def kept(label: str) -> list[dict]:
-        return [compare(f"Δt(extracted, {label}) ≥ Δt(full model) − {EQUAL_MARGIN:g}", points[label]["dt"],
-                        full["dt"], "not_worse", EQUAL_MARGIN),
-                compare(f"parameters(extracted, {label}) / parameters(full model with the task's head only) "
-                        f"≤ {SHARE:.2f}, largest over tasks", points[label]["ratio_max"], [SHARE] * n, "at_most",
-                        pool="share")]
-
     # parts: the paper's θ keeps Δt and ≤ 60 % of the parameters; and along the θ curve, the first setting that
     # keeps ≤ 60 % on every seed keeps Δt (where no θ gets there: the leanest, whose share then fails its part)
-    comparisons = kept(key) + (kept(lean) if lean != key else [])
+    comparisons = pruning_parts(points, full, key, n) + (pruning_parts(points, full, lean, n) if lean != key else [])
     judge(comparisons, parts=len(comparisons), tolerance=ctx.tolerance)
     curves = _curves(ctx, "modsquad", gate)
     return {"criteria": list(points), "points": points, "full": full, "gate": gate, "comparisons": comparisons,

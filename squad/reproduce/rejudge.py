@@ -15,7 +15,7 @@ import json
 import statistics
 from pathlib import Path
 
-from squad.reproduce.claims_modsquad import EQUAL_MARGIN, SHARE, lean_setting
+from squad.reproduce.claims_modsquad import EQUAL_MARGIN, lean_setting, pruning_parts
 from squad.reproduce.stats import MIN_SEEDS
 from squad.reproduce.verdicts import compare, judge, parts_of, precondition, provisional, verdict
 
@@ -46,14 +46,8 @@ def _pruning(d: dict) -> dict:
     n = len(full["dt"])
     lean = lean_setting(points)
 
-    def kept(label: str) -> list[dict]:
-        return [compare(f"Δt(extracted, {label}) ≥ Δt(full model) − {EQUAL_MARGIN:g}", points[label]["dt"],
-                        full["dt"], "not_worse", EQUAL_MARGIN),
-                compare(f"parameters(extracted, {label}) / parameters(full model with the task's head only) ≤ "
-                        f"{SHARE:.2f}, largest over tasks", points[label]["ratio_max"], [SHARE] * n, "at_most",
-                        pool="share")]
-
-    comparisons = kept("θ=0.01") + (kept(lean) if lean != "θ=0.01" else [])
+    comparisons = pruning_parts(points, full, "θ=0.01", n) + (
+        pruning_parts(points, full, lean, n) if lean != "θ=0.01" else [])
     judge(comparisons, parts=len(comparisons))
     return {"comparisons": comparisons, "why": (
         f"the ≤ 60 % share is now a part, and it is reversed: at θ = 0.01 the largest task keeps "

@@ -156,6 +156,33 @@ def test_hub_ids_resolve_from_the_cache_offline(tmp_path, monkeypatch, load_tool
     assert "holds no org/other" in capsys.readouterr().err
 
 
+def test_train_init_takes_a_hub_id(tmp_path, monkeypatch):
+    """``train.init: hf-hub:org/name`` starts a run from a folder in huggingface_hub's cache (its weights, as a
+    squad model file would); an id the cache lacks is a ConfigError naming the key."""
+    from squad.config import ConfigError
+    from squad.io.weights import read_init_source
+    from squad.train.run_folder import init_file
+
+    model = tiny_model(HEADS)
+    squad.save_pretrained(model, tmp_path / "hf", card=False)
+    _hub_cache(tmp_path / "cache", "org/tiny", tmp_path / "hf")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    class Cfg:  # the one key init_file reads
+        class train:  # noqa: N801
+            init = "hf-hub:org/tiny"
+
+    local = init_file(Cfg, tmp_path / "run", None)
+    assert Path(local).is_dir() and (Path(local) / "config.json").is_file()
+    source = read_init_source(Cfg.train.init)
+    images = _images()
+    assert all(torch.equal(_preds(source, images)[t], _preds(model, images)[t]) for t in HEADS)
+    Cfg.train.init = "hf-hub:org/missing"
+    with pytest.raises(ConfigError, match="train.init: hf-hub:org/missing: HF_HUB_OFFLINE is set"):
+        init_file(Cfg, tmp_path / "run", None)
+
+
 def test_push_uploads_the_folder_with_the_library(tmp_path, monkeypatch, load_tool):
     import huggingface_hub
 

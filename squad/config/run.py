@@ -129,7 +129,8 @@ class TrainConfig:
     peer_timeout: float = 60.0
     progress: bool = True  # a progress bar on rank 0
     # start from this model file instead of the fresh init: what tools/upcycle.py writes (or any squad model of the
-    # same architecture and tasks), or a dense ViT (timm state dict, dense squad model) upcycled on the spot
+    # same architecture and tasks; a hub id hf-hub:org/name[@revision] names a model folder on the Hugging Face
+    # hub, read from huggingface_hub's cache), or a dense ViT (timm state dict, dense squad model) upcycled on the spot
     # (squad.models.transfer.initialize_from). A resumed run loads its checkpoint instead; the file is checked when
     # the run starts.
     init: str | None = None

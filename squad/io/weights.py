@@ -82,7 +82,7 @@ def read_init_source(path: str | Path) -> SquadViT | SingleTaskModel | Mapping:
         FileNotFoundError: nothing at ``path``.
         ValueError: an unreadable file.
     """
-    path = Path(path)
+    path = resolve(path)  # a hub id: its folder in huggingface_hub's cache
     if not path.exists():
         raise FileNotFoundError(f"{path} not found (an init file from tools/upcycle.py, a squad model, or a timm ViT "
                                 f"state dict)")

@@ -53,6 +53,7 @@ from squad.config.loading import load_config
 from squad.config.run import RunConfig
 from squad.io.checkpoints import TAG_CONFIG, complete_tags, read_marker
 from squad.io.files import atomic_write_text, fail
+from squad.io.hf_folder import is_hub_id, resolve
 from squad.runtime import launch_rank, pid_alive
 from squad.train.checkpointer import ResumeSource, remove_interrupted_saves, resolve_resume
 from squad.train.shm import ShmSegments, remove_stale_shm
@@ -378,7 +379,8 @@ def assess(run_dir: str | Path, cfg, resume: str | None, world: int, *, overwrit
 
 def init_file(cfg, run_dir: str | Path, resume: str | None, overwrite: bool = False) -> str | None:
     """``train.init`` when the run starts at step 0, else None: a run that resumes loads its checkpoint, which takes
-    precedence (the file need not exist any more then).
+    precedence (the file need not exist any more then). A hub id ``hf-hub:org/name[@revision]`` gives its folder
+    in huggingface_hub's cache.
 
     Raises:
         ConfigError: the file is missing (naming the key and the path).
@@ -389,9 +391,14 @@ def init_file(cfg, run_dir: str | Path, resume: str | None, overwrite: bool = Fa
     starts_over = overwrite and resume == "auto"  # --overwrite deletes the folder's checkpoints
     if not starts_over and resolve_resume(run_dir, resume) is not None:
         return None
+    if is_hub_id(init):  # its folder in huggingface_hub's cache (downloaded unless HF_HUB_OFFLINE is set)
+        try:
+            return str(resolve(init))
+        except (FileNotFoundError, ValueError) as e:
+            raise ConfigError(f"train.init: {e}") from e
     if not Path(init).exists():
         raise ConfigError(f"train.init: {init} not found (a model file from tools/upcycle.py, a squad model or run "
-                          f"folder, or a timm ViT state dict)")
+                          f"folder, a hub id hf-hub:ORG/NAME, or a timm ViT state dict)")
     return init
 
 

@@ -27,6 +27,7 @@ from squad.io.checkpoints import (
     tag_for,
 )
 from squad.train import checkpointer as ckpt
+from squad.train import tags as ckpt_tags
 from tests.helpers import ROOT, launcher, logged_losses, run_command, tool_env, write_run_config
 
 TIMEOUT = 240  # a 2-rank tiny run takes well under a minute, even on 2 busy cores
@@ -189,7 +190,7 @@ def test_damaged_checkpoint_falls_back_to_the_previous_one(config, one_rank_run,
     assert start["resumed_from"] == str(run / "checkpoints" / STEP2) and start["start_step"] == 2
     assert start["skipped_damaged"] == [str(run / "checkpoints" / STEP4)]
     _same_model(original, _model(run))  # steps 3 and 4 again, exactly
-    assert ckpt.verify_tag(run / "checkpoints" / STEP4) is None  # saved again, whole
+    assert ckpt_tags.verify_tag(run / "checkpoints" / STEP4) is None  # saved again, whole
     assert (run / "metrics.jsonl").read_text() == rows  # the final validation once, not twice
     assert [s for s, _ in _losses(run)] == [1, 2, 3, 4]
 
@@ -211,16 +212,16 @@ def test_unit_verify_tag_and_markers(tmp_path):
     for step in (2, 4, 6):
         (d / SAVING / tag_for(step)).mkdir(parents=True)
         torch.save({"module": {"w": torch.ones(2)}, "ds_config": {}}, d / SAVING / tag_for(step) / MODEL_STATES)
-        ckpt.commit_tag(d, tag_for(step), {"step": step}, keep=5)
+        ckpt_tags.commit_tag(d, tag_for(step), {"step": step}, keep=5)
     (d / tag_for(6) / COMPLETE).write_text("")  # a marker cut short: the tag is not complete
     assert complete_tags(d) == [tag_for(2), tag_for(4)]
     assert resume_candidates(d) == [tag_for(4), tag_for(2)]
-    assert ckpt.verify_tag(d / tag_for(4)) is None
+    assert ckpt_tags.verify_tag(d / tag_for(4)) is None
     (d / tag_for(4) / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"PK\x03\x04 cut")
-    problem = ckpt.verify_tag(d / tag_for(4))
+    problem = ckpt_tags.verify_tag(d / tag_for(4))
     assert isinstance(problem, DamagedCheckpointError) and problem.file.endswith("optim_states.pt")
     warnings = []
-    assert ckpt.select_tag(d, resume_candidates(d), warn=warnings.append) == tag_for(2)
+    assert ckpt_tags.select_tag(d, resume_candidates(d), warn=warnings.append) == tag_for(2)
     assert len(warnings) == 1 and "optim_states.pt" in warnings[0]
 
 
@@ -307,7 +308,7 @@ def test_disk_full_writing_latest_keeps_the_complete_tag_resumable(config, one_r
     assert f"{STEP4} is complete in {ckpt_dir / STEP4} nonetheless" in res.stderr, res.stderr[-3000:]
     assert "was not saved" not in res.stderr and "Traceback" not in res.stderr
     assert not (ckpt_dir / "latest").exists() and find_resume_tag(ckpt_dir) == STEP4
-    assert ckpt.verify_tag(ckpt_dir / STEP4) is None and not (ckpt_dir / SAVING).exists()
+    assert ckpt_tags.verify_tag(ckpt_dir / STEP4) is None and not (ckpt_dir / SAVING).exists()
 
 
 def test_unit_a_latest_that_cannot_be_pointed_at_the_new_tag_removes_it(tmp_path, monkeypatch):
@@ -320,8 +321,8 @@ def test_unit_a_latest_that_cannot_be_pointed_at_the_new_tag_removes_it(tmp_path
     for step in (2, 4):
         (d / SAVING / tag_for(step)).mkdir(parents=True)
         torch.save({"module": {"w": torch.ones(2)}, "ds_config": {}}, d / SAVING / tag_for(step) / MODEL_STATES)
-    ckpt.commit_tag(d, STEP2, {"step": 2}, keep=5)
-    real_write, real_unlink = ckpt.atomic_write_text, Path.unlink
+    ckpt_tags.commit_tag(d, STEP2, {"step": 2}, keep=5)
+    real_write, real_unlink = ckpt_tags.atomic_write_text, Path.unlink
 
     def write(path, text, *args, **kwargs):
         if Path(path).name == "latest":
@@ -333,10 +334,10 @@ def test_unit_a_latest_that_cannot_be_pointed_at_the_new_tag_removes_it(tmp_path
             raise OSError(errno.EROFS, os.strerror(errno.EROFS))
         return real_unlink(self, *args, **kwargs)
 
-    monkeypatch.setattr(ckpt, "atomic_write_text", write)
+    monkeypatch.setattr(ckpt_tags, "atomic_write_text", write)
     monkeypatch.setattr(Path, "unlink", unlink)
     with pytest.raises(OSError):
-        ckpt.commit_tag(d, STEP4, {"step": 4}, keep=5)
+        ckpt_tags.commit_tag(d, STEP4, {"step": 4}, keep=5)
     c = ckpt.Checkpointer.__new__(ckpt.Checkpointer)
     c.ckpt_dir = d
     message = c._after_failed_save(d / SAVING / STEP4, 4, renamed=True)
@@ -422,11 +423,11 @@ def _ep_copy(ep_run: Path, dest: Path) -> tuple[Path, dict[int, Path]]:
 @pytest.mark.slow
 def test_a_tag_is_complete_only_with_every_shard_file(ep_run, tmp_path):
     run, tags = _ep_copy(ep_run, tmp_path / "run")
-    assert all(ckpt.verify_tag(t) is None for t in tags.values())
+    assert all(ckpt_tags.verify_tag(t) is None for t in tags.values())
     (tags[4] / "expert_shards_rank00001.pt").unlink()  # removed
     shutil.copyfile(tags[3] / "expert_shards_rank00000.pt", tags[3] / "expert_shards_rank00001.pt")  # rank 0's
     for tag in (tags[4], tags[3]):
-        problem = ckpt.verify_tag(tag)
+        problem = ckpt_tags.verify_tag(tag)
         assert isinstance(problem, DamagedCheckpointError), tag
         assert "experts [2, 3] of blocks.0." in str(problem) and "in none of its expert_shards_rank*.pt" in str(problem)
 
@@ -451,7 +452,7 @@ def test_a_missing_or_unloadable_shard_file_falls_back_on_every_rank(config, ep_
     history = [json.loads(line) for line in (run / "run_history.jsonl").read_text().splitlines()]
     assert len(history) == 2 and history[-1]["resumed_from"] == str(tags[2]) and history[-1]["start_step"] == 2
     assert history[-1]["skipped_damaged"] == [str(tags[4]), str(tags[3])]
-    assert (run / "model.pt").is_file() and ckpt.verify_tag(tags[4]) is None  # step 4 saved again, whole
+    assert (run / "model.pt").is_file() and ckpt_tags.verify_tag(tags[4]) is None  # step 4 saved again, whole
 
 
 @pytest.mark.slow

@@ -19,6 +19,7 @@ from squad.io.checkpoints import complete_tags, find_resume_tag
 from squad.train import checkpointer as ckpt
 from squad.train import run_folder as rf
 from squad.train import shm as sh
+from squad.train import tags as ckpt_tags
 from squad.train.objective import nonfinite_stop
 from tests.helpers import DEEPSPEED, PY, ROOT, run_command, tool_env
 
@@ -115,7 +116,7 @@ def test_nonfinite_stop_says_what_works(tmp_path):
     assert "3 non-finite losses in a row at step 7" in msg
     assert "new run with a lower optim.lr" in msg and "cannot change on resume" in msg and "no checkpoint" in msg
     (tmp_path / "checkpoints" / ckpt.SAVING / "step00000005").mkdir(parents=True)
-    ckpt.commit_tag(tmp_path / "checkpoints", "step00000005", {"step": 5}, keep=2)
+    ckpt_tags.commit_tag(tmp_path / "checkpoints", "step00000005", {"step": 5}, keep=2)
     assert "resume this run from its last checkpoint (step00000005" in str(nonfinite_stop(3, 7, tmp_path))
 
 

@@ -15,6 +15,7 @@ import squad
 from squad.distributed import free_port
 from squad.io.checkpoints import find_resume_tag
 from squad.train import checkpointer as ckpt
+from squad.train import tags as ckpt_tags
 from tests.helpers import DEEPSPEED, PY, ROOT, logged_losses, run_command, tool_env, write_run_config
 
 pytestmark = pytest.mark.slow  # every test here runs tools/train.py (subprocesses, launchers)
@@ -129,13 +130,13 @@ def test_unwritable_run_folder(tmp_path, run_config):
 def test_incomplete_checkpoint_is_never_resumed(tmp_path):
     d = tmp_path / "checkpoints"
     (d / ckpt.SAVING / "step00000003").mkdir(parents=True)
-    ckpt.commit_tag(d, "step00000003", {"step": 3}, keep=5)
+    ckpt_tags.commit_tag(d, "step00000003", {"step": 3}, keep=5)
     (d / "step00000006").mkdir()  # a save an older version left half-written in the tag folder itself
     (d / "latest").write_text("step00000006")
     (d / ckpt.SAVING / "step00000009").mkdir(parents=True)  # one killed while writing: never a tag
-    assert find_resume_tag(d) == "step00000003" and ckpt.complete_tags(d) == ["step00000003"]
+    assert find_resume_tag(d) == "step00000003" and ckpt_tags.complete_tags(d) == ["step00000003"]
     (d / ckpt.SAVING / "step00000006").mkdir()
-    ckpt.commit_tag(d, "step00000006", {"step": 6}, keep=1)  # replaces the half-written folder
+    ckpt_tags.commit_tag(d, "step00000006", {"step": 6}, keep=1)  # replaces the half-written folder
     assert find_resume_tag(d) == "step00000006" and not (d / "step00000003").exists()
     assert sorted(p.name for p in (d / "step00000006").iterdir()) == ["COMPLETE"]
 

@@ -160,7 +160,7 @@ class SampleDataset(Dataset):
 
     def identity(self, probes: int = 4) -> dict:
         """What a resume compares to know it reads the data a checkpoint was trained on
-        (`squad.train.checkpointer.check_same_data`): the sample count and a fingerprint of the index (every sample
+        (`squad.train.tags.check_same_data`): the sample count and a fingerprint of the index (every sample
         id, in order) and of the raw rgb bytes of ``probes`` samples spread over it — the same data moved elsewhere
         keeps it, another dataset (or another render of one) does not."""
         digest = hashlib.sha256(np.ascontiguousarray(self._ids).view(np.uint8))  # no copy of a large index

@@ -55,8 +55,8 @@ from squad.io.checkpoints import TAG_CONFIG, complete_tags, read_marker
 from squad.io.files import atomic_write_text, fail
 from squad.io.hf_folder import is_hub_id, resolve
 from squad.runtime import launch_rank, pid_alive
-from squad.train.checkpointer import ResumeSource, remove_interrupted_saves, resolve_resume
 from squad.train.shm import ShmSegments, remove_stale_shm
+from squad.train.tags import ResumeSource, remove_interrupted_saves, resolve_resume
 
 log = logging.getLogger("squad.train")
 

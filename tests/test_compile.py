@@ -220,3 +220,55 @@ def test_predict_compile_flag(model_file, tmp_path, load_tool, counting_backend)
         want = np.load(tmp_path / "eager" / entry["out"] / "depth_euclidean.npy")
         np.testing.assert_allclose(np.load(tmp_path / "compiled" / entry["out"] / "depth_euclidean.npy"), want,
                                    rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("measured", ["grouped_mm", "triton"])
+def test_compiled_train_step_is_one_graph_with_no_recompiles_and_the_measured_backend(tmp_path, monkeypatch,
+                                                                                      measured):
+    """The bench's training step (`squad.bench.step.TrainStep`: modsquad_vit_b's layer plan, 13 tasks, bf16, AdamW)
+    on the forced CUDA path, compiled as the bench compiles it and run for 3 steps: one graph, traced once (no
+    recompilation after the optimizer's first step, no graph break), and its MoE MLP on the backend a GPU measured
+    (`squad.kernels.choice`, here a choice file naming ``measured``) as in eager code — what the first GPU run of a
+    compiled step (issue 35: 53 img/s compiled against 116 eager) had to rule out."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.utils import counters
+
+    from squad.bench.step import QUICK_WIDTH, StepSetup, TrainStep, load_step_config
+    from squad.kernels import choice
+
+    model_cfg, loss_cfg = load_step_config("modsquad_vit_b", QUICK_WIDTH)
+    dims = {"E": model_cfg.moe.num_experts, "D": model_cfg.embed_dim, "H": 2 * model_cfg.embed_dim,
+            "k": model_cfg.moe.top_k}
+    monkeypatch.setenv(choice.ENV, str(tmp_path / "choices.json"))
+    monkeypatch.setattr(choice, "device_name", lambda device: "Test GPU")
+    choice._measured.cache_clear()
+    choice.record("moe_mlp", dims, torch.bfloat16, "Test GPU", {measured: 1.0})
+    ops: dict[str, int] = {}
+
+    def count(gm, example_inputs):
+        for node in gm.graph.nodes:
+            if node.op == "call_function":
+                ops[str(node.target)] = ops.get(str(node.target), 0) + 1
+        return make_boxed_func(gm.forward)
+
+    counter = CompileCounterWithBackend(aot_autograd(fw_compiler=count, bw_compiler=count))
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        with force_cuda_path():
+            step = TrainStep(StepSetup(model_cfg, loss_cfg, 2, torch.device("cpu"), torch.bfloat16))
+            experts = step.model.blocks[1].mlp.experts
+            assert experts.backend(torch.zeros(1, dims["D"], dtype=torch.bfloat16), dims["k"]) == measured  # eager
+            step.forward = torch.compile(step.model, backend=counter)
+            for _ in range(3):
+                step()
+        assert counter.frame_count == 1, counter.frame_count
+        assert not counters["graph_break"] and not counters["recompiles"], (counters["graph_break"],
+                                                                            counters["recompiles"])
+        library = ops.get("aten._grouped_mm.default", 0)  # the grouped_mm backend's 2 forward + 4 backward GEMMs
+        assert library == (6 if measured == "grouped_mm" else 0), ops
+    finally:
+        torch._dynamo.reset()
+        choice._measured.cache_clear()

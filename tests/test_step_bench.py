@@ -171,3 +171,33 @@ def test_plan_bad_input(tmp_path):
     with pytest.raises(ValueError, match="--images"):
         dataset_images(cfg)
     assert dataset_images(cfg, 1000) == (1000, "--images")
+
+
+def test_compile_probe_sorts_kernels_and_prints_both_modes():
+    """`squad.bench.compile_probe` (the GPU diagnostic of a compiled step that loses time): device kernels sorted
+    into kinds by name, the way the profiler names them on a GPU, and both modes side by side in its text."""
+    from squad.bench.compile_probe import ModeReport, format_reports, kernel_kind
+
+    kinds = {
+        "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 128, 4>>": "attention: flash",
+        "fmha_cutlassB_bf16_aligned_64x64_k64_sm80": "attention: mem-efficient",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3": "attention: cuDNN",
+        "void at::native::(anonymous namespace)::cunn_SoftMaxForward<8, c10::BFloat16, float>": "softmax (ATen)",
+        "_grouped_mm_kernel": "squad Triton kernels",
+        "triton_red_fused__to_copy_add_native_layer_norm_3": "inductor Triton kernels",
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64": "GEMM (cuBLAS / CUTLASS)",
+        "nvjet_tst_192x192_64x4_2x1_v_bz_coopA_NTN": "GEMM (cuBLAS / CUTLASS)",
+        "void at::native::indexSelectLargeIndex<c10::BFloat16, long, unsigned int, 2, 2, -2, true>": (
+            "index / scatter / gather (ATen)"),
+        "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>": (
+            "elementwise / copy / reduce (ATen)"),
+        "Memcpy HtoD (Pageable -> Device)": "other",
+    }
+    for name, kind in kinds.items():
+        assert kernel_kind(name) == kind, name
+    eager = ModeReport("eager", 100.0, 13.0, {"attention: flash": 10.0}, [("flash_fwd", 10.0, 6)])
+    compiled = ModeReport("compiled", 200.0, 16.4, {"softmax (ATen)": 30.0, "attention: flash": 1.0},
+                          [("softmax", 30.0, 6)], {"frames": 1, "graphs": 1, "graph_breaks": 0, "recompiles": 0})
+    text = format_reports([eager, compiled], "title")
+    assert "compiled  step    200.00 ms  peak 16.40 GiB  dynamo: frames 1, graphs 1" in text
+    assert "softmax (ATen)" in text and text.index("softmax (ATen)") < text.index("attention: flash       ")

@@ -22,12 +22,13 @@ import argparse
 import collections
 import dataclasses
 import json
+import re
 import time
 
 import torch
 from torch._dynamo.utils import counters
 
-from squad.bench.step import CPU_WIDTH, QUICK_WIDTH, GPU_IMAGES, StepSetup, TrainStep, load_step_config
+from squad.bench.step import CPU_WIDTH, GPU_IMAGES, QUICK_WIDTH, StepSetup, TrainStep, load_step_config
 from squad.kernels.device import force_cuda_path
 
 # kinds of device kernel, first match wins: (kind, substrings of the kernel's name)
@@ -36,7 +37,6 @@ KERNEL_KINDS = (
     ("attention: cuDNN", ("cudnn", "sdpa")),
     ("attention: mem-efficient", ("fmha", "efficient_attention", "attention_kernel")),
     ("softmax (ATen)", ("softmax",)),
-    ("squad Triton kernels", ("_kernel",)),
     ("inductor Triton kernels", ("triton_",)),
     ("GEMM (cuBLAS / CUTLASS)", ("gemm", "cutlass", "nvjet", "xmma", "sm90_", "sm80_", "cublas")),
     ("index / scatter / gather (ATen)", ("index", "scatter", "gather", "sort", "radix", "topk")),
@@ -45,10 +45,13 @@ KERNEL_KINDS = (
 
 
 def kernel_kind(name: str) -> str:
-    """The kind of a device kernel by its name (`KERNEL_KINDS`; "other" when none matches)."""
+    """The kind of a device kernel by its name: inductor's and squad's Triton kernels, then `KERNEL_KINDS`
+    ("other" when none matches)."""
     low = name.lower()
     if low.startswith("triton_"):  # inductor's generated kernels (names start triton_poi/red/per/tem_...)
         return "inductor Triton kernels"
+    if re.fullmatch(r"_\w+_kernel", name):  # squad's own (kernels/triton_*.py: _grouped_mm_kernel, ...)
+        return "squad Triton kernels"
     for kind, keys in KERNEL_KINDS:
         if any(k in low for k in keys):
             return kind
@@ -118,6 +121,89 @@ def probe_mode(setup: StepSetup, backend: str | None, steps: int = 5) -> ModeRep
                       dict(kinds), kernels[:15], dynamo_summary() if setup.compiled else {})
 
 
+def _median_ms(fn, steps: int, cuda: bool) -> float:
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(steps):
+        sync()
+        t = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2] * 1e3
+
+
+def _kinds(fn, cuda: bool) -> dict[str, float]:
+    """Device ms per kernel kind of one call of ``fn``."""
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+    kinds: dict[str, float] = collections.defaultdict(float)
+    for name, ms, _ in _device_times(prof, cuda):
+        kinds[kernel_kind(name)] += ms
+    return {k: round(v, 3) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])}
+
+
+def probe_parts(setup: StepSetup, backend: str, steps: int = 5) -> list[dict]:
+    """Forward + backward of the step's parts alone, eager against compiled, at the step's shapes: each distinct
+    block of the model's plan (on its R = images × tasks task rows) and the attention call of an MoE-attention
+    layer (multi-query SDPA, ``enable_gqa``). Which part loses time under compile, and (kernel kinds) to what."""
+    from squad.layers.attention import attend
+    from squad.layers.context import ForwardContext
+    from squad.layers.moe_attention import MoEAttention
+
+    cuda = setup.device.type == "cuda"
+    torch.manual_seed(0)
+    model = TrainStep(setup).model
+    cfg = model.cfg
+    t, n, d = len(model.task_names), cfg.num_tokens, cfg.embed_dim
+    rows = setup.images * t
+    task_ids = torch.arange(t, device=setup.device).repeat_interleave(setup.images)
+    segments = [(i, i * setup.images, (i + 1) * setup.images) for i in range(t)]
+    x = torch.randn(rows, n, d, device=setup.device, dtype=setup.dtype, requires_grad=True)
+    parts = {}
+    for i, block in enumerate(model.blocks[: len(cfg.plan)]):
+        def run(x, block=block):
+            return block(x, ForwardContext(task_ids=task_ids, num_tasks=t, segments=segments))
+        parts[f"block {i} ({cfg.plan[i].attn} attention, {cfg.plan[i].mlp} MLP)"] = run
+    moa = next((m for m in model.modules() if isinstance(m, MoEAttention)), None)
+    if moa is not None:
+        q = torch.randn(rows, moa.top_k, n, moa.head_dim, device=setup.device, dtype=setup.dtype, requires_grad=True)
+        kv = torch.randn(2, rows, 1, n, moa.head_dim, device=setup.device, dtype=setup.dtype, requires_grad=True)
+        parts[f"MoE-attention SDPA (q {moa.top_k} heads, k/v 1 head, d {moa.head_dim})"] = (
+            lambda x, q=q, kv=kv: attend(q, kv[0], kv[1])[0])
+    out = []
+    for name, fn in parts.items():
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(fn, backend=backend)
+        row = {"part": name}
+        for mode, f in (("eager", fn), ("compiled", compiled)):
+            def step(f=f):
+                y = f(x)
+                y.float().square().mean().backward()
+            row[f"{mode}_ms"] = _median_ms(step, steps, cuda)
+            row[f"{mode}_kinds"] = _kinds(step, cuda)
+        row["dynamo"] = dynamo_summary()
+        out.append(row)
+    return out
+
+
+def format_parts(parts: list[dict]) -> str:
+    lines = ["", "parts alone, forward + backward (ms):"]
+    for p in parts:
+        lines.append(f"  {p['part']:70s} eager {p['eager_ms']:8.2f}  compiled {p['compiled_ms']:8.2f}  "
+                     f"(x{p['compiled_ms'] / p['eager_ms']:.2f})  dynamo {p['dynamo']}")
+        for mode in ("eager", "compiled"):
+            top = ", ".join(f"{k} {v:.2f}" for k, v in list(p[f"{mode}_kinds"].items())[:6])
+            lines.append(f"      {mode:9s} {top}")
+    return "\n".join(lines)
+
+
 def format_reports(reports: list[ModeReport], title: str) -> str:
     """The reports as text: step time and memory, device ms per kind side by side, the longest kernels per mode."""
     lines = [title, ""]
@@ -144,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=5, help="timed steps per mode")
     p.add_argument("--backend", default="inductor", help="torch.compile backend")
     p.add_argument("--quick", action="store_true", help="CPU: the tiny widths and the aot_eager backend")
+    p.add_argument("--no-parts", action="store_true", help="leave out the parts alone (blocks, MoE-attention SDPA)")
     p.add_argument("--json", default=None, help="also write the reports here")
     args = p.parse_args(argv)
     cuda = torch.cuda.is_available()
@@ -154,15 +241,17 @@ def main(argv: list[str] | None = None) -> int:
     backend = "aot_eager" if args.quick and not cuda else args.backend
     setup = StepSetup(model_cfg, loss_cfg, images, device, torch.bfloat16)
     with force_cuda_path(not cuda):
+        parts = [] if args.no_parts else probe_parts(setup, backend, args.steps)
         reports = [probe_mode(setup, None, args.steps),
                    probe_mode(dataclasses.replace(setup, compiled=True), backend, args.steps)]
     name = torch.cuda.get_device_name() if cuda else "cpu (forced CUDA path)"
     title = (f"{args.config}, depth {args.depth}, {images} images, bf16, AdamW, on {name}; torch {torch.__version__}, "
              f"backend {backend}")
-    print(format_reports(reports, title))
+    print(format_reports(reports, title) + (format_parts(parts) if parts else ""))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"title": title, "reports": [dataclasses.asdict(r) for r in reports]}, f, indent=1)
+            json.dump({"title": title, "reports": [dataclasses.asdict(r) for r in reports], "parts": parts}, f,
+                      indent=1)
     return 0
 
 

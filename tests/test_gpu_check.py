@@ -10,6 +10,7 @@ import torch
 
 from squad.bench import gpucheck
 from squad.bench.gpucheck import Stage
+from tests.helpers import ROOT
 
 WRITE = [sys.executable, "-c", "import json, sys; json.dump({{'status': 'ok', 'stage': sys.argv[1]}}, "
          "open(sys.argv[2], 'w'))"]
@@ -128,3 +129,30 @@ def test_only_runs_the_stages_named_and_judges_them_alone(tmp_path, load_tool, c
                                 commands={"tests": [*WRITE, "tests", "{result}"]})
     assert report["ok"] and list(report["stages"]) == ["tests"]
     assert not gpucheck.assemble({"tests": {"status": "ok"}}, {}, 1.0)["ok"]  # all stages by default
+
+
+def test_rejoin_prices_a_committed_report_by_the_model_of_its_gpu(tmp_path, load_tool, capsys):
+    """No GPU needed: the H200's committed report joined again with today's model for an H200 (its own constants,
+    `costmodel.GPU_CONSTANTS`); a report without bench rows, or no JSON at all, is refused naming the file."""
+    from squad.bench import costmodel
+
+    tool = load_tool("tools/gpu_check.py")
+    report = ROOT / "reports" / "bench" / "gpu_check_h200" / "gpu_check.json"
+    assert tool.main(["--rejoin", str(report), "--out", str(tmp_path / "r")]) == 0
+    again = json.loads((tmp_path / "r" / "gpu_check.json").read_text())
+    assert again["rejoined"]["model_gpu"] == again["stages"]["bench"]["model_gpu"] == "H200"
+    moe = next(j for j in again["stages"]["bench"]["joined"] if j["case"] == "moe_mlp_fwd_bwd_vs_dense_gpu")
+    assert moe["measured"] == pytest.approx(1.787, abs=1e-3) and moe["modelled_low"] < moe["modelled"]
+    assert "beside the H200 cost model" in (tmp_path / "r" / "gpu_check.md").read_text()
+    (tmp_path / "empty.json").write_text(json.dumps({"environment": {"gpu": "NVIDIA H200"}, "stages": {}}))
+    assert tool.main(["--rejoin", str(tmp_path / "empty.json"), "--out", str(tmp_path / "e")]) == 2
+    assert "no measured bench rows" in capsys.readouterr().err
+    (tmp_path / "bad.json").write_text("{")
+    assert tool.main(["--rejoin", str(tmp_path / "bad.json")]) == 2
+    assert "bad.json: not a readable gpu_check.json" in capsys.readouterr().err
+    # the H200's model: the H100's but for its memory; a memory-bound kernel is priced faster there
+    assert costmodel.gpu_model_name("NVIDIA H200") == "H200" and costmodel.gpu_model_name("NVIDIA H100 80GB") == "H100"
+    h100, h200 = costmodel.KernelModel.at(), costmodel.KernelModel.at(gpu="H200")
+    assert h200.bandwidth_tbs > h100.bandwidth_tbs and h200.cublas_tflops == h100.cublas_tflops
+    with pytest.raises(ValueError, match="no cost model for GPU 'A100'"):
+        costmodel.constants_for("A100")

@@ -95,6 +95,7 @@ SKIPPED = {
     "the plan and runs here); test_reproduce.py runs every claim at --scale tiny",
     "make gpu-check": "needs a CUDA GPU; test_gpu_check.py runs its refusal, stage runner and report on the CPU",
     "python3 tools/gpu_check.py": "needs a CUDA GPU (the same as make gpu-check)",
+    "python tools/gpu_check.py --rejoin": "test_gpu_check.py runs it on the committed H200 report",
 }
 
 SIZES = {"--n": "32", "--image-size": "32", "--nproc_per_node": "2", "--num-heads": "4"}  # vit_small.pth: 4 heads

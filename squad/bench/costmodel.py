@@ -312,9 +312,39 @@ CONSTANTS: dict[str, Constant] = {
         "of a sweep longer than L2, the share C/D of a re-read that still hits: 1 under random replacement, 0 under "
         "LRU (a cyclic sweep past capacity misses every time); NVIDIA does not document its policy: 0.5 central"),
 }
-"""The kernel model's constants, each with its range and source (`Constant`)."""
+"""The kernel model's constants for an H100, each with its range and source (`Constant`)."""
 
-SMS = 132  # streaming multiprocessors of an H100 SXM (NVIDIA H100 whitepaper)
+# Another GPU: the constants that differ from the H100's (the rest are the H100's: the same GH100 chip, 132 SMs and
+# tensor-core rate; an 8192^3 bf16 matmul ran at 788-798 TFLOP/s on both kinds here).
+GPU_CONSTANTS: dict[str, dict[str, Constant]] = {
+    "H100": {},
+    "H200": {
+        "bandwidth_tbs": Constant(
+            3.57, 4.3, 3.17,
+            "the H100's fitted 2.49 TB/s times 1.43, the ratio of the device-to-device copies the two kinds "
+            "measured here (4.3 against 3.0 TB/s, bytes read and written); fast: 0.9 of the H200's 4.8 TB/s HBM3e "
+            "peak; slow: 0.66 of it, short kernels"),
+        "l2_mb": Constant(
+            60.0, 60.0, 30.0,
+            "the L2 PyTorch reported on this workplace's H200s (60 MB; 50 MB on its H100s); slow: one partition"),
+    },
+}
+
+
+def gpu_model_name(device_name: str | None) -> str:
+    """The `GPU_CONSTANTS` key for a CUDA device name (``torch.cuda.get_device_name``): ``H200`` for an H200, else
+    ``H100`` (the model's own GPU; other GPUs are priced as one, a caveat the reports state)."""
+    return "H200" if device_name and "H200" in device_name.upper() else "H100"
+
+
+def constants_for(gpu: str = "H100") -> dict[str, Constant]:
+    """The kernel model's constants for ``gpu`` (a `GPU_CONSTANTS` key)."""
+    if gpu not in GPU_CONSTANTS:
+        raise ValueError(f"no cost model for GPU {gpu!r}; known: {', '.join(GPU_CONSTANTS)}")
+    return {**CONSTANTS, **GPU_CONSTANTS[gpu]}
+
+
+SMS = 132  # streaming multiprocessors of an H100 SXM or an H200 (NVIDIA's datasheets)
 
 RATE_OF_KIND = {"gemm": "cublas_tflops", "grouped_gemm": "grouped_mm_tflops", "squad_gemm": "squad_gemm_tflops",
                 "attention": "flash_tflops", "triton": "triton_attention_tflops"}
@@ -349,11 +379,12 @@ class KernelModel:
     l2_retention: float
 
     @classmethod
-    def at(cls, ends: str | Mapping[str, str] = "central") -> KernelModel:
-        """The model with every constant at ``ends`` (``"central"``, ``"fast"`` or ``"slow"``), or each named one at
-        its own (the rest central)."""
-        pick = {name: ends for name in CONSTANTS} if isinstance(ends, str) else dict(ends)
-        return cls(**{name: getattr(c, pick.get(name, "central")) for name, c in CONSTANTS.items()})
+    def at(cls, ends: str | Mapping[str, str] = "central", gpu: str = "H100") -> KernelModel:
+        """The model of ``gpu`` (`GPU_CONSTANTS`) with every constant at ``ends`` (``"central"``, ``"fast"`` or
+        ``"slow"``), or each named one at its own (the rest central)."""
+        constants = constants_for(gpu)
+        pick = {name: ends for name in constants} if isinstance(ends, str) else dict(ends)
+        return cls(**{name: getattr(c, pick.get(name, "central")) for name, c in constants.items()})
 
     def miss(self, distance: float) -> float:
         """Share of a re-read that misses L2 when ``distance`` bytes are touched between the two reads."""
@@ -410,14 +441,14 @@ class KernelModel:
                 f"{self.launch_us:.1f} us a kernel, atomics {self.scatter_penalty:.0f}x, {SMS} SMs")
 
 
-def time_range(records: Sequence[OpRecord]) -> dict[str, float]:
-    """Modelled milliseconds of a recording at every constant's fast end, centre and slow end (``low``,
+def time_range(records: Sequence[OpRecord], gpu: str = "H100") -> dict[str, float]:
+    """Modelled milliseconds of a recording on ``gpu`` at every constant's fast end, centre and slow end (``low``,
     ``central``, ``high``)."""
-    return {label: KernelModel.at(end).seconds(records) * 1e3
+    return {label: KernelModel.at(end, gpu).seconds(records) * 1e3
             for label, end in (("low", "fast"), ("central", "central"), ("high", "slow"))}
 
 
-def ratio_range(num: Sequence[OpRecord], den: Sequence[OpRecord]) -> dict[str, float]:
+def ratio_range(num: Sequence[OpRecord], den: Sequence[OpRecord], gpu: str = "H100") -> dict[str, float]:
     """The modelled time ratio num / den: ``central`` with every constant central; ``low`` / ``high`` with each
     constant at whichever end of its range lowers / raises the ratio (each end found with the others central: the
     ratio moves one way along each constant's range), so a ratio's range holds every combination of the constants'
@@ -425,12 +456,12 @@ def ratio_range(num: Sequence[OpRecord], den: Sequence[OpRecord]) -> dict[str, f
     def ratio(model: KernelModel) -> float:
         return model.seconds(num) / model.seconds(den)
 
-    central = ratio(KernelModel.at())
+    central = ratio(KernelModel.at(gpu=gpu))
     lower, upper = {}, {}
     for name in CONSTANTS:
-        fast, slow = ratio(KernelModel.at({name: "fast"})), ratio(KernelModel.at({name: "slow"}))
+        fast, slow = ratio(KernelModel.at({name: "fast"}, gpu)), ratio(KernelModel.at({name: "slow"}, gpu))
         lower[name], upper[name] = ("fast", "slow") if fast <= slow else ("slow", "fast")
-    low, high = ratio(KernelModel.at(lower)), ratio(KernelModel.at(upper))
+    low, high = ratio(KernelModel.at(lower, gpu)), ratio(KernelModel.at(upper, gpu))
     return {"low": min(low, central), "central": central, "high": max(high, central)}
 
 

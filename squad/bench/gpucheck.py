@@ -103,16 +103,41 @@ def stage_kernels(work: Path) -> dict:
 
 
 def stage_bench(work: Path) -> dict:
-    """The GPU bench rows and the traffic profile's predictions, joined."""
+    """The GPU bench rows and the traffic profile's predictions by the cost model of this GPU, joined."""
+    import torch
+
     from .cases import result_dict, run_cases
+    from .costmodel import gpu_model_name
+
+    gpu = gpu_model_name(torch.cuda.get_device_name(0))
+    measured = [result_dict(r) for r in run_cases(GPU_BENCH_CASES, device="cuda")]
+    failed = [r["case"] for r in measured if r["unit"] == "error"]
+    return {"status": "failed" if failed else "ok", "errors": failed, "rows": measured, "model_gpu": gpu,
+            "joined": model_join(measured, gpu)}
+
+
+def model_join(measured: Sequence[dict], gpu: str) -> list[dict]:
+    """Measured GPU rows beside what the traffic profile, priced by ``gpu``'s cost model, predicts for them."""
+    from .cases import result_dict
     from .traffic_profile import LAYERS, predictions, profile_layer
 
-    rows = run_cases(GPU_BENCH_CASES, device="cuda")
-    traffic = [row for layer in LAYERS for row in profile_layer(layer)]
-    measured = [result_dict(r) for r in rows]
-    joined = join_predictions(measured, predictions(traffic), [result_dict(r) for r in traffic])
-    failed = [r["case"] for r in measured if r["unit"] == "error"]
-    return {"status": "failed" if failed else "ok", "errors": failed, "rows": measured, "joined": joined}
+    traffic = [row for layer in LAYERS for row in profile_layer(layer, gpu)]
+    return join_predictions(measured, predictions(traffic), [result_dict(r) for r in traffic])
+
+
+def rejoin(report: dict) -> dict:
+    """``report`` (a gpu_check.json) with its measured bench rows joined again with today's cost model of the GPU
+    that measured them (no GPU needed: the model changed, the measurements stand); says so in ``rejoined``."""
+    from .costmodel import gpu_model_name
+
+    bench = report.get("stages", {}).get("bench", {})
+    if not bench.get("rows"):
+        raise ValueError("the report has no measured bench rows to join (its bench stage did not run or failed)")
+    gpu = gpu_model_name(report.get("environment", {}).get("gpu"))
+    bench.update(model_gpu=gpu, joined=model_join(bench["rows"], gpu))
+    env = environment(gpu=False)
+    report["rejoined"] = {"commit": env["commit"], "date": env["date"], "model_gpu": gpu}
+    return report
 
 
 def join_predictions(measured: Sequence[dict], predicted: dict[str, dict], traffic: Sequence[dict] = ()) -> list[dict]:
@@ -273,8 +298,8 @@ def run_check(out_dir: Path, stages: Sequence[Stage] = tuple(STAGES), total_s: f
     return report
 
 
-def environment() -> dict:
-    """GPU, torch, Triton and DeepSpeed versions, the commit, the date."""
+def environment(gpu: bool = True) -> dict:
+    """GPU (``gpu``: asked of torch), torch, Triton and DeepSpeed versions, the commit, the date."""
     import importlib.metadata as md
 
     import torch
@@ -286,7 +311,7 @@ def environment() -> dict:
             return None
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    return {"gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    return {"gpu": torch.cuda.get_device_name(0) if gpu and torch.cuda.is_available() else None,
             "torch": torch.__version__, "triton": version("triton"), "deepspeed": version("deepspeed"),
             "commit": commit.stdout.strip() or None, "date": datetime.datetime.now().isoformat(timespec="seconds")}
 
@@ -327,7 +352,10 @@ def markdown(report: dict) -> str:
             lines.append(f"| {r['op']} | {shape} | {', '.join(r['configs'])} | {ms} | {r.get('choice', '—')} |")
     joined = stages.get("bench", {}).get("joined")
     if joined:
-        lines += ["", "## GPU rows, measured beside the H100 cost model (a MODEL: squad.bench.costmodel)", "",
+        again = report.get("rejoined")
+        note = f"; joined again at {again['commit']} on {again['date']}" if again else ""
+        lines += ["", f"## GPU rows, measured beside the {stages['bench'].get('model_gpu', 'H100')} cost model "
+                      f"(a MODEL: squad.bench.costmodel{note})", "",
                   "| case | measured | modelled | model range | model error | target | ok | "
                   "ms measured (cand / base) | ms modelled |", "|" + " --- |" * 9]
         for j in joined:

@@ -162,31 +162,32 @@ LAYERS = [
 ]
 
 
-def _counts(t: Traffic) -> dict:
+def _counts(t: Traffic, gpu: str = "H100") -> dict:
     counts = t.totals()
-    central = costmodel.KernelModel.at()
+    central = costmodel.KernelModel.at(gpu=gpu)
     counts["large_atomics"] = sum(r.atomic and r.bytes_written >= LARGE_ATOMIC_BYTES for r in t.records)
     counts["tile_gbytes"] = sum(r.tile_bytes for r in t.records) / 1e9
     counts["dram_gbytes"] = sum(central.dram_bytes(r) for r in t.records) / 1e9
-    counts["model_ms"] = costmodel.time_range(t.records)
+    counts["model_ms"] = costmodel.time_range(t.records, gpu)
     counts["model_breakdown_ms"] = central.breakdown(t.records)
     counts["by_kind_ms"] = {kind: central.seconds([r for r in t.records if r.kind == kind]) * 1e3
                             for kind in sorted({r.kind for r in t.records})}
     return counts
 
 
-def profile_layer(layer: Layer) -> list[BenchResult]:
-    """The three rows of one layer (module docstring), every count in their details; the time row's value is the
-    central modelled ratio, its ``details["model_ratio"]`` the low / central / high (`costmodel.ratio_range`)."""
+def profile_layer(layer: Layer, gpu: str = "H100") -> list[BenchResult]:
+    """The three rows of one layer (module docstring), every count in their details, priced by the kernel model of
+    ``gpu`` (`costmodel.GPU_CONSTANTS`); the time row's value is the central modelled ratio, its
+    ``details["model_ratio"]`` the low / central / high (`costmodel.ratio_range`)."""
     run, twin_run = layer.build()
     mine_t, twin_t = record(run), record(twin_run)
-    mine, twin = _counts(mine_t), _counts(twin_t)
-    ratio = (costmodel.ratio_range(twin_t.records, mine_t.records) if layer.speedup
-             else costmodel.ratio_range(mine_t.records, twin_t.records))
+    mine, twin = _counts(mine_t, gpu), _counts(twin_t, gpu)
+    ratio = (costmodel.ratio_range(twin_t.records, mine_t.records, gpu) if layer.speedup
+             else costmodel.ratio_range(mine_t.records, twin_t.records, gpu))
     details = {"name": layer.name, "layer": mine, "twin": twin, "twin_name": layer.twin, "gpu_case": layer.gpu_case,
                "dtype": "bfloat16", "path": "cuda (recorded on meta)", "model_ratio": ratio,
-               "model": costmodel.KernelModel.at().as_dict()}
-    constants = {name: dataclasses.asdict(c) for name, c in costmodel.CONSTANTS.items()}  # the time row only
+               "model": costmodel.KernelModel.at(gpu=gpu).as_dict(), "model_gpu": gpu}
+    constants = {name: dataclasses.asdict(c) for name, c in costmodel.constants_for(gpu).items()}  # time row only
     byte_ratio = mine["gbytes"] / twin["gbytes"]
     time_ratio = ratio["central"]
     bad = mine["host_syncs"] + mine["large_atomics"]
@@ -195,7 +196,7 @@ def profile_layer(layer: Layer) -> list[BenchResult]:
                     check(byte_ratio, layer.bytes_target), details),
         BenchResult(f"traffic_{layer.name}_model_{'speedup_over' if layer.speedup else 'time_vs'}_{layer.twin}",
                     time_ratio, layer.time_target,
-                    "x faster (H100 model)" if layer.speedup else "x time (H100 model)",
+                    f"x faster ({gpu} model)" if layer.speedup else f"x time ({gpu} model)",
                     check(time_ratio, layer.time_target), {**details, "constants": constants}),
         BenchResult(f"traffic_{layer.name}_syncs_and_large_atomics", float(bad), "<= 0", "count", bad == 0, details),
     ]
@@ -217,7 +218,7 @@ def predictions(rows: Sequence[BenchResult]) -> dict[str, dict]:
     out = {}
     for r in rows:
         gpu = r.details.get("gpu_case")
-        if gpu and "(H100 model)" in r.unit:
+        if gpu and _modelled(r):
             ratio = r.details["model_ratio"]
             out[gpu] = {"modelled": r.value, "low": ratio["low"], "high": ratio["high"], "traffic_row": r.case,
                         "unit": r.unit}
@@ -255,16 +256,22 @@ def format_traffic(rows: Sequence[BenchResult]) -> str:
                      f"{ratio[3]:>8.2f}{ratio[4]:>8.2f}"
                      f"{model['low']:>11.2f} / {model['central']:.2f} / {model['high']:.2f}  {verdicts}")
     if groups:
-        lines.append("model ms = H100 kernel model (squad.bench.costmodel.KernelModel; a MODEL, not a measurement), "
-                     "central: " + costmodel.KernelModel.at().describe())
+        gpu = next(iter(groups.values()))[0].details.get("model_gpu", "H100")
+        lines.append(f"model ms = {gpu} kernel model (squad.bench.costmodel.KernelModel; a MODEL, not a measurement), "
+                     "central: " + costmodel.KernelModel.at(gpu=gpu).describe())
         lines.append("low / high: every constant at the end of its range that lowers / raises the time (for ratios: "
                      "the ratio); the ranges and their sources are in squad/bench/costmodel.py CONSTANTS")
     return "\n".join(lines)
 
 
+def _modelled(row: BenchResult) -> bool:
+    """A layer's modelled time row (unit ``x time (H100 model)``, ``x faster (H200 model)``, ...)."""
+    return row.unit.endswith(" model)") and "model_ratio" in row.details
+
+
 def _verdict(row: BenchResult) -> str:
     ok = "yes" if row.ok else "NO"
-    if "(H100 model)" in row.unit:
+    if _modelled(row):
         r = row.details["model_ratio"]
         return f"{_short(row)} {row.value:.2f} [{r['low']:.2f}-{r['high']:.2f}] (target {row.target}) {ok}"
     return f"{_short(row)} {row.value:.2f} (target {row.target}) {ok}"
@@ -273,6 +280,6 @@ def _verdict(row: BenchResult) -> str:
 def _short(row: BenchResult) -> str:
     if row.unit == "x bytes":
         return "bytes"
-    if "(H100 model)" in row.unit:
+    if _modelled(row):
         return "speed-up" if "faster" in row.unit else "time"
     return "syncs+big atomics"

@@ -4,6 +4,8 @@ rows beside the H100 cost model, train steps, a DeepSpeed run.
     python tools/gpu_check.py                     # results in $OUT/gpu-check when $OUT is set, else reports/gpu_check
     python tools/gpu_check.py --out /tmp/check    # (make gpu-check runs the same)
     python tools/gpu_check.py --only tests,deepspeed   # some stages again, after a fix
+    python tools/gpu_check.py --rejoin reports/bench/gpu_check_h200/gpu_check.json --out /tmp/r   # no GPU: the
+                                                  # measured rows beside today's cost model of the GPU that ran them
 
 At most 9 minutes on one H100 (each stage has its own limit; `squad.bench.gpucheck`); writes gpu_check.json and
 gpu_check.md into the folder, with one log per stage. Exit 0 when every stage ran and passed (a missed performance
@@ -33,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=None,
                    help="folder for gpu_check.json, gpu_check.md and the stage logs (default: $OUT/gpu-check when "
                         "$OUT is set, else reports/gpu_check)")
+    p.add_argument("--rejoin", type=Path, default=None, metavar="GPU_CHECK_JSON",
+                   help="no GPU needed: join that report's measured bench rows again with today's cost model of its "
+                        "GPU and write gpu_check.json / .md into --out")
     p.add_argument("--only", default=None, metavar="STAGE[,STAGE]",
                    help="run these stages only, in the check's order (tests, kernels, bench, step, deepspeed); "
                         "a rerun after a fix")
@@ -43,6 +48,9 @@ def _gpu_check(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     from squad.bench.gpucheck import FILES, STAGES, NoGpu, require_gpu, run_check
     from squad.io.files import check_writable
+
+    if args.rejoin is not None:
+        return _rejoin(args.rejoin, args.out)
 
     stages = STAGES
     if args.only is not None:
@@ -65,6 +73,31 @@ def _gpu_check(argv: list[str] | None) -> int:
         print(f"  {name}: {result.get('status')} ({result.get('wall_s', 0):.0f} s)")
     print(f"wrote {out / FILES[0]} and {out / FILES[1]} ({report['wall_s']:.0f} s)")
     return 0 if report["ok"] else 1
+
+
+def _rejoin(report_file: Path, out: Path | None) -> int:
+    import json
+
+    from squad.bench.gpucheck import FILES, markdown, rejoin
+    from squad.io.files import check_writable
+
+    try:
+        report = json.loads(report_file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        print(f"error: --rejoin {report_file}: not a readable gpu_check.json ({e})", file=sys.stderr)
+        return 2
+    try:
+        report = rejoin(report)
+    except ValueError as e:
+        print(f"error: --rejoin {report_file}: {e}", file=sys.stderr)
+        return 2
+    out = check_writable(out or report_file.parent, "--out", folder=True)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / FILES[0]).write_text(json.dumps(report, indent=2) + "\n")
+    (out / FILES[1]).write_text(markdown(report))
+    print(f"joined {report_file}'s GPU rows with the {report['rejoined']['model_gpu']} cost model: wrote "
+          f"{out / FILES[0]} and {out / FILES[1]}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

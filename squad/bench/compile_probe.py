@@ -7,7 +7,8 @@ kernels, ATen's elementwise/copy/index kernels) and the longest kernels; for the
 graph breaks and recompilations. A compiled step that lost time shows it as a kind that grew (e.g. attention leaving
 flash for the math backend's GEMMs and softmax) or as graphs beyond one.
 
-Run it on a GPU (about a minute at the default depth of 4 blocks; the paper widths otherwise)::
+Run it on a GPU (about a minute at the default depth of 2 blocks, one of each kind in the plan; the paper widths
+otherwise)::
 
     python -m squad.bench.compile_probe                       # modsquad_vit_b, 12 images, bf16
     python -m squad.bench.compile_probe --depth 12 --config mtl_vit_b
@@ -225,7 +226,8 @@ def format_reports(reports: list[ModeReport], title: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="modsquad_vit_b", help="a shipped model config (configs/model/NAME.yaml)")
-    p.add_argument("--depth", type=int, default=4, help="blocks (the paper's 12 compile for longer)")
+    p.add_argument("--depth", type=int, default=2, help="blocks: 2 holds one of each of the plan's kinds "
+                   "(the paper's 12 compile for longer)")
     p.add_argument("--images", type=int, default=None, help=f"images per step (default {GPU_IMAGES}; 2 on a CPU)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per mode")
     p.add_argument("--backend", default="inductor", help="torch.compile backend")
@@ -233,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-parts", action="store_true", help="leave out the parts alone (blocks, MoE-attention SDPA)")
     p.add_argument("--json", default=None, help="also write the reports here")
     args = p.parse_args(argv)
+    start = time.perf_counter()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     width = [] if cuda else (QUICK_WIDTH if args.quick else CPU_WIDTH)
@@ -248,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     title = (f"{args.config}, depth {args.depth}, {images} images, bf16, AdamW, on {name}; torch {torch.__version__}, "
              f"backend {backend}")
     print(format_reports(reports, title) + (format_parts(parts) if parts else ""))
+    print(f"\n({time.perf_counter() - start:.0f} s)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"title": title, "reports": [dataclasses.asdict(r) for r in reports], "parts": parts}, f,

@@ -125,3 +125,44 @@ def test_mone_capacity_setting():
     assert not torch.allclose(a, b)
     with pytest.raises(ValueError, match="capacity"):
         model.set_mone_capacity(1.5)
+
+
+@pytest.mark.parametrize(("chans", "dim", "patch", "h", "w"), [(3, 8, 4, 12, 20), (5, 7, 3, 11, 10), (1, 6, 1, 3, 5)])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_patch_conv_is_the_convolution(chans, dim, patch, h, w, channels_last):
+    """The patch embedding as one GEMM equals F.conv2d (float64; odd widths, sizes the stride does not divide, a
+    channels-last input) in value and in the module's output shape, gradients included."""
+    from squad.models.vit import PatchConv
+
+    torch.manual_seed(0)
+    conv = PatchConv(chans, dim, kernel_size=patch, stride=patch).double()
+    assert conv.tiles()
+    x = torch.randn(2, chans, h, w, dtype=torch.float64)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    x.requires_grad_(True)
+    out = conv(x)
+    ref = torch.nn.functional.conv2d(x, conv.weight, conv.bias, stride=patch)
+    assert out.shape == ref.shape
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    grads = torch.autograd.grad(out.square().sum(), (x, conv.weight, conv.bias))
+    refs = torch.autograd.grad(ref.square().sum(), (x, conv.weight, conv.bias))
+    for g, r in zip(grads, refs, strict=True):
+        torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-12)
+    other = PatchConv(chans, dim, kernel_size=patch + 1, stride=patch).double()  # overlapping: the convolution
+    assert not other.tiles()
+    torch.testing.assert_close(other(x), torch.nn.functional.conv2d(x, other.weight, other.bias, stride=patch))
+
+
+def test_patch_embed_keeps_its_state_dict():
+    """The GEMM path changes no parameter: the keys and shapes timm checkpoints, hub folders and exports name."""
+    model = squad.build_model(tiny_model_cfg())
+    assert isinstance(model.patch_embed.proj, torch.nn.Conv2d)
+    state = model.state_dict()
+    d, c, p = model.cfg.embed_dim, model.cfg.in_chans, model.cfg.patch_size
+    assert state["patch_embed.proj.weight"].shape == (d, c, p, p)
+    assert state["patch_embed.proj.bias"].shape == (d,)
+    assert [k for k in state if k.startswith("patch_embed.")] == ["patch_embed.proj.weight", "patch_embed.proj.bias"]
+    images = torch.randn(2, c, model.cfg.img_size, model.cfg.img_size)
+    conv = torch.nn.functional.conv2d(images, model.patch_embed.proj.weight, model.patch_embed.proj.bias, stride=p)
+    torch.testing.assert_close(model.patch_embed(images), conv.flatten(2).transpose(1, 2))

@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from squad.config.loading import load_config
@@ -69,13 +70,42 @@ def init_timm(module: nn.Module) -> None:
             nn.init.zeros_(m.bias)
 
 
+class PatchConv(nn.Conv2d):
+    """A Conv2d whose kernel tiles the image (kernel = stride, no padding, dilation or groups) computed as one GEMM:
+    the image cut into patches [B, N, C·p·p] times the weight viewed as [D, C·p·p] (``F.linear``), the same numbers
+    as ``F.conv2d`` up to summation order. cuDNN runs such a convolution as an implicit-GEMM kernel about 10× slower
+    than the GEMM (an H200 measured 1.65 ms for ViT-S's 256 images at 224 px: reports/bench/gpu_check_h200).
+
+    Still a Conv2d for everything outside ``forward``: its parameters, state-dict keys, module hooks (DeepSpeed
+    ZeRO-3 gathers them around this module's call) and what timm checkpoints load into. The output is the
+    convolution's [B, D, H/p, W/p], laid out channels-last (a view of the GEMM's [B, N, D]: flattening it back to
+    tokens copies nothing). Any other configuration runs the convolution.
+    """
+
+    def tiles(self) -> bool:
+        """Whether the kernel tiles the image (the GEMM path applies)."""
+        return (self.kernel_size == self.stride and self.padding == (0, 0) and self.dilation == (1, 1)
+                and self.groups == 1 and self.padding_mode == "zeros")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.tiles() or x.dim() != 4:
+            return super().forward(x)
+        b, c, h, w = x.shape
+        ph, pw = self.kernel_size
+        gh, gw = h // ph, w // pw  # rows and columns a stride-p convolution keeps (the rest is cut off, as there)
+        x = x[:, :, : gh * ph, : gw * pw]
+        patches = x.reshape(b, c, gh, ph, gw, pw).permute(0, 2, 4, 1, 3, 5).reshape(b, gh * gw, c * ph * pw)
+        out = F.linear(patches, self.weight.reshape(self.out_channels, -1), self.bias)  # [B, N, D]
+        return out.transpose(1, 2).unflatten(2, (gh, gw))  # [B, D, gh, gw], channels-last
+
+
 class PatchEmbed(nn.Module):
-    """Non-overlapping p×p patches → D (timm layout: ``proj`` Conv2d)."""
+    """Non-overlapping p×p patches → D (timm layout: ``proj`` Conv2d, computed as one GEMM: `PatchConv`)."""
 
     def __init__(self, img_size: int, patch: int, in_chans: int, dim: int):
         super().__init__()
         self.img_size, self.patch, self.in_chans = img_size, patch, in_chans
-        self.proj = nn.Conv2d(in_chans, dim, kernel_size=patch, stride=patch)
+        self.proj = PatchConv(in_chans, dim, kernel_size=patch, stride=patch)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(x).flatten(2).transpose(1, 2)  # [B, g·g, D]

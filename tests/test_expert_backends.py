@@ -26,7 +26,7 @@ from squad.kernels import choice
 from squad.kernels.device import force_cuda_path
 from squad.layers.experts import expert_mlp, plan_dispatch
 from squad.layers.experts.grouped import library_grouped_mm
-from squad.layers.experts.permuted import grouped_gemm_reference, library_runs
+from squad.layers.experts.permuted import _tile_gates, grouped_gemm_reference, library_runs, token_tile
 from squad.layers.moe_mlp import ExpertMLP
 from squad.layers.mone import MoNEBlock
 from tests.helpers import MODEL_CONFIGS, tiny_config
@@ -36,6 +36,7 @@ CASES = [  # (tokens, k, experts, no-op experts, experts left empty, capacity dr
     (33, 3, 4, 2, (), False),
     (40, 2, 3, 0, (), True),
     (7, 1, 6, 0, (0, 2, 5), False),
+    (48, 3, 4, 1, (2,), False),  # two gate tiles of 24 tokens (`token_tile`), an odd k, a no-op expert
 ]
 
 
@@ -80,6 +81,29 @@ def test_grouped_mm_backend_matches_the_cpu_algorithm(case, dtype):
     tol = {"rtol": 1e-9, "atol": 1e-9} if dtype == torch.float64 else {"rtol": 1e-4, "atol": 1e-4}
     for name, w, g in zip(["y", "dx", "dw1", "db1", "dw2", "db2", "dgates"], want, got, strict=True):
         torch.testing.assert_close(g.double(), w, **tol, msg=lambda msg, n=name: f"{n}: {msg}")
+
+
+def test_grouped_mm_backend_without_biases_and_its_gate_tiles():
+    """The ``grouped_mm`` backend without b1 / b2 (one and several gate tiles) against the CPU algorithm in
+    float64, and the tile rule: the most tokens up to 32 dividing M with T·k rows a multiple of 8, else one."""
+    assert [token_tile(m, k) for m, k in [(30732, 4), (40, 2), (48, 3), (29, 2), (33, 3), (7, 1), (64, 8)]] == [
+        26, 20, 24, 1, 1, 1, 32]
+    tiles = _tile_gates(torch.arange(1.0, 13.0).view(6, 2), 3)  # 2 tiles of 3 tokens, k = 2
+    assert tiles.shape == (2, 3, 6)
+    assert torch.equal(tiles[1, 2], torch.tensor([0.0, 0, 0, 0, 11, 12]))
+    assert torch.equal(tiles[0, 0], torch.tensor([1.0, 2, 0, 0, 0, 0]))
+    for case in (CASES[0], CASES[-1]):
+        experts, e, leaves, grad = _problem(case, 19, 23)
+        leaves = [leaves[0], leaves[1], leaves[3], leaves[5]]
+        got, want = [], []
+        for forced, out in ((True, got), (False, want)):
+            ins = [v.double().requires_grad_() for v in leaves]
+            with force_cuda_path(forced):
+                plan = plan_dispatch(experts, e, host_sizes=False, noop=True)
+                y = expert_mlp(ins[0], ins[1], None, ins[2], None, ins[3], plan, "grouped_mm")
+                out += [y, *torch.autograd.grad(y, ins, grad.double())]
+        for w, g in zip(want, got, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-9)
 
 
 @pytest.mark.skipif(library_grouped_mm is None, reason="this torch has no grouped GEMM")

@@ -15,16 +15,27 @@ allows (each is a kernel reading and writing ~190 MB at ViT-B sizes; a bias gath
     a   = xs ⊗ [W1; b1; 0…]                     [R, H]   (⊗: the grouped GEMM; the bias rides in as a weight row)
     h   = gelu(a)
     y   = h ⊗ W2                                 [R, D]
-    out = g ⊙ y[inverse] + G b2                  [M, D]   (one ``baddbmm``: y as [M, k, D] weighted by the gates
-                                                           g [M, k]; G [M, E + 1] the gates per expert)
+    out = g ⊙ y[inverse] + G b2                  [M, D]   (y as [M, k, D] weighted by the gates g [M, k] and summed
+                                                           per token; G [M, E + 1] the gates per expert)
+
+The gates meet the rows in batched GEMMs over tiles of T tokens (`_tile_gates`): per tile the [T, T·k] block-diagonal
+matrix of its gates times the tile's T·k rows of y is the tile's weighted slot sum, one GEMM on the tensor cores
+reading y once. Written per token, these products are batched GEMVs ([1, k] × [k, D]: cuBLAS's ``gemv2N``, 0.28 ms
+for the 236 MB of a ViT-B block on an H200, a third of the bandwidth) or a gate-by-row product whose broadcast
+operand keeps PyTorch's element-wise kernel from vectorising (0.24 ms for the backward's [M, k, D] rows,
+reports/bench/gpu_check_h200). The zeros of the tile matrix cost T times the slot sum's FLOPs (T ≤ 32: a few GFLOP,
+microseconds); a row that is not finite reaches the other tokens of its tile (0 · inf), a loss it would make
+non-finite anyway.
 
 The backward is written out (four grouped GEMMs; b1's gradient is the extra row of W1's, b2's is Gᵀ grad, the
 gate's <grad, y> + <grad, b2[e]>), so what autograd would do with the gathers (atomic ``index_add`` into [M, D])
-never happens, and no per-group sum (``embedding_bag``, slow on a GPU) is needed. Rows of no group (no-op and
-dropped slots, after the last group) are left as the library op leaves them (unwritten) except where they would
-reach a token: the second projection's output and the input gradient are zeroed there; the weight gradients only
-read rows inside the groups. G's column E (no-op and dropped slots) meets a zero bias row and is dropped from b2's
-gradient; a token's real experts are distinct (top-k), so G holds each of its gates once.
+never happens, and no per-group sum (``embedding_bag``, slow on a GPU) is needed; the tiles again carry the gates:
+the rows' gradient g ⊙ grad is the tile matrix's transpose times the tile's grad rows, and <grad, y> the diagonal of
+each tile's grad × yᵀ. Rows of no group (no-op and dropped slots, after the last group) are left as the library op
+leaves them (unwritten) except where they would reach a token: the second projection's output and the input
+gradient are zeroed there; the weight gradients only read rows inside the groups. G's column E (no-op and dropped
+slots) meets a zero bias row and is dropped from b2's gradient; a token's real experts are distinct (top-k), so G
+holds each of its gates once.
 
 Where the library op cannot take the operands (float64 anywhere; on CUDA and in compiled code anything but bf16;
 widths whose rows are not 16-byte aligned) `grouped_gemm` runs its per-group reference (`grouped_gemm_reference`,
@@ -111,11 +122,37 @@ def _with_bias_row(w: torch.Tensor, b: torch.Tensor, p: int) -> torch.Tensor:
     return torch.cat([w, b.unsqueeze(1), torch.zeros(w.shape[0], p - 1, w.shape[2], dtype=w.dtype, device=w.device)], 1)
 
 
-def _slot_matrix(gates: torch.Tensor, plan: Dispatch) -> torch.Tensor:
-    """[M, E + 1] each token's gate on each expert (column E: no-op and dropped slots; slots name distinct experts)."""
-    experts = plan.slot_experts()  # [M, k]
-    sel = torch.zeros(gates.shape[0], plan.num_experts + 1, dtype=gates.dtype, device=gates.device)
+def _slot_matrix(gates: torch.Tensor, experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[M, E + 1] each token's gate on each expert (column E: no-op and dropped slots; slots name distinct experts),
+    from the gates and the slots' experts [M, k]."""
+    sel = torch.zeros(gates.shape[0], num_experts + 1, dtype=gates.dtype, device=gates.device)
     return sel.scatter(1, experts, gates)
+
+
+TILE_TOKENS = 32
+"""The most tokens of a gate tile (`token_tile`): T·k rows of K for the slot sum's GEMM, T× its FLOPs."""
+
+
+def token_tile(m: int, k: int) -> int:
+    """T: the most tokens, up to `TILE_TOKENS`, that divide M with T·k a multiple of 8 (the tile matrix's rows 16-byte
+    aligned in 16-bit, as the tensor-core GEMMs want them); 1 where none does (per-token GEMVs, still right)."""
+    return next((t for t in range(min(m, TILE_TOKENS), 1, -1) if m % t == 0 and (t * k) % 8 == 0), 1)
+
+
+def _tile_gates(g: torch.Tensor, t: int) -> torch.Tensor:
+    """[M, k] gates → [M / T, T, T·k]: per tile of T tokens, row i holds token i's gates in columns i·k … i·k + k − 1
+    and zeros elsewhere (block diagonal), so that tile × [T·k, D] rows in (token, slot) order is each token's gate-
+    weighted sum of its k rows."""
+    m, k = g.shape
+    eye = torch.eye(t, dtype=g.dtype, device=g.device).view(1, t, t, 1)
+    return (eye * g.view(m // t, t, 1, k)).view(m // t, t, t * k)
+
+
+def _tile_diagonal(p: torch.Tensor, k: int) -> torch.Tensor:
+    """[M / T, T, T·k] products of each tile's token rows with its (token, slot) rows → [M, k] each token's products
+    with its own k rows (the block diagonal)."""
+    b, t, _ = p.shape
+    return p.view(b, t, t, k).diagonal(dim1=1, dim2=2).transpose(1, 2).reshape(b * t, k)
 
 
 class _PermutedMLP(torch.autograd.Function):
@@ -125,6 +162,8 @@ class _PermutedMLP(torch.autograd.Function):
     def forward(ctx, x, w1, b1, w2, b2, gates, plan):  # x [M, D], w1 [E, D, H], w2 [E, H, D], gates [M, k]
         offs = plan.offsets
         m, d = x.shape
+        k = plan.k
+        t = token_tile(m, k)
         valid = (plan.row_expert < plan.num_experts).unsqueeze(1) if plan.tail else None  # [R, 1]
         xa = _with_ones(x) if b1 is not None else x  # [M, D + p]
         xs = xa.index_select(0, plan.token)  # [R, D (+ p)] expert order
@@ -132,36 +171,40 @@ class _PermutedMLP(torch.autograd.Function):
         a = grouped_gemm(xs, w1a, offs)  # [R, H] with the bias; rows of no group unspecified
         h = F.gelu(a)
         y = _zero_tail_(grouped_gemm(h, w2, offs), valid)  # [R, D] without the bias
-        yk = y.index_select(0, plan.inverse).view(m, plan.k, d)  # [M, k, D] (token, slot) order
+        yk = y.index_select(0, plan.inverse).view(m // t, t * k, d)  # tiles of T tokens' (token, slot) rows
         g = gates.to(x.dtype)
+        tiles = _tile_gates(g, t)  # [M / T, T, T·k]
         if b2 is not None:  # Σ_j g_j b2[e_j] = G b2 with G [M, E + 1] the gates per expert (no-op column: zero bias)
-            sel = _slot_matrix(g, plan)
+            experts = plan.slot_experts()  # [M, k]
+            sel = _slot_matrix(g, experts, plan.num_experts)
             b2p = torch.cat([b2, torch.zeros(1, d, dtype=b2.dtype, device=b2.device)])  # [E + 1, D]
-            out = torch.baddbmm((sel @ b2p).unsqueeze(1), g.unsqueeze(1), yk).view(m, d)
+            out = torch.baddbmm((sel @ b2p).view(m // t, t, d), tiles, yk).view(m, d)
         else:
-            sel, b2p = None, None
-            out = torch.bmm(g.unsqueeze(1), yk).view(m, d)
+            experts, sel, b2p = None, None, None
+            out = torch.bmm(tiles, yk).view(m, d)
         if any(ctx.needs_input_grad):
             none = g.new_empty(0)
-            ctx.save_for_backward(xs, w1, w2, a, h, yk, g, valid if valid is not None else none,
-                                  sel if sel is not None else none, b2p if b2p is not None else none)
+            ctx.save_for_backward(xs, w1, w2, a, h, yk, tiles, valid if valid is not None else none,
+                                  *(v if v is not None else none for v in (experts, sel, b2p)))
             ctx.plan, ctx.has_b1, ctx.has_b2, ctx.gates_dtype = plan, b1 is not None, b2 is not None, gates.dtype
         return out  # [M, D]; no-op rows are zero
 
     @staticmethod
     def backward(ctx, grad):  # grad [M, D]
-        xs, w1, w2, a, h, yk, g, valid, sel, b2p = ctx.saved_tensors
+        xs, w1, w2, a, h, yk, tiles, valid, experts, sel, b2p = ctx.saved_tensors
         plan = ctx.plan
         offs = plan.offsets
         m, d = grad.shape
+        n_tiles, t, _ = tiles.shape
         valid = valid if valid.numel() else None
-        grad = grad.contiguous()
-        grad_gates = torch.bmm(yk, grad.unsqueeze(2)).view(m, plan.k)  # [M, k] <grad, y>; zero on no-op slots
+        grad_t = grad.contiguous().view(n_tiles, t, d)  # tiles of T tokens' gradients
+        grad_gates = _tile_diagonal(torch.bmm(grad_t, yk.transpose(1, 2)), plan.k)  # [M, k] <grad, y>
+        grad = grad_t.view(m, d)
         gb2 = None
         if ctx.has_b2:
-            grad_gates = grad_gates + (grad @ b2p.t()).gather(1, plan.slot_experts())  # + <grad, b2[e]>
+            grad_gates = grad_gates + (grad @ b2p.t()).gather(1, experts)  # + <grad, b2[e]>
             gb2 = (sel.t() @ grad)[: plan.num_experts]  # [E, D] Σ over each expert's slots of g · grad
-        dy = (grad.unsqueeze(1) * g.unsqueeze(2)).view(-1, d).index_select(0, plan.order)  # [R, D] expert order
+        dy = torch.bmm(tiles.transpose(1, 2), grad_t).view(-1, d).index_select(0, plan.order)  # [R, D] g ⊙ grad
         gw2 = grouped_gemm(h.t(), dy, offs)  # [E, H, D]; rows of no group meet only group-bounded GEMMs
         dh = grouped_gemm(dy, w2.transpose(1, 2), offs)  # [R, H]
         da = torch.ops.aten.gelu_backward(dh, a)  # dh · gelu'(a), one pass

@@ -146,6 +146,11 @@ def _inference(name: str, overrides: list[str], capacity: float | None = None) -
     return record(run)
 
 
+def _patches(r) -> bool:
+    """The patch embedding's one copy: the 256 images cut into patches for its GEMM (`squad.models.vit.PatchConv`)."""
+    return r.op == "clone" and r.bytes_read == r.bytes_written == 256 * 3 * 224 * 224 * 2
+
+
 @pytest.fixture(scope="module")
 def dense_vit_s():
     return _inference("mod_vit_s", ["model.plan=[{attn: dense, mlp: dense}]", "model.task_embed=none"])
@@ -160,7 +165,7 @@ def test_mone_moves_at_most_0_6x_dense_and_is_modelled_1_7x_faster(dense_vit_s):
     assert mone.bytes <= 0.6 * dense_vit_s.bytes, mone.bytes / dense_vit_s.bytes
     assert modelled_seconds(dense_vit_s) >= 1.7 * modelled_seconds(mone)
     assert fitted_seconds(dense_vit_s) >= 1.7 * fitted_seconds(mone), fitted_seconds(dense_vit_s) / fitted_seconds(mone)
-    assert not [r for r in mone.records if r.op in ("gelu", "clone", "copy_") and r.bytes > 1e6]
+    assert not [r for r in mone.records if r.op in ("gelu", "clone", "copy_") and r.bytes > 1e6 and not _patches(r)]
     assert sum(r.op == "nested_mlp_" for r in mone.records) == 12
     assert mone.syncs == 0 and mone.pins == 0
 
@@ -176,7 +181,8 @@ def test_mod_inference_speed_up(dense_vit_s):
     assert mod.syncs == 0 and mod.pins == 0
     assert mod.kernels <= 160, mod.table()
     full = [r for r in mod.records if r.op in ("add", "clone", "scatter", "copy_") and r.bytes > 30e6]
-    assert len(full) == 7, [r.op for r in full]  # the position embedding's, the dense blocks' MLP residual adds
+    assert len(full) == 8, [r.op for r in full]  # the image cut into patches, the position embedding's, the dense
+    assert sum(map(_patches, full)) == 1  # blocks' MLP residual adds
 
 
 @pytest.mark.parametrize("kind", ["moe", "moa"])

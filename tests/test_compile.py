@@ -272,3 +272,35 @@ def test_compiled_train_step_is_one_graph_with_no_recompiles_and_the_measured_ba
     finally:
         torch._dynamo.reset()
         choice._measured.cache_clear()
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="known (issue 35): `assignment` (train.tasks_per_image) breaks the graph at "
+                   "nonzero and specialises on each batch's per-task image counts (0/1) and non-empty tasks")
+def test_compiled_forward_with_sampled_tasks_per_image_does_not_recompile_per_batch():
+    """`SquadViT.forward` with an ``assignment`` (what ``train.tasks_per_image`` samples anew every step), compiled:
+    a new batch composition should reuse the graph. Today every composition with a task of 0 or 1 images (the common
+    case at 13 tasks, a few tasks per image and a rank's batch of 8–12) compiles the forward again, until dynamo's
+    cache limit sends the rest of the run to eager code."""
+    from torch._dynamo.utils import counters
+
+    cfg = tiny_config(ROOT / "configs" / "model" / "modsquad_vit_b.yaml", ["model.depth=2"]).model
+    torch.manual_seed(0)
+    model = squad.build_model(cfg).train()
+    tasks = model.task_names[:4]
+    x = torch.randn(4, 3, cfg.img_size, cfg.img_size)
+    g = torch.Generator().manual_seed(0)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend=CompileCounterWithBackend("eager"))
+    try:
+        with force_cuda_path():
+            for _ in range(6):
+                top = torch.rand(4, len(tasks), generator=g).topk(2, dim=1).indices
+                assignment = torch.zeros(4, len(tasks), dtype=torch.bool).scatter_(1, top, True)
+                out = compiled(x, tasks, assignment)
+                sum(p.float().square().mean() for p in out.preds.values()).backward()
+        assert not counters["graph_break"], dict(counters["graph_break"])
+        assert sum(counters["recompiles"].values()) <= 1, dict(counters["recompiles"])
+    finally:
+        torch._dynamo.reset()

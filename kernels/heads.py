@@ -205,7 +205,7 @@ def head_wgrad(c, slots, gates, b, num_heads, transpose, bias_grad, dtype):
     if _use_triton(c, b):
         from . import triton_heads
         return triton_heads.head_wgrad(c, slots, gates, b, num_heads, transpose, bias_grad, dtype,
-                                       wgrad_config(b.shape[1], c.shape[2], c.dtype))
+                                       wgrad_config(c.shape[0], num_heads, b.shape[1], c.shape[2], c.dtype))
     return head_wgrad_reference(c, slots, gates, b, transpose, bias_grad, dtype)
 
 

@@ -19,6 +19,11 @@ Each ``*_config`` returns a dict of three kinds of entries:
   - ``"rows_looped"``: one program per output tile (per group or head), each looping over all its rows
     (weight-gradient kernels); programs of the same rows are numbered group- or head-fastest, so they sweep the rows
     together.
+  - ``"rows_split"``: one program per (output tile, row chunk): the rows cut into ``splits`` chunks of whole row
+    tiles (`split_rows`), each program reducing its chunk into a float32 partial tile, then a second kernel summing
+    the partials in chunk order (deterministic, no atomics; ``splits`` = 1: the one partial is the result, no second
+    kernel). Programs of one chunk are numbered consecutively (heads fastest, then N tiles), so a chunk's rows are
+    read from HBM once and served from L2 to every output tile's program.
   - ``"rows_outer"``: (MoNE's kernels) one program per row tile, looping over the output features inside.
 
 Nothing here imports Triton: the wrappers (`grouped`, `heads`, `nested`) and the kernel files (`triton_*`) both
@@ -32,7 +37,10 @@ import math
 import torch
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # operand dtypes the Triton kernels take
-LAUNCH_KEYS = ("num_warps", "num_stages", "order")  # a config's launch settings (the rest are constexprs)
+LAUNCH_KEYS = ("num_warps", "num_stages", "order", "splits")  # a config's launch settings (the rest: constexprs)
+WAVE_SMS = 132  # SMs of the GPU the split launches are sized for (an H100 SXM, an H200)
+SPLIT_WAVES = 8  # waves of WAVE_SMS programs a ``rows_split`` launch aims at (2-3 of resident blocks at 3 a SM)
+SPLIT_MIN_TILES = 8  # row tiles a chunk holds at least: its float32 partial's store stays small against its loads
 
 
 def pow2_block(size: int, cap: int) -> int:
@@ -41,12 +49,29 @@ def pow2_block(size: int, cap: int) -> int:
 
 
 def launch_settings(config: dict) -> tuple[dict, dict]:
-    """(the kernel's constexprs, Triton's launch options) of a config: ``order`` is the wrapper's business and dropped
-    here; ``GROUP_M`` defaults to 1 (rows fastest) where a kernel takes it and a hand-made config leaves it out."""
+    """(the kernel's constexprs, Triton's launch options) of a config: ``order`` and ``splits`` are the wrapper's
+    business and dropped here; ``GROUP_M`` defaults to 1 (rows fastest) where a kernel takes it and a hand-made config
+    leaves it out."""
     cfg = dict(config)
     launch = {k: cfg.pop(k) for k in LAUNCH_KEYS if k in cfg}
     launch.pop("order", None)
+    launch.pop("splits", None)
     return cfg, launch
+
+
+def row_splits(rows: int, block_m: int, programs: int) -> int:
+    """Chunks to cut ``rows`` into for a ``rows_split`` launch of ``programs`` output tiles: enough for SPLIT_WAVES
+    waves of WAVE_SMS programs, each chunk at least SPLIT_MIN_TILES row tiles (1 for a small problem)."""
+    wanted = -(-SPLIT_WAVES * WAVE_SMS // max(programs, 1))
+    return max(1, min(wanted, -(-rows // block_m) // SPLIT_MIN_TILES))
+
+
+def split_rows(rows: int, block_m: int, splits: int) -> tuple[int, int]:
+    """(rows a chunk holds, chunks) when ``rows`` are cut into at most ``splits`` chunks of whole BLOCK_M-row tiles:
+    every chunk but the last full, none empty (one chunk of nothing for no rows)."""
+    tiles = -(-rows // block_m)
+    chunk = max(1, -(-tiles // max(splits, 1))) * block_m
+    return chunk, max(1, -(-rows // chunk))
 
 
 # ------------------------------------------------------------------------------------ grouped expert GEMMs
@@ -93,11 +118,15 @@ def gather_config(n: int, d: int, k2: int, dtype: torch.dtype) -> dict[str, obje
             "num_stages": 2, "order": "grouped"}
 
 
-def head_wgrad_config(n: int, d: int, dtype: torch.dtype) -> dict[str, object]:
-    """`triton_heads._head_wgrad_kernel`: one program per (head, N tile), looping over the rows."""
+def head_wgrad_config(m: int, e: int, n: int, d: int, dtype: torch.dtype) -> dict[str, object]:
+    """`triton_heads._head_wgrad_kernel` for E heads' [d, N] gradients over M rows: one program per (head, N tile,
+    row chunk), ``splits`` chunks (`row_splits`: modsquad_vit_b's 30,732 rows × 24 heads × 6 N tiles in bf16 take 8,
+    1,152 programs, where one program per output tile looping over every row launched 144 on 132 SMs)."""
     wide = dtype == torch.float32
-    return {"BLOCK_M": 32 if wide else 64, "BLOCK_D": pow2_block(d, 128), "BLOCK_N": pow2_block(n, 64 if wide else 128),
-            "num_warps": 4 if wide else 8, "num_stages": 2 if wide else 3, "order": "rows_looped"}
+    cfg = {"BLOCK_M": 32 if wide else 64, "BLOCK_D": pow2_block(d, 128), "BLOCK_N": pow2_block(n, 64 if wide else 128),
+           "num_warps": 4 if wide else 8, "num_stages": 2 if wide else 3, "order": "rows_split"}
+    cfg["splits"] = row_splits(m, cfg["BLOCK_M"], e * -(-n // cfg["BLOCK_N"]))
+    return cfg
 
 
 # ---------------------------------------------------------------------------------------- MoNE's kernels

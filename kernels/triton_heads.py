@@ -12,8 +12,11 @@ through the slot map, so the all-head GEMM reads each token once and nothing of 
 - `_head_gather_kernel`: one program per (row tile, N tile): ``out = Σ_e V[rows, e] @ W[e] (+ A2 @ W2) + bias``
   with ``V[m, e] = g[m, j] · C[m, j]`` for j = slots[m, e], loaded as zero where −1; the K loop steps one head at a
   time.
-- `_head_wgrad_kernel`: one program per (head e, N tile), looping over the rows: ``dW[e] = Σ_m V[m, e]ᵀ B[m]`` and,
-  with HAS_DB, the head-0 programs also sum ``DB = Σ_m B[m]``.
+- `_head_wgrad_kernel`: one program per (head e, N tile, row chunk) (split-K over the rows, order ``rows_split`` of
+  `squad.kernels.tiles`): ``DW[s, e] = Σ_m V[m, e]ᵀ B[m]`` over chunk s's rows and, with HAS_DB, the head-0 programs
+  also sum ``DB[s] = Σ_m B[m]`` (in a loop of their own: a tile `tl.dot` consumes is read for nothing else inside
+  its pipelined loop). One chunk writes the result; several write float32 partials that `_split_sum_kernel` adds
+  in chunk order (deterministic, no atomics).
 
 fp16/bf16 operands go to `tl.dot` with fp32 accumulation; fp32 operands use IEEE precision; element-wise math in
 fp32; bf16 tiles upcast in Triton's CPU interpreter (``UPCAST``), which computes bf16 dots wrongly. Block sizes are
@@ -28,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .tiles import launch_settings
+from .tiles import launch_settings, split_rows
 from .triton_common import device_function, grouped_order, interpreter_enabled, wrap_kernels
 
 
@@ -132,21 +135,23 @@ def _head_gather_kernel(C, SLOTS, GATES, W, A2, W2, BIAS, OUT,
 
 
 def _head_wgrad_kernel(C, SLOTS, GATES, B, DW, DB,
-                       M, N, DH,
+                       M, N, DH, SPLIT_ROWS,
                        stride_cm, stride_cj, stride_cd, stride_sm, stride_se, stride_gm, stride_gj,
-                       stride_bm, stride_bn, stride_we, stride_wd, stride_wn,
+                       stride_bm, stride_bn, stride_ws, stride_we, stride_wd, stride_wn, stride_ds,
                        GATED: tl.constexpr, HAS_DB: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
-    head = tl.program_id(0)
+    head = tl.program_id(0)  # a chunk's heads and N tiles run side by side: its rows are read once into L2
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
+    split = tl.program_id(2)
+    first = split * SPLIT_ROWS
+    end = tl.minimum(first + SPLIT_ROWS, M)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < DH
     acc = tl.zeros([BLOCK_D, BLOCK_N], tl.float32)
-    db = tl.zeros([BLOCK_N], tl.float32)
-    for m0 in range(0, M, BLOCK_M):
+    for m0 in range(first, end, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
-        mask_m = offs_m < M
+        mask_m = offs_m < end
         rows = offs_m.to(tl.int64)
         a = _head_rows(C, SLOTS, GATES, rows, mask_m, head, offs_d, mask_d, stride_cm, stride_cj, stride_cd,
                        stride_sm, stride_se, stride_gm, stride_gj, GATED)
@@ -156,20 +161,51 @@ def _head_wgrad_kernel(C, SLOTS, GATES, B, DW, DB,
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(tl.trans(a), b, acc, input_precision=PRECISION)
-        if HAS_DB:
-            if head == 0:
-                db += tl.sum(b.to(tl.float32), axis=0)
-    tl.store(DW + head.to(tl.int64) * stride_we + offs_d[:, None] * stride_wd + offs_n[None, :] * stride_wn,
+    part = split.to(tl.int64) * stride_ws + head.to(tl.int64) * stride_we
+    tl.store(DW + part + offs_d[:, None] * stride_wd + offs_n[None, :] * stride_wn,
              acc.to(DW.dtype.element_ty), mask=mask_d[:, None] & mask_n[None, :])
     if HAS_DB:
-        if head == 0:
-            tl.store(DB + offs_n, db.to(DB.dtype.element_ty), mask=mask_n)
+        if head == 0:  # B's column sums in a loop of their own, outside the pipelined dot loop
+            db = tl.zeros([BLOCK_N], tl.float32)
+            for m0 in range(first, end, BLOCK_M):
+                offs_m = m0 + tl.arange(0, BLOCK_M)
+                mask_m = offs_m < end
+                b = tl.load(B + offs_m.to(tl.int64)[:, None] * stride_bm + offs_n[None, :] * stride_bn,
+                            mask=mask_m[:, None] & mask_n[None, :], other=0.0)
+                db += tl.sum(b.to(tl.float32), axis=0)
+            tl.store(DB + split.to(tl.int64) * stride_ds + offs_n, db.to(DB.dtype.element_ty), mask=mask_n)
+
+
+@device_function
+def _sum_splits(P, OUT, NUMEL, SPLITS, block, BLOCK: tl.constexpr):
+    """OUT[i] = Σ_s P[s, i] for the BLOCK elements of block ``block``, s in order (P [SPLITS, NUMEL] float32)."""
+    offs = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < NUMEL
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in range(0, SPLITS):
+        acc += tl.load(P + s * NUMEL + offs, mask=mask, other=0.0)
+    tl.store(OUT + offs, acc.to(OUT.dtype.element_ty), mask=mask)
+
+
+def _split_sum_kernel(P, OUT, P2, OUT2, NUMEL, NUMEL2, SPLITS, HAS_SECOND: tl.constexpr, BLOCK: tl.constexpr):
+    """The chunks' partials summed in chunk order: OUT = Σ_s P[s] and, with HAS_SECOND, OUT2 = Σ_s P2[s] by the
+    programs past OUT's blocks (contiguous tensors)."""
+    pid = tl.program_id(0)
+    blocks = tl.cdiv(NUMEL, BLOCK)
+    if pid < blocks:
+        _sum_splits(P, OUT, NUMEL, SPLITS, pid, BLOCK)
+    if HAS_SECOND:
+        if pid >= blocks:
+            _sum_splits(P2, OUT2, NUMEL2, SPLITS, pid - blocks, BLOCK)
+
+
+SUM_BLOCK = 1024  # elements a program of `_split_sum_kernel` sums
 
 
 @functools.cache
 def _kernels() -> dict[str, object]:
     """The kernels, wrapped for the compiler or the interpreter (whichever mode Triton was imported in)."""
-    return wrap_kernels(_head_select_kernel, _head_gather_kernel, _head_wgrad_kernel)
+    return wrap_kernels(_head_select_kernel, _head_gather_kernel, _head_wgrad_kernel, _split_sum_kernel)
 
 
 def _flags(dtype: torch.dtype) -> dict[str, object]:
@@ -224,18 +260,31 @@ def head_gather_mm(c: torch.Tensor, slots: torch.Tensor, gates: torch.Tensor | N
 def head_wgrad(c: torch.Tensor, slots: torch.Tensor, gates: torch.Tensor | None, b: torch.Tensor, num_heads: int,
                transpose: bool, bias_grad: bool, dtype: torch.dtype,
                config: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launches `_head_wgrad_kernel`: (dW [E, d, N] — [E, N, d] with ``transpose`` — and db [N] or empty)."""
+    """Launches `_head_wgrad_kernel` on ``config["splits"]`` row chunks (1 where absent), then `_split_sum_kernel`
+    where there are several: (dW [E, d, N] — [E, N, d] with ``transpose`` — and db [N] or empty)."""
     cfg, launch = launch_settings(config)
     m, _, d = c.shape
     n = b.shape[1]
-    dw = torch.empty(num_heads, n, d, dtype=dtype, device=c.device) if transpose else \
-        torch.empty(num_heads, d, n, dtype=dtype, device=c.device)
-    strides = (dw.stride(0), dw.stride(2), dw.stride(1)) if transpose else dw.stride()  # as (e, i, n)
+    chunk, splits = split_rows(m, cfg["BLOCK_M"], int(config.get("splits", 1)))
+    shape = (num_heads, n, d) if transpose else (num_heads, d, n)
+    dw = torch.empty(shape, dtype=dtype, device=c.device)
     db = torch.empty(n if bias_grad else 0, dtype=dtype, device=c.device)
+    if splits > 1:  # float32 partials, one per chunk
+        part = torch.empty(splits, *shape, dtype=torch.float32, device=c.device)
+        db_part = torch.empty(splits, db.numel(), dtype=torch.float32, device=c.device)
+    else:  # the one chunk writes the result
+        part, db_part = dw.unsqueeze(0), db.unsqueeze(0)
+    s = part.stride()
+    strides = (s[0], s[1], s[3], s[2]) if transpose else s  # as (split, e, i, n)
     dummy = slots
-    grid = (num_heads, triton.cdiv(n, cfg["BLOCK_N"]))
+    grid = (num_heads, triton.cdiv(n, cfg["BLOCK_N"]), splits)
     _kernels()["_head_wgrad_kernel"][grid](
-        c, slots, dummy if gates is None else gates, b, dw, db if bias_grad else dummy, m, n, d,
+        c, slots, dummy if gates is None else gates, b, part, db_part if bias_grad else dummy, m, n, d, chunk,
         *c.stride(), *slots.stride(), *(gates.stride() if gates is not None else (0, 0)), *b.stride(), *strides,
-        GATED=gates is not None, HAS_DB=bool(bias_grad), **_flags(c.dtype), **cfg, **launch)
+        db_part.stride(0), GATED=gates is not None, HAS_DB=bool(bias_grad), **_flags(c.dtype), **cfg, **launch)
+    if splits > 1:
+        blocks = triton.cdiv(dw.numel(), SUM_BLOCK) + (triton.cdiv(db.numel(), SUM_BLOCK) if bias_grad else 0)
+        _kernels()["_split_sum_kernel"][(blocks,)](
+            part, dw, db_part, db, dw.numel(), db.numel(), splits, HAS_SECOND=bool(bias_grad), BLOCK=SUM_BLOCK,
+            num_warps=4)
     return dw, db

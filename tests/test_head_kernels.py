@@ -108,7 +108,8 @@ def test_triton_head_kernels_match_reference(dtype):
         m, kk, e, k, d, n = case
         t, _, slots = _problem(*case, dtype, device=_device())
         for small in (False, True):
-            cfgs = [HK.select_config(kk, d, dtype), HK.gather_config(n, d, 7, dtype), HK.wgrad_config(n, d, dtype)]
+            cfgs = [HK.select_config(kk, d, dtype), HK.gather_config(n, d, 7, dtype),
+                    HK.wgrad_config(m, e, n, d, dtype)]
             if small:
                 cfgs = [{**c, **{key: v for key, v in SMALL.items() if key in c}} for c in cfgs]
             for gated in (False, True):
@@ -126,6 +127,54 @@ def test_triton_head_kernels_match_reference(dtype):
                 want = HK.head_wgrad_reference(t["c"], slots, g, t["b"], gated, gated, dtype)
                 for x, y in zip(got, want, strict=True):
                     torch.testing.assert_close(x.float(), y.float(), **TOL[dtype])
+
+
+def test_wgrad_splits_fill_several_waves_and_cut_whole_row_tiles():
+    """The split count of `squad.kernels.tiles` for the weight gradient: modsquad_vit_b's (30,732 rows, 24 heads, 6 N
+    tiles in bf16) takes several waves of 132 SMs where one program per output tile took 144 programs; a small problem
+    keeps one chunk; chunks are whole row tiles, none empty, the last one short."""
+    from squad.kernels import tiles
+
+    cfg = tiles.head_wgrad_config(12 * 13 * 197, 24, 768, 64, torch.bfloat16)
+    programs = 24 * (768 // cfg["BLOCK_N"]) * cfg["splits"]
+    assert cfg["order"] == "rows_split" and programs >= 4 * tiles.WAVE_SMS, (cfg, programs)
+    assert tiles.head_wgrad_config(37, 6, 24, 16, torch.float32)["splits"] == 1
+    assert tiles.split_rows(37, 16, 2) == (32, 2)  # 32 + 5 rows
+    assert tiles.split_rows(37, 16, 8) == (16, 3)  # never more chunks than row tiles
+    assert tiles.split_rows(64, 16, 3) == (32, 2)  # 4 tiles in chunks of 2: no empty third chunk
+    assert tiles.split_rows(0, 16, 4) == (16, 1)
+    assert "splits" not in tiles.launch_settings(cfg)[1]
+
+
+@pytest.mark.skipif(not RUNNABLE, reason="needs CUDA or TRITON_INTERPRET=1 (see tests/test_grouped_kernels.py)")
+def test_triton_head_wgrad_split_rows_match_reference():
+    """The weight gradient split over row chunks (1, 2, 3 and more chunks asked than row tiles; rows not a multiple
+    of a chunk), gated with the bias gradient and transposed, or neither: equal to the reference, the head no token
+    selected exactly zero, and the same bits on a second run (the partials are summed in chunk order)."""
+    from squad.kernels import triton_heads as T
+
+    for case in CASES[:2]:
+        m, _, e, k, d, n = case
+        t, _, slots = _problem(*case, torch.float32, device=_device())
+        base = {**HK.wgrad_config(m, e, n, d, torch.float32), "BLOCK_M": 16, "BLOCK_N": 16}
+        for splits, gated in ((1, True), (2, True), (3, False), (8, True)):
+            g = t["gates"] if gated else None
+            cfg = {**base, "splits": splits}
+            got = T.head_wgrad(t["c"], slots, g, t["b"], e, gated, gated, torch.float32, cfg)
+            want = HK.head_wgrad_reference(t["c"], slots, g, t["b"], gated, gated, torch.float32)
+            for x, y in zip(got, want, strict=True):
+                torch.testing.assert_close(x, y, **TOL[torch.float32])
+            assert not got[0][e - 1].any()  # head e - 1: no rows
+            if splits == 2:
+                again = T.head_wgrad(t["c"], slots, g, t["b"], e, gated, gated, torch.float32, cfg)
+                assert all(torch.equal(x, y) for x, y in zip(got, again, strict=True))
+    t, _, slots = _problem(*CASES[0], torch.bfloat16, device=_device())  # 16-bit results from float32 partials
+    cfg = {**HK.wgrad_config(37, 6, 24, 16, torch.bfloat16), "BLOCK_M": 16, "splits": 3}
+    got = T.head_wgrad(t["c"], slots, t["gates"], t["b"], 6, False, True, torch.bfloat16, cfg)
+    want = HK.head_wgrad_reference(t["c"], slots, t["gates"], t["b"], False, True, torch.bfloat16)
+    for x, y in zip(got, want, strict=True):
+        assert x.dtype == torch.bfloat16
+        torch.testing.assert_close(x.float(), y.float(), **TOL[torch.bfloat16])
 
 
 def _moa(dtype):
@@ -189,11 +238,13 @@ GPU_COMPILE = [("_head_select_kernel", "bf16", {"GATED": True}, 90),
                ("_head_select_kernel", "fp32", {"GATED": True}, 80),
                ("_head_gather_kernel", "bf16", {}, 80), ("_head_gather_kernel", "bf16", {}, 90),
                ("_head_gather_kernel", "fp32", {}, 80), ("_head_wgrad_kernel", "bf16", {}, 90),
-               ("_head_wgrad_kernel", "fp32", {}, 80)]
+               ("_head_wgrad_kernel", "bf16", {"partials": True}, 90), ("_head_wgrad_kernel", "fp32", {}, 80),
+               ("_split_sum_kernel", "bf16", {}, 90), ("_split_sum_kernel", "fp32", {}, 80)]
 
 
 @pytest.mark.skipif(not triton_available() or triton_interpreting(), reason="needs triton in compiler mode")
-@pytest.mark.parametrize("case", GPU_COMPILE, ids=lambda c: f"{c[0]}-{c[1]}-sm{c[3]}")
+@pytest.mark.parametrize("case", GPU_COMPILE, ids=lambda c: "-".join([c[0], c[1], *c[2].keys() - {"GATED"},
+                                                                       f"sm{c[3]}"]))
 def test_triton_head_kernels_compile_for_gpu(case):
     """Each kernel lowered for sm_80 / sm_90 down to a cubin with every feature on, at modsquad_vit_b's MoE attention
     (E 24, d 64, D 768); shared memory fits an sm_86 block."""
@@ -203,13 +254,16 @@ def test_triton_head_kernels_compile_for_gpu(case):
     torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
     cfg = {"_head_select_kernel": HK.select_config(768, 64, torch_dtype),
            "_head_gather_kernel": HK.gather_config(768, 64, 128, torch_dtype),
-           "_head_wgrad_kernel": HK.wgrad_config(768, 64, torch_dtype)}[kernel]
+           "_head_wgrad_kernel": HK.wgrad_config(12 * 13 * 197, 24, 768, 64, torch_dtype),
+           "_split_sum_kernel": {"BLOCK": T.SUM_BLOCK, "num_warps": 4}}[kernel]
     cfg, options = launch_settings(cfg)
-    constexprs = {"GATED": True, "HAS_A2": True, "HAS_BIAS": True, "HAS_DB": True, "UPCAST": False,
-                  "PRECISION": "ieee", **flags, **cfg}
+    constexprs = {"GATED": True, "HAS_A2": True, "HAS_BIAS": True, "HAS_DB": True, "HAS_SECOND": True,
+                  "UPCAST": False, "PRECISION": "ieee", **flags, **cfg}
     constexprs = {name: v for name, v in constexprs.items() if name in getattr(T, kernel).__code__.co_varnames}
-    types = {"SLOTS": "*i32", "GATES": "*fp32", "GATE_GRAD": "*fp32",
-             **{n: f"*{dtype}" for n in ("A", "W", "AUX", "OUT", "C", "A2", "W2", "BIAS", "B", "DW", "DB")}}
+    types = {"SLOTS": "*i32", "GATES": "*fp32", "GATE_GRAD": "*fp32", "P": "*fp32", "P2": "*fp32",
+             **{n: f"*{dtype}" for n in ("A", "W", "AUX", "OUT", "OUT2", "C", "A2", "W2", "BIAS", "B", "DW", "DB")}}
+    if flags.get("partials"):  # a split launch writes float32 partials
+        types.update(DW="*fp32", DB="*fp32")
     assert_compiles_for_gpu(getattr(T, kernel), types, constexprs, options, sm)
 
 

@@ -257,15 +257,28 @@ def test_what_squads_gemm_tiles_load_is_read_from_their_tile_config(monkeypatch)
     assert library.kind == "grouped_gemm" and library.flops == 2 * rows * k * n
 
 
-def test_head_wgrad_counts_its_programs_and_its_per_head_reads():
-    """MoE attention's weight gradient: one program per (head, N tile) looping over every row, so b is read once per
-    head and the grid is heads × N tiles programs (the wave term's input)."""
+def test_head_wgrad_counts_its_programs_its_per_head_reads_and_its_split_sum():
+    """MoE attention's weight gradient: one program per (head, N tile, row chunk), b read once per head inside a chunk;
+    a small problem is one chunk (heads × N tiles programs, the results written directly); several chunks write
+    float32 partials that one more kernel reads and sums into the results (the grid several waves of 132 SMs at
+    modsquad_vit_b's 30,732 rows)."""
+    from squad.bench.costmodel import SMS
     from squad.kernels import heads
 
-    m, e, kk, d, n = 1000, 24, 12, 64, 768
-    c, b = _bf16_meta(m, kk, d), _bf16_meta(m, n)
-    slots = torch.zeros(m, e, dtype=torch.int32, device="meta")
-    (rec,) = record(lambda: heads.head_wgrad(c, slots, None, b, e, False, False, torch.bfloat16)).records
-    tiles_n = n // heads.wgrad_config(n, d, torch.bfloat16)["BLOCK_N"]
-    assert rec.programs == e * tiles_n == 144
-    assert rec.reloads[0][:2] == [m * n * 2, e - 1]
+    e, kk, d, n = 24, 12, 64, 768
+    tiles_n = n // heads.wgrad_config(64, e, n, d, torch.bfloat16)["BLOCK_N"]
+    for m in (1000, 4096, 30732):
+        c, b = _bf16_meta(m, kk, d), _bf16_meta(m, n)
+        slots = torch.zeros(m, e, dtype=torch.int32, device="meta")
+        recs = record(lambda c=c, s=slots, b=b: heads.head_wgrad(c, s, None, b, e, False, True, torch.bfloat16)).records
+        splits = heads.wgrad_config(m, e, n, d, torch.bfloat16)["splits"]
+        assert recs[0].programs == e * tiles_n * splits and recs[0].reloads[0][:2] == [m * n * 2, e - 1]
+        results = (e * d * n + n) * 2
+        if m == 1000:
+            assert splits == 1 and len(recs) == 1 and recs[0].programs == 144
+            assert recs[0].bytes_written == results
+        else:
+            (partial_sum,) = recs[1:]
+            assert splits > 1 and recs[0].bytes_written == partial_sum.bytes_read == splits * (e * d * n + n) * 4
+            assert partial_sum.kind == "memory" and partial_sum.bytes_written == results
+    assert recs[0].programs >= 4 * SMS

@@ -405,10 +405,12 @@ class TrafficRecorder(TorchDispatchMode):
             out = func(*args, **kwargs)
         if func.is_view or name in _NO_KERNEL:
             return out
-        self.records.append(self._price(func, name, args, kwargs, inputs, out))
+        priced = self._price(func, name, args, kwargs, inputs, out)
+        self.records.extend(priced if isinstance(priced, list) else [priced])
         return out
 
-    def _price(self, func, name: str, args, kwargs, inputs: list[torch.Tensor], out) -> OpRecord:
+    def _price(self, func, name: str, args, kwargs, inputs: list[torch.Tensor], out) -> OpRecord | list[OpRecord]:
+        """The op's record (with a squad op's follow-up kernels after it, a list)."""
         outputs = _tensors(out)
         written: list[torch.Tensor] = []
         for i, arg in enumerate(func._schema.arguments):  # in-place / out=: the written arguments are the outputs
@@ -434,9 +436,11 @@ class TrafficRecorder(TorchDispatchMode):
                           dtype=str(outputs[0].dtype).removeprefix("torch.") if outputs else "")
         base = name.rstrip("_")  # in-place forms (addmm_) cost what their functional form does
         if func.namespace == "squad" and name in SQUAD_OPS:  # squad's grouped and nested GEMMs: their own prices
-            SQUAD_OPS[name](record, args)
+            followups = SQUAD_OPS[name](record, args)
             if record.matmul:
                 record.kind = "squad_gemm"
+            if followups:  # kernels the op launches after its main one (a split reduction's sum)
+                return [record, *followups]
         elif base in _MATMUL:
             record.flops = _matmul_flops(base, args, outputs[0] if outputs else written[0])
         elif name in _CONV:
@@ -779,28 +783,37 @@ def _price_head_gather_mm(record: OpRecord, args: Sequence) -> None:
     record.programs = tiles_m * tiles_n
 
 
-def _price_head_wgrad(record: OpRecord, args: Sequence) -> None:
-    """The weight gradient through the virtual operand: 2·M·E·d·N."""
+def _price_head_wgrad(record: OpRecord, args: Sequence) -> list[OpRecord]:
+    """The weight gradient through the virtual operand: 2·M·E·d·N, on a grid (heads, N tiles, row chunks), heads
+    fastest (order ``rows_split``, `squad.kernels.tiles`). Inside a chunk b's N slice is read once per head (the
+    heads of one N tile run side by side: a chunk's N slice of b apart) and the compact rows and slots once per N
+    tile (a pass over the chunk apart). Several chunks write float32 partials that a second kernel reads and sums
+    into the results (the returned follow-up record); one chunk writes the results."""
     from squad.kernels.heads import wgrad_config
+    from squad.kernels.tiles import split_rows
 
     c, slots, gates, b, heads = args[0], args[1], args[2], args[3], args[4]
+    m, d, n = c.shape[0], c.shape[2], b.shape[1]
     record.matmul = True
-    record.flops = 2.0 * c.shape[0] * heads * c.shape[2] * b.shape[1]
-    # grid (heads, N tiles), heads first; each program loops over every row: b's N slice is read once per head (the
-    # heads of one N tile run side by side: an N slice of b apart), the compact rows and slots once per N tile (a
-    # pass over every head apart)
-    n = b.shape[1]
-    config = wgrad_config(n, c.shape[2], c.dtype)
+    record.flops = 2.0 * m * heads * d * n
+    config = wgrad_config(m, heads, n, d, c.dtype)
+    _, splits = split_rows(m, config["BLOCK_M"], int(config.get("splits", 1)))
     tiles_n = -(-n // config["BLOCK_N"])
     rows_bytes, b_bytes = _distinct_bytes([c, slots, gates]), _logical_bytes(b)
-    one_pass = rows_bytes + b_bytes / tiles_n
-    record.reloads = [[b_bytes, float(heads - 1), b_bytes / tiles_n + rows_bytes / heads]]
+    one_pass = (rows_bytes + b_bytes / tiles_n) / splits
+    record.reloads = [[b_bytes, float(heads - 1), (b_bytes / tiles_n + rows_bytes / heads) / splits]]
     if tiles_n > 1:
         record.reloads.append([rows_bytes, float(tiles_n - 1), one_pass])
-    record.programs = heads * tiles_n
+    record.programs = heads * tiles_n * splits
+    if splits == 1:
+        return []
+    results = record.bytes_written  # dw (and db)
+    partials = splits * (heads * d * n + (n if args[6] else 0)) * 4.0  # float32
+    record.bytes_written = partials
+    return [OpRecord("head_wgrad_sum", bytes_read=partials, bytes_written=results, dtype=record.dtype)]
 
 
-SQUAD_OPS: dict[str, Callable[[OpRecord, Sequence], None]] = {
+SQUAD_OPS: dict[str, Callable[[OpRecord, Sequence], list[OpRecord] | None]] = {
     "head_select_mm": _price_head_select_mm,
     "head_gather_mm": _price_head_gather_mm,
     "head_wgrad": _price_head_wgrad,
@@ -813,4 +826,5 @@ SQUAD_OPS: dict[str, Callable[[OpRecord, Sequence], None]] = {
     "row_norm": _price_row_norm,
     "row_scatter_lerp_": _price_row_scatter_lerp,
 }
-"""Pricing of ``squad::`` custom ops by their name (the ops' schemas: `squad.kernels.grouped`)."""
+"""Pricing of ``squad::`` custom ops by their name (the ops' schemas: `squad.kernels.grouped`): each sets the op's
+record and may return the records of kernels the op launches after it."""

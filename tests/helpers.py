@@ -185,9 +185,18 @@ def _tool_server(argv: list[str], env: dict[str, str], code: bool) -> ToolServer
     return _SERVER[0] if _SERVER[0].compatible(env) else None
 
 
-def launcher(ranks: int = 1) -> list[str]:
-    """The command prefix that runs a tool on ``ranks`` ranks: plain python, or deepspeed on a free port."""
-    return [DEEPSPEED, "--num_gpus", str(ranks), "--master_port", str(free_port())] if ranks > 1 else [PY]
+RANK_LAUNCHER = str(ROOT / "tests" / "rank_launcher.py")
+
+
+def launcher(ranks: int = 1, deepspeed: bool = False) -> list[str]:
+    """The command prefix that runs a tool on ``ranks`` ranks: plain python, or ``ranks`` ranks on a free port forked
+    from one preloaded interpreter (`tests.rank_launcher`: what ``deepspeed --num_gpus N`` gives each rank, without
+    its runner's, launcher's and every rank's own imports), or with ``deepspeed`` the real launcher (for the tests of
+    what goes through it: signals, a peer stopped or killed)."""
+    if ranks == 1:
+        return [PY]
+    program = [DEEPSPEED] if deepspeed else [PY, RANK_LAUNCHER]
+    return [*program, "--num_gpus", str(ranks), "--master_port", str(free_port())]
 
 
 def write_run_config(path: Path, data_root: Path, heads: list[str], **sections: dict) -> Path:

@@ -102,7 +102,8 @@ def _command(config: Path, out: Path, *extra: str, ranks: int = 2, fault: str | 
         script = str(out.parent / "inject.py")
         Path(script).write_text(INJECT)
         env["SQUAD_TEST_FAULT"] = fault
-    first = launcher(ranks) if port is None else [DEEPSPEED, "--num_gpus", str(ranks), "--master_port", str(port)]
+    first = launcher(ranks, deepspeed=True) if port is None else [DEEPSPEED, "--num_gpus", str(ranks),
+                                                                  "--master_port", str(port)]
     return [*first, script, "--config", str(config), "--out", str(out), *extra], env
 
 

@@ -106,7 +106,7 @@ def _train(config: Path, out: Path, *extra: str, ranks: int = 2, signal_at: str 
         script = str(out.parent / "inject.py")
         Path(script).write_text(INJECT)
         env["SQUAD_TEST_SIGNAL"] = signal_at
-    cmd = [*launcher(ranks), script, "--config", str(config), "--out", str(out), *accum, *extra]
+    cmd = [*launcher(ranks, deepspeed=True), script, "--config", str(config), "--out", str(out), *accum, *extra]
     if popen:  # a process group of its own, with Ctrl-C's default action, as a terminal's foreground job has
         return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True,

@@ -1,0 +1,104 @@
+"""``deepspeed --num_gpus N --master_port P script ...`` for the tests whose subject is not the launcher: N ranks
+forked from one interpreter that imported torch, DeepSpeed and squad once.
+
+A 2-rank ``deepspeed`` launch starts four interpreters that each import torch and DeepSpeed (the runner,
+``deepspeed.launcher.launch`` and the two ranks): ~4 s of CPU each, most of a tiny test run's work. Here one
+interpreter imports them (`tests.toolserver.PRELOAD`, no tensor op: no thread pool exists yet, forking is safe) and
+forks the ranks. Each rank gets what ``deepspeed.launcher.launch`` gives it on one node: ``RANK``, ``LOCAL_RANK``,
+``WORLD_SIZE``, ``LOCAL_SIZE``, ``CROSS_RANK``/``CROSS_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``, the checkout's folder
+first on ``PYTHONPATH`` (the runner's), unbuffered output and ``--local_rank=I`` before the script's arguments; it
+runs the script as ``__main__`` (`runpy.run_path`). The ranks write to this process's stdout and stderr (one stream
+each, as the launcher's). When a rank fails, the others get SIGTERM (then SIGKILL 30 s later), and this exits with
+the first failure's status, as the launcher does; SIGTERM and SIGINT are passed on to the ranks.
+
+`tests.helpers.launcher` uses it. The tests of the launchers themselves (signals handed through them, a peer
+stopped or killed, the README's commands) run the real ``deepspeed``: `tests.helpers.DEEPSPEED`.
+
+Usage: ``python tests/rank_launcher.py --num_gpus N --master_port P SCRIPT [ARGS...]``
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import signal
+import sys
+import time
+
+from toolserver import PRELOAD  # this folder is sys.path[0]
+
+
+def _rank(rank: int, world: int, port: str, script: str, args: list[str]) -> None:
+    """In the fork: becomes rank ``rank`` and leaves through the interpreter's shutdown (SystemExit)."""
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+                       "LOCAL_SIZE": str(world), "CROSS_RANK": "0", "CROSS_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": port, "PYTHONUNBUFFERED": "1"})
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    sys.stdout.reconfigure(line_buffering=True, write_through=True)
+    sys.stderr.reconfigure(line_buffering=True, write_through=True)
+    path = os.path.abspath(script)
+    sys.argv = [path, f"--local_rank={rank}", *args]
+    sys.path[0] = os.path.dirname(path)
+    runpy.run_path(path, run_name="__main__")
+    sys.exit(0)
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    opts = {}
+    while argv and argv[0] in ("--num_gpus", "--master_port"):
+        opts[argv[0]] = argv[1]
+        argv = argv[2:]
+    world, port = int(opts["--num_gpus"]), opts["--master_port"]
+    script, args = argv[0], argv[1:]
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # what tools/*.py set before torch loads libgomp
+    cwd = os.getcwd()
+    os.environ["PYTHONPATH"] = cwd + (":" + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")
+    sys.path.insert(1, cwd)
+    for name in PRELOAD:
+        try:
+            __import__(name)
+        except ImportError:
+            pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pids = []
+    for rank in range(world):
+        pid = os.fork()
+        if pid == 0:
+            _rank(rank, world, port, script, args)  # returns only by raising SystemExit
+        pids.append(pid)
+
+    def forward(sig, _frame):
+        for p in pids:
+            try:
+                os.kill(p, sig)
+            except ProcessLookupError:
+                pass
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, forward)
+    failed, killed_at = 0, None
+    alive = set(pids)
+    while alive:
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid == 0:
+            if killed_at is not None and time.monotonic() - killed_at > 30:
+                forward(signal.SIGKILL, None)
+                killed_at = float("inf")
+            time.sleep(0.05)
+            continue
+        alive.discard(pid)
+        code = os.waitstatus_to_exitcode(status)
+        if code != 0 and not failed:
+            failed = code if code > 0 else 128 - code
+            forward(signal.SIGTERM, None)
+            killed_at = time.monotonic()
+    sys.exit(failed)
+
+
+if __name__ == "__main__":
+    main()

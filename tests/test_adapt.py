@@ -1,6 +1,5 @@
 """A-MoD adaptation of a dense ViT with no training (tools/adapt_pretrained.py)."""
 
-import subprocess
 import sys
 
 import pytest
@@ -9,7 +8,7 @@ import torch
 
 import squad
 from squad.posttrain.adapt import fidelity, to_mod
-from tests.helpers import ROOT, tool_env
+from tests.helpers import ROOT, run_command, tool_env
 
 
 @pytest.fixture(scope="module")
@@ -54,9 +53,9 @@ def test_to_mod_rejects_routed_models():
 def test_tool_on_a_timm_file(vit_file, tiny_data, tmp_path):
     path, _ = vit_file
     out = tmp_path / "amod.pt"
-    res = subprocess.run([sys.executable, "tools/adapt_pretrained.py", "--checkpoint", str(path), "--num-heads", "6",
-                          "--capacity", "0.5", "--data", str(tiny_data), "--split", "train", "--batches", "1",
-                          "--out", str(out)], cwd=ROOT, env=tool_env(), capture_output=True, text=True, timeout=300)
+    res = run_command([sys.executable, "tools/adapt_pretrained.py", "--checkpoint", str(path), "--num-heads", "6",
+                       "--capacity", "0.5", "--data", str(tiny_data), "--split", "train", "--batches", "1",
+                       "--out", str(out)], ROOT, tool_env(), 300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "attention" in res.stdout and "learned" in res.stdout
     assert "nan" not in res.stdout  # a measure that does not apply is "-" (the dense row: no agreement with itself)
@@ -64,9 +63,8 @@ def test_tool_on_a_timm_file(vit_file, tiny_data, tmp_path):
     assert dense_row.split()[-2:] == ["-", "-"], res.stdout
     model = squad.load_model(out)
     assert any(b.__class__.__name__ == "MoDBlock" for b in model.blocks)
-    bad = subprocess.run([sys.executable, "tools/adapt_pretrained.py", "--checkpoint", str(tmp_path / "nope.pth"),
-                          "--out", str(out)], cwd=ROOT, env=tool_env(), capture_output=True, text=True,
-                         timeout=120)
+    bad = run_command([sys.executable, "tools/adapt_pretrained.py", "--checkpoint", str(tmp_path / "nope.pth"),
+                       "--out", str(out)], ROOT, tool_env(), 120)
     assert bad.returncode == 2 and "not found" in bad.stderr
 
 

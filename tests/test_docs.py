@@ -5,13 +5,12 @@ writes from the config dataclasses. (tests/test_readme.py runs the pages' comman
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 import unicodedata
 from pathlib import Path
 from urllib.parse import unquote
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, run_command, tool_env
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 LINK = re.compile(r"(?<!!)\[(?P<text>[^\]]*)\]\((?P<target>[^)\s]+)(?:\s+\"[^\"]*\")?\)")
@@ -123,6 +122,5 @@ def test_config_reference_lists_every_key():
 
 
 def test_docs_tool_checks_the_page():
-    res = subprocess.run([sys.executable, "tools/docs.py", "config-reference", "--check"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
+    res = run_command([sys.executable, "tools/docs.py", "config-reference", "--check"], ROOT, tool_env(), 120)
     assert res.returncode == 0 and "up to date" in res.stdout, res.stdout + res.stderr

@@ -390,10 +390,9 @@ def test_nan_in_every_nyud_depth_file_is_bad_input(nyud, tmp_path):
     """Every depth file holds NaN: the reader names the file, and training stops with one ``error:`` line naming
     the problem, exit 2 (not a traceback, exit 1)."""
     import shutil
-    import subprocess
 
     from squad.data.samples import UnusableDataError
-    from tests.helpers import PY, ROOT, TINY, tool_env
+    from tests.helpers import PY, ROOT, TINY, run_command, tool_env
 
     root, _, variant = nyud
     if variant != "npy":
@@ -407,9 +406,8 @@ def test_nan_in_every_nyud_depth_file_is_bad_input(nyud, tmp_path):
     sets = [*TINY, "model.head_dim=null", "data.dataset=nyud", f"data.root={bad}", "data.workers=0",
             "data.val_batches=1", "data.val_split=train", "optim.steps=1", "optim.batch_per_rank=2",
             "train.progress=false"]
-    res = subprocess.run([PY, "tools/train.py", "--config", str(ROOT / "configs/model/modsquad_vit_s_nyud.yaml"),
-                          "--out", str(tmp_path / "run"), *[a for s in sets for a in ("--set", s)]], cwd=ROOT,
-                         env=tool_env(), capture_output=True, text=True, timeout=300)
+    res = run_command([PY, "tools/train.py", "--config", str(ROOT / "configs/model/modsquad_vit_s_nyud.yaml"),
+                       "--out", str(tmp_path / "run"), *[a for s in sets for a in ("--set", s)]], ROOT, tool_env(), 300)
     assert res.returncode == 2, res.stderr[-3000:]
     assert "error: " in res.stderr and "non-finite depths" in res.stderr and "unusable" in res.stderr
     assert "Traceback" not in res.stderr, res.stderr[-3000:]

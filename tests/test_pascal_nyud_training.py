@@ -12,9 +12,7 @@ Also: the shipped configs' sizes against Table 3, and every run config of config
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +23,7 @@ import torch
 import squad
 from squad.config.run import RunConfig, deepspeed_config
 from squad.tasks import get_task
-from tests.helpers import PY, ROOT, TINY, tool_env
+from tests.helpers import PY, ROOT, TINY, run_command, tool_env
 
 # The tasks of each benchmark, their head channels and the direction of their primary metric (the issue's table).
 BENCHMARK_TASKS = {"pascal_context": ["semseg", "human_parts", "saliency", "normals", "edge"],
@@ -91,15 +89,11 @@ class Run:
 
 
 def _run(cmd: list[str]) -> tuple[int | str, str]:
-    proc = subprocess.Popen(cmd, env=tool_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
     try:
-        out, _ = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        return "timeout", out[-6000:]
-    return proc.returncode, out[-6000:]
+        proc = run_command(cmd, ROOT, tool_env(), TIMEOUT)  # forked from the worker's preloaded interpreter
+    except subprocess.TimeoutExpired as e:
+        return "timeout", f"{e.stdout or ''}{e.stderr or ''}"[-6000:]
+    return proc.returncode, (proc.stdout + proc.stderr)[-6000:]
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[c.dataset for c in CASES])

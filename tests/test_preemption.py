@@ -28,7 +28,7 @@ import torch
 from squad.distributed import free_port
 from squad.io.checkpoints import SAVING, complete_tags, find_resume_tag, tag_for
 from squad.train.stops import EXIT_PREEMPTED
-from tests.helpers import PY, ROOT, launcher, logged_losses, tool_env, write_run_config
+from tests.helpers import PY, ROOT, launcher, logged_losses, run_command, tool_env, write_run_config
 
 pytestmark = pytest.mark.slow  # every test here runs tools/train.py
 
@@ -98,7 +98,7 @@ def config(tmp_path_factory) -> Path:
 
 def _train(config: Path, out: Path, *extra: str, ranks: int = 2, signal_at: str | None = None,
            popen: bool = False):
-    """tools/train.py on ``ranks`` ranks (2: the deepspeed launcher), 1 rank with 2 micro-batches per step."""
+    """tools/train.py on ``ranks`` ranks (2: a launcher), 1 rank with 2 micro-batches per step."""
     accum = ["--set", "optim.grad_accum=2"] if ranks == 1 else []
     script = "tools/train.py"
     env = tool_env()
@@ -106,7 +106,12 @@ def _train(config: Path, out: Path, *extra: str, ranks: int = 2, signal_at: str 
         script = str(out.parent / "inject.py")
         Path(script).write_text(INJECT)
         env["SQUAD_TEST_SIGNAL"] = signal_at
-    cmd = [*launcher(ranks, deepspeed=True), script, "--config", str(config), "--out", str(out), *accum, *extra]
+    # the real deepspeed launcher where a signal goes through it; otherwise the ranks forked from one preloaded
+    # interpreter (tests.rank_launcher), one rank forked from the worker's (tests.helpers.run_command)
+    cmd = [*launcher(ranks, deepspeed=bool(signal_at or popen)), script, "--config", str(config), "--out", str(out),
+           *accum, *extra]
+    if not (signal_at or popen):
+        return run_command(cmd, ROOT, env, TIMEOUT)
     if popen:  # a process group of its own, with Ctrl-C's default action, as a terminal's foreground job has
         return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True,

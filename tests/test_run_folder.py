@@ -21,7 +21,7 @@ from squad.train import run_folder as rf
 from squad.train import shm as sh
 from squad.train import tags as ckpt_tags
 from squad.train.objective import nonfinite_stop
-from tests.helpers import DEEPSPEED, PY, ROOT, run_command, tool_env
+from tests.helpers import DEEPSPEED, PY, RANK_LAUNCHER, ROOT, run_command, tool_env
 
 HOLD = ("import sys, time; from squad.train.run_folder import RunLock; RunLock.acquire(sys.argv[1]); "
         "print('held', flush=True); time.sleep(600)")
@@ -166,8 +166,10 @@ def run_config(tmp_path_factory, tiny_data):
 
 
 def _train(config: Path, out: Path, *args: str, ranks: int = 0, port: int | None = None, env: dict | None = None,
-           timeout: int = 600):
-    launch = [DEEPSPEED, "--num_gpus", str(ranks), "--master_port", str(port or free_port())] if ranks else [PY]
+           timeout: int = 600, deepspeed: bool = False):
+    """tools/train.py on one process, or on ``ranks`` (`tests.rank_launcher`; the real launcher with ``deepspeed``)."""
+    program = [DEEPSPEED] if deepspeed else [PY, RANK_LAUNCHER]
+    launch = [*program, "--num_gpus", str(ranks), "--master_port", str(port or free_port())] if ranks else [PY]
     cmd = [*launch, "tools/train.py", "--config", str(config), "--out", str(out), *args]
     return run_command(cmd, ROOT, tool_env(**(env or {})), timeout)
 
@@ -207,7 +209,7 @@ def test_a_locked_folder_is_refused_before_the_heavy_start_up(holder, run_config
     if not ranks:
         env["TORCH_EXTENSIONS_DIR"] = str(tmp_path / "ext")
         (tmp_path / "ext").mkdir()
-    res = _train(run_config, run, ranks=ranks, env=env, timeout=120)
+    res = _train(run_config, run, ranks=ranks, env=env, timeout=120, deepspeed=True)
     assert res.returncode == 2, res.stdout[-3000:] + res.stderr[-3000:]
     assert f"in use by another training run: pid {proc.pid}" in res.stdout + res.stderr
     if not ranks:

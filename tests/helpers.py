@@ -25,6 +25,7 @@ from tests.toolserver import ToolServer, with_group
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 DEEPSPEED = str(Path(sys.executable).parent / "deepspeed")
+RANK_LAUNCHER = str(ROOT / "tests" / "rank_launcher.py")  # `launcher`: ranks forked from a preloaded interpreter
 MODEL_CONFIGS = sorted(p for p in (ROOT / "configs" / "model").glob("*.yaml") if not p.name.startswith("_"))
 
 # Shrinks any paper config to a size that runs in milliseconds on the CPU, keeping its layer plan and kinds.
@@ -175,7 +176,7 @@ _SERVER: list[ToolServer] = []
 def _tool_server(argv: list[str], env: dict[str, str], code: bool) -> ToolServer | None:
     """The worker's tool server when ``argv`` is a forkable run (`run_command`), else None."""
     script = argv[1] if len(argv) > 1 else ""
-    tool = script.endswith(".py") and Path(script).parent.name == "tools"
+    tool = script.endswith(".py") and Path(script).parent.name == "tools" or script == RANK_LAUNCHER
     if argv[0] not in (PY, "python") or not (tool or (code and script == "-c" and len(argv) > 2)) \
             or os.environ.get("SQUAD_TEST_FORK") == "0":
         return None
@@ -184,8 +185,6 @@ def _tool_server(argv: list[str], env: dict[str, str], code: bool) -> ToolServer
         atexit.register(_SERVER[0].close)
     return _SERVER[0] if _SERVER[0].compatible(env) else None
 
-
-RANK_LAUNCHER = str(ROOT / "tests" / "rank_launcher.py")
 
 
 def launcher(ranks: int = 1, deepspeed: bool = False) -> list[str]:

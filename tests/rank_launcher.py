@@ -11,8 +11,10 @@ runs the script as ``__main__`` (`runpy.run_path`). The ranks write to this proc
 each, as the launcher's). When a rank fails, the others get SIGTERM (then SIGKILL 30 s later), and this exits with
 the first failure's status, as the launcher does; SIGTERM and SIGINT are passed on to the ranks.
 
-`tests.helpers.launcher` uses it. The tests of the launchers themselves (signals handed through them, a peer
-stopped or killed, the README's commands) run the real ``deepspeed``: `tests.helpers.DEEPSPEED`.
+`tests.helpers.launcher` names it; `tests.helpers.run_command` hands such a command to the test worker's tool server
+(`tests.toolserver`), which forks the ranks from its own preloaded interpreter (no import at all). The tests of the
+launchers themselves (signals handed through them, a peer stopped or killed, the README's commands) run the real
+``deepspeed``: `tests.helpers.DEEPSPEED`.
 
 Usage: ``python tests/rank_launcher.py --num_gpus N --master_port P SCRIPT [ARGS...]``
 """
@@ -45,24 +47,34 @@ def _rank(rank: int, world: int, port: str, script: str, args: list[str]) -> Non
     sys.exit(0)
 
 
-def main() -> None:
-    argv = sys.argv[1:]
+def parse(argv: list[str]) -> tuple[int, str, str, list[str]]:
+    """``--num_gpus N --master_port P SCRIPT ARGS...`` as (N, P, SCRIPT, ARGS)."""
     opts = {}
     while argv and argv[0] in ("--num_gpus", "--master_port"):
         opts[argv[0]] = argv[1]
         argv = argv[2:]
-    world, port = int(opts["--num_gpus"]), opts["--master_port"]
-    script, args = argv[0], argv[1:]
+    return int(opts["--num_gpus"]), opts["--master_port"], argv[0], argv[1:]
+
+
+def main() -> None:
+    world, port, script, args = parse(sys.argv[1:])
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # what tools/*.py set before torch loads libgomp
-    cwd = os.getcwd()
-    os.environ["PYTHONPATH"] = cwd + (":" + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")
-    sys.path.insert(1, cwd)
     for name in PRELOAD:
         try:
             __import__(name)
         except ImportError:
             pass
+    launch(world, port, script, args)
+
+
+def launch(world: int, port: str, script: str, args: list[str]) -> None:
+    """Forks the ``world`` ranks of ``script`` from this (preloaded) process, waits for them and exits with the first
+    failure's status (0 when every rank succeeded); `tests.toolserver` calls it in a fork of its own."""
+    cwd = os.getcwd()
+    os.environ["PYTHONPATH"] = cwd + (":" + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")
+    if cwd not in sys.path:
+        sys.path.insert(1, cwd)
     sys.stdout.flush()
     sys.stderr.flush()
     pids = []

@@ -5,7 +5,6 @@ exchange moves what it should, shards are invisible to DeepSpeed, and bad sizes 
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ import torch
 import squad
 from squad.config.base import ConfigError
 from squad.layers.parallel import ExpertGroups, check_size, is_sharded, shard_module, sharded_parameters
-from tests.helpers import ROOT, launcher, tiny_model, tool_env
+from tests.helpers import ROOT, launcher, run_command, tiny_model, tool_env
 
 
 def _fake_groups(size: int, rank: int) -> ExpertGroups:
@@ -85,7 +84,7 @@ def worker_results(tmp_path_factory):
     (groups of 2, no expert-data parallelism) trains in tests/test_expert_parallel_training.py."""
     out = tmp_path_factory.mktemp("ep4") / "results.json"
     cmd = launcher(4) + ["tests/ep_worker.py", "--out", str(out)]
-    res = subprocess.run(cmd, cwd=ROOT, env=tool_env(), capture_output=True, text=True, timeout=900)
+    res = run_command(cmd, ROOT, tool_env(), 900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return json.loads(out.read_text())
 

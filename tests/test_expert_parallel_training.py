@@ -18,7 +18,6 @@ Every run of the same data reaches the reference's losses and weights to float32
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -26,7 +25,7 @@ import torch
 import yaml
 
 import squad
-from tests.helpers import ROOT, launcher, logged_losses, tool_env, write_run_config
+from tests.helpers import ROOT, launcher, logged_losses, run_command, tool_env, write_run_config
 
 pytestmark = pytest.mark.slow
 HEADS = ["depth_euclidean", "class_scene"]
@@ -46,7 +45,7 @@ def _config(path: Path, data: Path, ep: int, zero: int = 0, **train) -> Path:
 
 def _train(config: Path, out: Path, ranks: int = 2, *args: str) -> None:
     cmd = launcher(ranks) + ["tools/train.py", "--config", str(config), "--out", str(out), *args]
-    res = subprocess.run(cmd, cwd=ROOT, env=tool_env(), capture_output=True, text=True, timeout=TIMEOUT)
+    res = run_command(cmd, ROOT, tool_env(), TIMEOUT)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
 
 

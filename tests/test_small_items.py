@@ -14,7 +14,7 @@ from squad.cli import _run
 from squad.config.base import ConfigError
 from squad.distributed import free_port, on_every_rank
 from squad.train.optim import warmup_note
-from tests.helpers import PY, ROOT, launcher, tiny_model, tool_env, write_run_config
+from tests.helpers import PY, ROOT, launcher, run_command, tiny_model, tool_env, write_run_config
 
 
 def test_warmup_note():
@@ -48,15 +48,14 @@ def test_two_ranks_print_the_warning_the_error_and_the_model_line_once(tiny_data
     config = write_run_config(tmp_path / "tiny.yaml", tiny_data, ["depth_euclidean"],
                               optim={"warmup_steps": 50, "steps": 2}, train={"ckpt_every": 2})
     cmd = [*launcher(2), "tools/train.py", "--config", str(config), "--out", str(tmp_path / "run")]
-    res = subprocess.run(cmd, env=tool_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    res = run_command(cmd, ROOT, tool_env(), 600)
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-3000:]
     assert out.count("model: ") == 1, out[-3000:]
     assert out.count("optim.warmup_steps=50 (or warmup_epochs) exceeds the run's 2 steps") == 1, out[-3000:]
     assert "exceeds the run's 2 steps" in (tmp_path / "run" / "train.log").read_text()
     # a resume with a changed lr: refused on every rank alike, said once
-    res = subprocess.run([*launcher(2), *cmd[6:], "--set", "optim.lr=0.1"], env=tool_env(), cwd=ROOT,
-                         capture_output=True, text=True, timeout=600)
+    res = run_command([*launcher(2), *cmd[6:], "--set", "optim.lr=0.1"], ROOT, tool_env(), 600)
     out = res.stdout + res.stderr
     assert res.returncode == 2, out[-3000:]
     assert out.count("error: cannot resume") == 1 and "error (rank" not in out, out[-3000:]

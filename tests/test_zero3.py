@@ -5,19 +5,18 @@ run, with expert parallelism, is in tests/test_expert_parallel_training.py."""
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 import torch
 
-from tests.helpers import MODEL_CONFIGS, ROOT, launcher, tool_env
+from tests.helpers import MODEL_CONFIGS, ROOT, launcher, run_command, tool_env
 
 
 @pytest.fixture(scope="module")
 def every_config(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("zero3") / "results.json"
     cmd = launcher(2) + ["tests/zero3_worker.py", "--out", str(out), *map(str, MODEL_CONFIGS)]
-    res = subprocess.run(cmd, cwd=ROOT, env=tool_env(), capture_output=True, text=True, timeout=900)
+    res = run_command(cmd, ROOT, tool_env(), 900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return json.loads(out.read_text())
 

@@ -9,11 +9,10 @@ test sees is what `subprocess.run` gives: the exit status (negative: killed by t
 
 Only a plain ``python tools/<name>.py`` command in the tests' tool environment goes through it
 (`tests.helpers.run_command`; ``python -c CODE`` too when the caller says its code does not care which modules are
-already imported); launchers (deepspeed, torchrun, accelerate), other interpreter options, and a run whose
-environment changes how those modules import (``TRITON_INTERPRET``, ``DS_ACCELERATOR``, a different ``PYTHONPATH``)
-start a real interpreter.
-``SQUAD_TEST_FORK=0`` turns the server off (every run a fresh interpreter).
-"""
+already imported; and ``python tests/rank_launcher.py ...``, whose ranks are forked from the run's fork); launchers
+(deepspeed, torchrun, accelerate), other interpreter options, and a run whose environment changes how those modules
+import (``TRITON_INTERPRET``, ``DS_ACCELERATOR``, a different ``PYTHONPATH``) start a real interpreter.
+``SQUAD_TEST_FORK=0`` turns the server off (every run a fresh interpreter)."""
 
 from __future__ import annotations
 
@@ -46,13 +45,15 @@ class ToolServer:
         return all(env.get(k) == self.env.get(k) for k in IMPORT_TIME)
 
     def run(self, argv: list[str], cwd: str | Path, env: dict[str, str], timeout: float) -> tuple[int | str, str, str]:
-        """Runs ``argv`` (``[python, script, *args]``) as a fork; returns (exit status or "timeout", stdout, stderr)."""
+        """Runs ``argv`` (``[python, script, *args]``) as a fork; returns (exit status or "timeout", stdout, stderr).
+        ``[python, tests/rank_launcher.py, ...]``: the ranks are forks of that fork (one session)."""
         with tempfile.TemporaryDirectory() as tmp:
             out, err = Path(tmp) / "out", Path(tmp) / "err"
-            request = {"argv": argv[1:], "cwd": str(cwd), "env": env, "out": str(out), "err": str(err)}
+            request = {"argv": argv[1:], "cwd": str(cwd), "env": env, "out": str(out), "err": str(err),
+                       "ranks": Path(argv[1]).name == "rank_launcher.py"}
             self.proc.stdin.write((json.dumps(request) + "\n").encode())
             self.proc.stdin.flush()
-            pid = json.loads(self._line(30))["pid"]
+            pid = json.loads(self._line(300))["pid"]  # the first request waits for the preload (minutes when loaded)
             try:
                 status = json.loads(self._line(timeout))["rc"]
             except TimeoutError:
@@ -95,6 +96,10 @@ def _child(request: dict, protocol: tuple[int, int]) -> None:
     for fd, path in ((1, request["out"]), (2, request["err"])):
         os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    if request.get("ranks"):  # tests/rank_launcher.py --num_gpus N --master_port P SCRIPT ARGS: its ranks forked here
+        from rank_launcher import launch, parse
+
+        launch(*parse(request["argv"][1:]))  # exits
     if request["argv"][0] == "-c":  # python -c CODE [ARGS]
         sys.argv = request["argv"][1:]
         sys.argv[0] = "-c"

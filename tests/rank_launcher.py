@@ -2,7 +2,9 @@
 forked from one interpreter that imported torch, DeepSpeed and squad once.
 
 A 2-rank ``deepspeed`` launch starts four interpreters that each import torch and DeepSpeed (the runner,
-``deepspeed.launcher.launch`` and the two ranks): ~4 s of CPU each, most of a tiny test run's work. Here one
+``deepspeed.launcher.launch`` and the two ranks; a rank of tools/train.py imports ~9 s of CPU): most of a tiny test
+run's work (the README's tiny 2-rank demo training took 24.5 s of CPU, a tiny one-process training forked from the
+tool server 4-5 s; a loaded 2-core machine). Here one
 interpreter imports them (`tests.toolserver.PRELOAD`, no tensor op: no thread pool exists yet, forking is safe) and
 forks the ranks. Each rank gets what ``deepspeed.launcher.launch`` gives it on one node: ``RANK``, ``LOCAL_RANK``,
 ``WORLD_SIZE``, ``LOCAL_SIZE``, ``CROSS_RANK``/``CROSS_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``, the checkout's folder

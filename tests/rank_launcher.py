@@ -23,17 +23,19 @@ Usage: ``python tests/rank_launcher.py --num_gpus N --master_port P SCRIPT [ARGS
 
 from __future__ import annotations
 
+import atexit
 import os
 import runpy
 import signal
 import sys
 import time
+import traceback
 
 from toolserver import PRELOAD  # this folder is sys.path[0]
 
 
 def _rank(rank: int, world: int, port: str, script: str, args: list[str]) -> None:
-    """In the fork: becomes rank ``rank`` and leaves through the interpreter's shutdown (SystemExit)."""
+    """In the fork: becomes rank ``rank``, runs ``script`` as ``__main__``, leaves with its exit status (`_leave`)."""
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
                        "LOCAL_SIZE": str(world), "CROSS_RANK": "0", "CROSS_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": port, "PYTHONUNBUFFERED": "1"})
@@ -45,8 +47,30 @@ def _rank(rank: int, world: int, port: str, script: str, args: list[str]) -> Non
     path = os.path.abspath(script)
     sys.argv = [path, f"--local_rank={rank}", *args]
     sys.path[0] = os.path.dirname(path)
-    runpy.run_path(path, run_name="__main__")
-    sys.exit(0)
+    code = 0
+    try:
+        runpy.run_path(path, run_name="__main__")
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if e.code is not None and not isinstance(e.code, int):
+            print(e.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - what the interpreter would print and exit 1 with
+        traceback.print_exc()
+        code = 1
+    _leave(code)
+
+
+def _leave(code: int) -> None:
+    """Python's exit handlers, then the end of the process without C++'s static destructors: a fork holds the
+    std::thread objects of threads its parent's libraries started, which it does not have, and destroying a joinable
+    one aborts the rank at exit ("terminate called without an active exception", exit 134; seen once in the ZeRO-3
+    run of a clean-clone `make test`)."""
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def parse(argv: list[str]) -> tuple[int, str, str, list[str]]:
@@ -83,7 +107,7 @@ def launch(world: int, port: str, script: str, args: list[str]) -> None:
     for rank in range(world):
         pid = os.fork()
         if pid == 0:
-            _rank(rank, world, port, script, args)  # returns only by raising SystemExit
+            _rank(rank, world, port, script, args)  # never returns (os._exit)
         pids.append(pid)
 
     def forward(sig, _frame):

@@ -31,7 +31,7 @@ import sys
 import time
 import traceback
 
-from toolserver import PRELOAD  # this folder is sys.path[0]
+from toolserver import preload  # this folder is sys.path[0]
 
 
 def _rank(rank: int, world: int, port: str, script: str, args: list[str]) -> None:
@@ -84,13 +84,7 @@ def parse(argv: list[str]) -> tuple[int, str, str, list[str]]:
 
 def main() -> None:
     world, port, script, args = parse(sys.argv[1:])
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # what tools/*.py set before torch loads libgomp
-    for name in PRELOAD:
-        try:
-            __import__(name)
-        except ImportError:
-            pass
+    preload()
     launch(world, port, script, args)
 
 

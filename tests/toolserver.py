@@ -113,7 +113,8 @@ def _child(request: dict, protocol: tuple[int, int]) -> None:
     sys.exit(0)
 
 
-def _serve() -> None:
+def preload() -> None:
+    """The environment tools/*.py set before torch loads, then `PRELOAD` imported (no tensor op: forking stays safe)."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # what tools/*.py set before torch loads libgomp
     for name in PRELOAD:
@@ -121,6 +122,10 @@ def _serve() -> None:
             __import__(name)
         except ImportError:
             pass
+
+
+def _serve() -> None:
+    preload()
     requests = os.fdopen(os.dup(0), "rb")
     replies = os.fdopen(os.dup(1), "wb")
     null = os.open(os.devnull, os.O_RDWR)

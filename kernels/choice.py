@@ -6,11 +6,16 @@ Two routed ops have two backends each on the CUDA path (`squad.kernels.device.cu
   GEMM (`torch.nn.functional.grouped_mm`) on tokens permuted into expert order and back, or ``triton``, squad's
   ScatterMoE-style kernels (`squad.kernels.grouped`) that gather and scatter rows themselves;
 - ``mone`` (MoNE's nested projections at inference, config key ``model.mone.kernel``): ``cublas``, one matmul per
-  width slice, or ``triton``, the nested kernels (`squad.kernels.nested`).
+  width slice, or ``triton``, the nested kernels (`squad.kernels.nested`);
+- ``moa`` (MoE attention's query and output projections, config key ``model.moa.kernel``), three: ``cublas``, the
+  dense all-head form on plain GEMMs with gathers, ``heads``, the same form on squad's Triton head kernels
+  (`squad.kernels.heads`), or ``routed``, grouped GEMMs over the expert-sorted (token, slot) rows
+  (`squad.layers.experts.heads`, `squad.layers.moe_attention`).
 
-A layer whose key says ``auto`` takes the backend measured faster at its shape on the GPU it runs on, and the
-library's backend (``grouped_mm``, ``cublas``) until a GPU has measured that shape. ``make gpu-check`` times every
-backend at the shipped configs' shapes and records the winner here (`record`).
+A layer whose key says ``auto`` takes the backend measured faster at its shape on the GPU it runs on, and until a
+GPU has measured that shape the library's backend (``grouped_mm``, ``cublas``) — for ``moa`` the form a cost model
+prices lower (``cublas`` for the dense form: `squad.layers.moe_attention.projection_costs`). ``make gpu-check``
+times every backend at the shipped configs' shapes and records the winner here (`record`).
 
 The choice file is JSON at `choices_path`: ``$SQUAD_KERNEL_CHOICES`` when set, else
 ``$XDG_CACHE_HOME/squad/kernel_choices.json`` (``~/.cache/squad/kernel_choices.json``) — per user and machine image,
@@ -36,8 +41,8 @@ from pathlib import Path
 
 import torch
 
-BACKENDS = {"moe_mlp": ("grouped_mm", "triton"), "mone": ("cublas", "triton")}
-LIBRARY = {"moe_mlp": "grouped_mm", "mone": "cublas"}  # the backend ``auto`` takes before a GPU has measured
+BACKENDS = {"moe_mlp": ("grouped_mm", "triton"), "mone": ("cublas", "triton"), "moa": ("cublas", "heads", "routed")}
+LIBRARY = {"moe_mlp": "grouped_mm", "mone": "cublas", "moa": "cublas"}  # ``auto``'s backend until a GPU has measured
 ENV = "SQUAD_KERNEL_CHOICES"
 VERSION = 1
 
@@ -100,16 +105,18 @@ def measured_backend(key: str, device_type: str, device_index: int) -> str | Non
 
 
 def resolve(op: str, requested: str, dims: dict[str, int], dtype: torch.dtype, device: torch.device,
-            library_runs: bool = True) -> str:
+            library_runs: bool = True, unmeasured: str | None = None) -> str:
     """The backend ``op`` takes: ``requested`` unless it is ``auto``; for ``auto`` the measured choice at this shape
-    on this GPU, else the library's backend — or ``triton`` where the library op cannot take the operands
-    (``library_runs`` False, e.g. float32 `grouped_mm` on CUDA)."""
+    on this GPU, else ``unmeasured`` when given (a cost model's pick), else the library's backend — or ``triton``
+    where the library op cannot take the operands (``library_runs`` False, e.g. float32 `grouped_mm` on CUDA)."""
     if requested != "auto":
         return requested
     device = torch.device(device)
     found = measured_backend(shape_key(op, dims, dtype), device.type, -1 if device.index is None else device.index)
     if found is not None:
         return found
+    if unmeasured is not None:
+        return unmeasured
     return LIBRARY[op] if library_runs else "triton"
 
 

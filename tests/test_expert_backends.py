@@ -14,6 +14,7 @@ The Triton backend's own tests (interpreter, float64 reference) are in tests/tes
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -27,6 +28,7 @@ from squad.kernels.device import force_cuda_path
 from squad.layers.experts import expert_mlp, plan_dispatch
 from squad.layers.experts.grouped import library_grouped_mm
 from squad.layers.experts.permuted import _tile_gates, grouped_gemm_reference, library_runs, token_tile
+from squad.layers.moe_attention import MoEAttention
 from squad.layers.moe_mlp import ExpertMLP
 from squad.layers.mone import MoNEBlock
 from tests.helpers import MODEL_CONFIGS, tiny_config
@@ -161,6 +163,14 @@ def test_auto_takes_the_library_op_until_a_gpu_has_measured(tmp_path, monkeypatc
     assert choice.resolve("moe_mlp", "auto", dims, torch.bfloat16, cpu) == "grouped_mm"
     assert choice.resolve("moe_mlp", "auto", dims, torch.bfloat16, cpu, library_runs=False) == "triton"
     assert choice.resolve("mone", "auto", {"D": 64}, torch.bfloat16, cpu) == "cublas"
+    heads = {"E": 24, "D": 768, "d": 64, "k": 12}  # MoE attention: the cost model's form until measured
+    assert choice.resolve("moa", "auto", heads, torch.bfloat16, cpu) == "cublas"
+    assert choice.resolve("moa", "auto", heads, torch.bfloat16, cpu, unmeasured="routed") == "routed"
+    assert choice.record("moa", heads, torch.bfloat16, "Test GPU", {"cublas": 2.0, "heads": 3.0, "routed": 2.5}) == \
+        "cublas"
+    assert choice.resolve("moa", "auto", heads, torch.bfloat16, cpu, unmeasured="routed") == "cublas"
+    with pytest.raises(ValueError, match="expected some of"):
+        choice.record("moa", heads, torch.bfloat16, "Test GPU", {"triton": 1.0})
     assert choice.record("moe_mlp", dims, torch.bfloat16, "Test GPU", {"grouped_mm": 2.0, "triton": 1.5}) == "triton"
     assert choice.resolve("moe_mlp", "auto", dims, torch.bfloat16, cpu) == "triton"
     assert choice.resolve("moe_mlp", "auto", dims, torch.float32, cpu) == "grouped_mm"  # another shape key
@@ -182,28 +192,29 @@ def test_library_runs_follows_what_the_op_takes():
     assert not library_runs(torch.device("meta"), torch.float32, 64, 128)  # meta tensors stand for CUDA ones
 
 
-@pytest.mark.parametrize("section,value", [("moe", "cutlass"), ("mone", "grouped_mm")])
+@pytest.mark.parametrize("section,value", [("moe", "cutlass"), ("mone", "grouped_mm"), ("moa", "dense")])
 def test_kernel_keys_are_checked_with_their_names(section, value):
     with pytest.raises(ConfigError, match=f"model.{section}.kernel"):
         tiny_config(MODEL_CONFIGS[0], [f"model.{section}.kernel={value}"])
 
 
-BACKENDS = [("grouped_mm", "cublas"), ("triton", "triton")]
+BACKENDS = [("grouped_mm", "cublas", "cublas"), ("triton", "triton", "heads"), ("grouped_mm", "cublas", "routed")]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", MODEL_CONFIGS, ids=lambda p: p.stem)
 def test_every_config_trains_on_each_backend(path):
-    """Each shipped config at test widths, one layer deep per kind, on the CUDA path (forced) with each backend: a
-    training step gives finite gradients equal across the backends, and evaluation (MoNE's inference backends) gives
-    equal outputs."""
+    """Each shipped config at test widths, one layer deep per kind, on the CUDA path (forced) with each backend (MoE
+    MLP, MoNE, MoE attention): a training step gives finite gradients equal across the backends, and evaluation
+    (MoNE's inference backends) gives equal outputs."""
     results = []
-    for moe, mone in BACKENDS:
-        cfg = tiny_config(path, ["model.depth=2", f"model.moe.kernel={moe}", f"model.mone.kernel={mone}"]).model
+    for moe, mone, moa in BACKENDS:
+        cfg = tiny_config(path, ["model.depth=2", f"model.moe.kernel={moe}", f"model.mone.kernel={mone}",
+                                 f"model.moa.kernel={moa}"]).model
         torch.manual_seed(0)
         model = squad.build_model(cfg).train()
-        if not any(isinstance(m, ExpertMLP | MoNEBlock) for m in model.modules()):
-            pytest.skip("no MoE MLP or MoNE block: nothing takes a backend")
+        if not any(isinstance(m, ExpertMLP | MoNEBlock | MoEAttention) for m in model.modules()):
+            pytest.skip("no MoE MLP, MoE attention or MoNE block: nothing takes a backend")
         x = torch.randn(2, 3, cfg.img_size, cfg.img_size)
         tasks = model.task_names[:2]
         with force_cuda_path():
@@ -217,12 +228,13 @@ def test_every_config_trains_on_each_backend(path):
         grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
         assert all(torch.isfinite(g).all() for g in grads.values())
         results.append((loss.detach(), grads, preds))
-    (loss_a, grads_a, preds_a), (loss_b, grads_b, preds_b) = results
-    torch.testing.assert_close(loss_a, loss_b, rtol=1e-5, atol=1e-6)
-    for name, g in grads_a.items():
-        torch.testing.assert_close(g, grads_b[name], rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
-    for name, p in preds_a.items():
-        torch.testing.assert_close(p, preds_b[name], rtol=1e-4, atol=1e-5)
+    loss_a, grads_a, preds_a = results[0]
+    for loss_b, grads_b, preds_b in results[1:]:
+        torch.testing.assert_close(loss_a, loss_b, rtol=1e-5, atol=1e-6)
+        for name, g in grads_a.items():
+            torch.testing.assert_close(g, grads_b[name], rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+        for name, p in preds_a.items():
+            torch.testing.assert_close(p, preds_b[name], rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.gpu
@@ -258,6 +270,40 @@ def test_each_mone_backend_on_a_gpu_gives_the_same_inference():
             outs.append(model(x.cuda().to(torch.bfloat16), model.task_names[:1]).preds)
     for name, p in outs[0].items():
         torch.testing.assert_close(p.float(), outs[1][name].float(), rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend", ["cublas", "heads", "routed"])
+def test_each_moa_backend_on_a_gpu_matches_the_cpu_algorithm(backend):
+    """MoE attention's three projection backends in float32 on the GPU (plain GEMMs with gathers, the Triton head
+    kernels, routed grouped GEMMs) against its CPU algorithm in float32, on one routing: output and every gradient
+    (float32: no bf16 route flips, reports/bench/gpu_check_h200)."""
+    from squad.config.model import MoAConfig, RouterConfig
+    from squad.layers.context import ForwardContext
+    from squad.layers.routing import Routing
+
+    torch.manual_seed(0)
+    cfg = MoAConfig(num_experts=24, top_k=12, head_dim=64, router=RouterConfig(noise=False))
+    ctx = ForwardContext(task_ids=torch.tensor([0, 0, 1]), num_tasks=2, segments=[(0, 0, 2), (1, 2, 3)])
+    x0 = torch.randn(3, 197, 256)
+    results = []
+    for device, kernel in (("cpu", "auto"), ("cuda", backend)):
+        torch.manual_seed(1)
+        layer = MoEAttention(256, dataclasses.replace(cfg, kernel=kernel), num_tasks=2).to(device)
+        if not results:
+            with torch.no_grad():
+                decided = layer.router(x0, ctx)
+        c = ForwardContext(task_ids=ctx.task_ids.to(device), num_tasks=2, segments=ctx.segments)
+        gates = decided.gates.to(device).requires_grad_()
+        routing = Routing(gates, decided.experts.to(device), decided.probs.to(device))
+        layer.router.forward = lambda *a, r=routing: r
+        x = x0.to(device).requires_grad_()
+        y = layer(x, c)
+        leaves = [x, layer.q, layer.kv.weight, layer.o, layer.proj_bias, gates]
+        results.append([y, *torch.autograd.grad(y, leaves, torch.linspace(-1, 1, y.numel(), device=device).view_as(y))])
+    for want, got in zip(*results, strict=True):
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-3, atol=1e-4)
 
 
 def test_cpu_algorithm_ignores_the_backend():

@@ -96,6 +96,28 @@ def test_kernel_backends_are_measured_at_the_shipped_shapes_and_reported():
     assert "| mone | D384,H1536,heads6 | mone_vit_s | OOM | — |" in md and "/c.json" in md
 
 
+def test_moa_backends_are_timed_on_one_routing_at_the_shipped_shapes():
+    """The ``kernels`` stage times MoE attention's three backends (``model.moa.kernel``) at every shipped config's
+    (E, D, d, k), each forward + backward on the same routing; the same code runs here on the CPU with the CUDA path
+    forced (a call counter for the timer), so a GPU session meets no untried code."""
+    from squad.bench import backends
+    from squad.kernels.device import force_cuda_path
+
+    shapes = backends.moa_shapes()
+    assert "modsquad_vit_b" in shapes[(24, 768, 64, 12)] and "moe_attn_only_vit_b" in shapes[(24, 768, 64, 12)]
+    assert "modsquad_vit_s" in shapes[(15, 384, 64, 6)]
+    calls = []
+
+    def timer(fn):
+        fn()
+        calls.append(1)
+        return float(len(calls))
+
+    with force_cuda_path():
+        ms = backends._moa_times(6, 32, 8, 2, images=2, tasks=3, device="cpu", timer=timer)
+    assert ms == {"cublas": 1.0, "heads": 2.0, "routed": 3.0}
+
+
 def test_a_stage_stopped_at_its_limit_takes_what_it_started_along_and_keeps_its_log(tmp_path):
     """At the limit the stage's whole process group is stopped (a launcher's ranks would hold the GPU into the next
     stage) and what it printed before is in its log (`gpucheck.stream` prints a command's lines as they come)."""

@@ -14,6 +14,7 @@ from squad.kernels import heads as HK
 from squad.kernels.device import force_cuda_path, triton_available, triton_interpreting
 from squad.kernels.tiles import launch_settings
 from squad.layers.context import ForwardContext
+from squad.layers.experts import heads as HE
 from squad.layers.experts.heads import head_slots
 from squad.layers.moe_attention import MoEAttention
 from squad.layers.routing import Routing
@@ -198,7 +199,7 @@ def test_triton_moe_attention_dense_form_matches_the_cpu_algorithm(dtype, monkey
         decided = _moa(torch.float32).router(x0, _ctx())
     results = []
     for on_kernels, dt, device in ((False, torch.float32, "cpu"), (True, dtype, _device())):
-        monkeypatch.setattr(MoEAttention, "projections", lambda self, *a, f=on_kernels: "dense" if f else "routed")
+        monkeypatch.setattr(MoEAttention, "projections", lambda self, *a, f=on_kernels: "heads" if f else "routed")
         layer = _moa(dt).to(device)
         gates = decided.gates.to(device).requires_grad_()
         routing = Routing(gates, decided.experts.to(device), decided.probs.to(device))
@@ -214,10 +215,95 @@ def test_triton_moe_attention_dense_form_matches_the_cpu_algorithm(dtype, monkey
         torch.testing.assert_close(got.double().cpu(), want.double(), **tol)
 
 
-def test_dense_form_compiles_in_one_graph(monkeypatch):
-    """The dense form on the CUDA path (forced) under ``torch.compile(fullgraph=True)``: one graph, eager's output and
-    gradients (the ops are opaque nodes: nothing reads the device)."""
-    monkeypatch.setattr(MoEAttention, "projections", lambda self, *a: "dense")
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_cublas_ops_match_explicit_per_head_products_in_float64(case):
+    """`library_query_kv` / `library_gated_output` (``model.moa.kernel: cublas``: all-head GEMMs and gathers) against
+    the per-head products written out with autograd, in float64, on odd shapes with a head no token selected: both
+    outputs and every gradient."""
+    m, kk, e, k, d, _ = case
+    t, experts, _ = _problem(m, kk, e, k, d, kk, torch.float64)
+    index = HE.HeadIndex.of(experts, e)
+    x, wq, wo = t["a"].requires_grad_(), t["w"].requires_grad_(), t["wo"][:, :, :kk].contiguous().requires_grad_()
+    wkv, bkv = torch.randn(2 * d, kk, dtype=torch.float64, requires_grad=True), torch.randn(2 * d, dtype=torch.float64,
+                                                                                            requires_grad=True)
+    gates, bias = t["gates"].double().requires_grad_(), torch.randn(kk, dtype=torch.float64, requires_grad=True)
+    o = torch.randn(m, k, d, dtype=torch.float64, requires_grad=True)
+    leaves = [x, wq, wkv, bkv, o, wo, gates, bias]
+    dq, dkv, dy = torch.randn(m, k, d, dtype=torch.float64), torch.randn(m, 2 * d, dtype=torch.float64), torch.randn(
+        m, kk, dtype=torch.float64)
+
+    def run(q, kv, y):
+        return [q, kv, y, *torch.autograd.grad([q, kv, y], leaves, [dq, dkv, dy])]
+
+    q, kv = HE.library_query_kv(x, wq, wkv, bkv, index)
+    got = run(q, kv, HE.library_gated_output(o, wo, gates, bias, index))
+    q_ref = torch.einsum("mc,mjcd->mjd", x, wq[experts])
+    y_ref = torch.einsum("mj,mjd,mjdn->mn", gates, o, wo[experts]) + bias
+    want = run(q_ref, x @ wkv.t() + bkv, y_ref)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    assert not got[4][e - 1].any() and not got[8][e - 1].any()  # head e - 1: no weight gradient
+
+
+def test_cublas_form_matches_the_cpu_algorithm(monkeypatch):
+    """MoE attention with ``model.moa.kernel: cublas`` on the CUDA path (forced; the form runs on any device) against
+    the CPU algorithm (routed) in float32, on one routing decision: output and every gradient."""
+    x0 = torch.randn(3, 11, 12)
+    with torch.no_grad():
+        decided = _moa(torch.float32).router(x0, _ctx())
+    results = []
+    for form in ("routed", "cublas"):
+        monkeypatch.setattr(MoEAttention, "projections", lambda self, *a, f=form: f)
+        layer = _moa(torch.float32)
+        gates = decided.gates.detach().clone().requires_grad_()
+        routing = Routing(gates, decided.experts, decided.probs)
+        layer.router.forward = lambda *a, r=routing: r
+        x = x0.clone().requires_grad_()
+        leaves = [x, layer.q, layer.kv.weight, layer.kv.bias, layer.o, layer.proj_bias, gates]
+        with force_cuda_path(form != "routed"):
+            y = layer(x, _ctx())
+            weights = torch.linspace(-1, 1, y.numel()).view_as(y)
+            results.append([y, *torch.autograd.grad(y, leaves, weights)])
+    for want, got in zip(*results, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_cublas_ops_never_add_by_index():
+    """The ``cublas`` backend's ops move rows by gathers and copies to distinct rows only (no ``index_add``, no
+    accumulating ``index_put``, no scatter-add: no atomics on a GPU, deterministic) and never read the device on the
+    host."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    m, kk, e, k, d, _ = CASES[0]
+    t, experts, _ = _problem(m, kk, e, k, d, kk, torch.float32)
+    x, wq, wo = t["a"].requires_grad_(), t["w"].requires_grad_(), t["wo"][:, :, :kk].contiguous().requires_grad_()
+    o, gates = torch.randn(m, k, d, requires_grad=True), t["gates"].requires_grad_()
+    wkv, bias = torch.randn(2 * d, kk, requires_grad=True), torch.randn(kk, requires_grad=True)
+    with Ops():
+        index = HE.HeadIndex.of(experts, e)
+        q, kv = HE.library_query_kv(x, wq, wkv, None, index)
+        y = HE.library_gated_output(o, wo, gates, bias, index)
+        (q.sum() + kv.sum() + y.square().sum()).backward()
+    assert not [op for op in seen if "index_add" in op or "index_put" in op or "scatter" in op], seen
+    assert not [op for op in seen if "_local_scalar_dense" in op or "nonzero" in op], seen
+    assert sum("index_select" in op for op in seen) == 2  # q forward, dsel backward
+    assert sum("index_copy" in op for op in seen) == 3  # V forward; dQ and V again backward
+    assert all(p.grad is not None for p in (x, wq, wo, o, gates, wkv, bias))
+
+
+@pytest.mark.parametrize("form", ["heads", "cublas"])
+def test_dense_form_compiles_in_one_graph(form, monkeypatch):
+    """The dense form (either backend) on the CUDA path (forced) under ``torch.compile(fullgraph=True)``: one graph,
+    eager's output and gradients (the head ops are opaque nodes, the gathers plain ones: nothing reads the
+    device)."""
+    monkeypatch.setattr(MoEAttention, "projections", lambda self, *a, f=form: f)
     layer = _moa(torch.float32)
     x = torch.randn(3, 11, 12, requires_grad=True)
 

@@ -86,27 +86,36 @@ def test_moe_mlp_moves_at_most_1_6x_the_dense_mlp(vit_b_blocks):
 
 
 def test_moe_attention_takes_dense_all_head_projections_at_vit_b(vit_b_blocks):
-    """At E 24, k 12, d 64, D 768 the cost model takes the dense all-head form (head-select GEMMs: the [M, E·d]
-    operand virtual through the slot map), which the recorder prices below the routed one. Against multi-query
-    attention of equal FLOPs: bytes ≤ 1.6× (it reads each token once and writes only the selected heads), modelled
-    time ≤ 1.4× in the calibrated model (the form costs E/k = 2 times the projections' FLOPs; the interim model,
-    which prices attention at GEMM rates, weighs that share more: ~1.7×)."""
+    """At E 24, k 12, d 64, D 768 the cost model takes the dense all-head form, which ``auto`` runs on plain GEMMs
+    (``cublas``) until a GPU has measured. Both backends of that form are priced below the routed one. On the Triton
+    head kernels (``heads``: the [M, E·d] operand virtual through the slot map), against multi-query attention of
+    equal FLOPs: bytes ≤ 1.6× (it reads each token once and writes only the selected heads), modelled time ≤ 1.4× in
+    the calibrated model (the form costs E/k = 2 times the projections' FLOPs; the interim model, which prices
+    attention at GEMM rates, weighs that share more: ~1.7×). On ``cublas``: the six projection GEMMs as plain
+    ones of the all-head width, rows moved by gathers and copies, no atomics."""
     layers, x, ctx = vit_b_blocks
     moa = layers["moa"]
-    assert moa.projections(x.shape[0] * x.shape[1], torch.device("cuda"), 2) == "dense"
-    dense = _fwd_bwd(moa, x, ctx)
+    assert moa.projections(x.shape[0] * x.shape[1], torch.device("cuda"), torch.bfloat16) == "cublas"
     mqa = _fwd_bwd(layers["mqa"], x)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(MoEAttention, "projections", lambda self, *a: "routed")
-        routed = _fwd_bwd(moa, x, ctx)
+    forms = {}
+    for form in ("heads", "cublas", "routed"):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(MoEAttention, "projections", lambda self, *a, f=form: f)
+            forms[form] = _fwd_bwd(moa, x, ctx)
+    dense, library, routed = forms["heads"], forms["cublas"], forms["routed"]
     assert modelled_seconds(dense) < modelled_seconds(routed) and dense.bytes < routed.bytes
+    assert modelled_seconds(library) < modelled_seconds(routed) and library.bytes < routed.bytes
     assert dense.bytes <= 1.6 * mqa.bytes, dense.bytes / mqa.bytes
     assert fitted_seconds(dense) <= 1.4 * fitted_seconds(mqa), fitted_seconds(dense) / fitted_seconds(mqa)
     assert modelled_seconds(dense) <= 1.75 * modelled_seconds(mqa), modelled_seconds(dense) / modelled_seconds(mqa)
-    assert dense.syncs == 0 and dense.pins == 0 and dense.largest_atomic_bytes() < 1e4
+    for t in (dense, library):
+        assert t.syncs == 0 and t.pins == 0 and t.largest_atomic_bytes() < 1e4
     assert sum(r.op.startswith("head_") and r.matmul for r in dense.records) == 6  # q and output GEMMs, fwd and bwd
     assert sum(r.op == "head_wgrad_sum" for r in dense.records) == 2  # the weight gradients' split-K sums
     assert dense.kernels <= 46, dense.table()
+    wide = 24 * 64 * x.shape[0] * x.shape[1] * 768 * 2  # FLOPs of one all-head GEMM
+    assert sum(r.matmul and r.flops == wide for r in library.records) == 6, library.table()
+    assert not any(r.op.startswith("head_") for r in library.records)
 
 
 @pytest.mark.parametrize("shape", [(24, 12, 64, 768), (15, 6, 64, 384), (8, 1, 32, 256), (64, 2, 64, 384),
@@ -124,10 +133,10 @@ def test_projection_cost_model_ranks_the_forms_as_the_recorder_does(shape):
         x = torch.randn(rows, tokens, dim, dtype=torch.bfloat16, requires_grad=True)
     ctx = C._segment_context(rows // 2, 2, "meta")
     recorded = {}
-    for form in ("routed", "dense"):
+    for form in ("routed", "heads"):  # the closed form's "dense" prices the head kernels' reads
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(MoEAttention, "projections", lambda self, *a, f=form: f)
-            recorded[form] = modelled_seconds(_fwd_bwd(layer, x, ctx))
+            recorded["dense" if form == "heads" else form] = modelled_seconds(_fwd_bwd(layer, x, ctx))
     costs = projection_costs(e, k, d, dim, rows * tokens)
     assert min(costs, key=costs.get) == min(recorded, key=recorded.get), (costs, recorded)
 

@@ -5,11 +5,13 @@ when a config says ``auto``.
 - MoE MLP (``model.moe.kernel``): one expert layer (`squad.layers.moe_mlp.ExpertMLP`) forward + backward in bf16 on
   ``images × tasks × tokens`` routed tokens (the bench's modsquad_vit_b shape: 12 × 13 × 197), top-k of random
   scores, each backend (``grouped_mm``, ``triton``) on the same routing;
+- MoE attention (``model.moa.kernel``): one layer (`squad.layers.moe_attention.MoEAttention`) forward + backward
+  in bf16 on the same shape, each backend (``cublas``, ``heads``, ``routed``) on the same routing;
 - MoNE (``model.mone.kernel``): the config's model in bf16, inference on a batch of images, with every MoNE block on
   ``cublas`` and then on ``triton``.
 
 Times are CUDA-event medians after warm-up (the first calls compile Triton kernels). Only `measure` needs a GPU;
-`moe_shapes` and `mone_configs` read the configs anywhere.
+`moe_shapes`, `moa_shapes` and `mone_configs` read the configs anywhere.
 """
 
 from __future__ import annotations
@@ -38,6 +40,19 @@ def moe_shapes() -> dict[tuple[int, int, int, int], list[str]]:
         cfg = squad.load_config(path).model
         if any(block.mlp == "moe" for block in cfg.blocks()):
             key = (cfg.moe.num_experts, cfg.embed_dim, cfg.moe_hidden(), cfg.moe.top_k)
+            shapes.setdefault(key, []).append(path.stem)
+    return shapes
+
+
+def moa_shapes() -> dict[tuple[int, int, int, int], list[str]]:
+    """(E, D, d, k) of every shipped config's MoE attention → the configs that build it."""
+    import squad
+
+    shapes: dict[tuple[int, int, int, int], list[str]] = {}
+    for path in _model_configs():
+        cfg = squad.load_config(path).model
+        if any(block.attn == "moa" for block in cfg.blocks()):
+            key = (cfg.moa.num_experts, cfg.embed_dim, cfg.moa.head_dim, cfg.moa.top_k)
             shapes.setdefault(key, []).append(path.stem)
     return shapes
 
@@ -88,6 +103,41 @@ def _moe_times(e: int, d: int, h: int, k: int, tokens: int) -> dict[str, float]:
     return out
 
 
+def _moa_times(e: int, d: int, dh: int, k: int, images: int, tasks: int, device: str = "cuda",
+               timer: Callable[[Callable[[], object]], float] = time_ms) -> dict[str, float]:
+    """Milliseconds of one MoE attention layer's forward + backward per backend, on one routing decision
+    (``device`` and ``timer`` let a CPU test run the same code under `force_cuda_path`)."""
+    import dataclasses
+
+    from squad.config.model import MoAConfig, RouterConfig
+    from squad.layers.moe_attention import MoEAttention
+    from squad.layers.routing import Routing
+
+    from .cases import _segment_context
+
+    torch.manual_seed(0)
+    cfg = MoAConfig(num_experts=e, top_k=k, head_dim=dh, router=RouterConfig(noise=False))
+    layer = MoEAttention(d, cfg, tasks).to(device, torch.bfloat16)
+    x = torch.randn(images * tasks, 197, d, device=device, dtype=torch.bfloat16, requires_grad=True)
+    ctx = _segment_context(images, tasks, device)
+    with torch.no_grad():
+        decided = layer.router(x, ctx())  # one routing for every backend (bf16 logits could flip near ties)
+    gates = decided.gates.detach().requires_grad_()
+    layer.router.forward = lambda *a: Routing(gates, decided.experts, decided.probs)
+    grad = torch.randn_like(x)
+    out = {}
+    for backend in ("cublas", "heads", "routed"):
+        layer.cfg = dataclasses.replace(cfg, kernel=backend)
+
+        def step():
+            x.grad = gates.grad = None
+            layer.zero_grad(set_to_none=True)
+            layer(x, ctx()).backward(grad)
+
+        out[backend] = timer(step)
+    return out
+
+
 def _mone_times(name: str) -> dict[str, float]:
     import squad
     from squad.layers.mone import MoNEBlock
@@ -126,6 +176,16 @@ def measure(path: Path | None = None) -> list[dict]:
             row["ms"] = _moe_times(e, d, h, k, row["tokens"])
             row["choice"] = choice.record("moe_mlp", dims, torch.bfloat16, gpu, row["ms"], path)
         except Exception as err:  # one shape failing leaves the others measured
+            row["error"] = f"{type(err).__name__}: {err}"
+        rows.append(row)
+        torch.cuda.empty_cache()
+    for (e, d, dh, k), configs in moa_shapes().items():
+        dims = {"E": e, "D": d, "d": dh, "k": k}
+        row = {"op": "moa", "dims": dims, "configs": configs, "tokens": IMAGES * TASKS * 197}
+        try:
+            row["ms"] = _moa_times(e, d, dh, k, IMAGES, TASKS)
+            row["choice"] = choice.record("moa", dims, torch.bfloat16, gpu, row["ms"], path)
+        except Exception as err:
             row["error"] = f"{type(err).__name__}: {err}"
         rows.append(row)
         torch.cuda.empty_cache()

@@ -18,8 +18,9 @@ Layers, at the GPU rows' shapes (DESIGN.md "Traffic contract"):
 - ``attention_scores_n197`` / ``_n4096``: routed attention with A-MoD scores, forward, B 8 × H 12 × d 64, against
   SDPA without scores.
 
-``moe_mlp`` and ``mone_vit_s`` run the expert backend ``auto`` takes (``model.moe.kernel`` / ``model.mone.kernel``:
-the library op until a GPU has measured); ``moe_mlp_triton`` and ``mone_vit_s_triton`` the Triton kernels beside
+``moe_mlp``, ``moa`` and ``mone_vit_s`` run the backend ``auto`` takes (``model.moe.kernel`` / ``model.moa.kernel`` /
+``model.mone.kernel``: the library op, or for MoE attention the form the layer's cost model prices lower, until a GPU
+has measured); ``moe_mlp_triton``, ``moa_heads``, ``moa_routed`` and ``mone_vit_s_triton`` the other backends beside
 them (no targets: the targets are the auto backend's).
 
 Each layer gives three rows: bytes moved over the twin's (targets ≤ 1.6 for MoE MLP and MoE attention, ≤ 0.6 for
@@ -79,7 +80,7 @@ def _fwd_bwd(module: Callable[..., torch.Tensor], x: torch.Tensor, *extra) -> Ca
     return run
 
 
-def _blocks(kernel: str = "auto") -> dict[str, tuple[Callable[[], None], Callable[[], None]]]:
+def _blocks(kernel: str = "auto", moa_kernel: str = "auto") -> dict[str, tuple[Callable[[], None], Callable[[], None]]]:
     from squad.layers.mlp import Mlp
     from squad.layers.moe_attention import MoEAttention
     from squad.layers.moe_mlp import MoEMlp
@@ -96,7 +97,7 @@ def _blocks(kernel: str = "auto") -> dict[str, tuple[Callable[[], None], Callabl
     with META:
         moe = MoEMlp(cfg.embed_dim, cfg.moe_hidden(), dataclasses.replace(cfg.moe, kernel=kernel), tasks).to(BF16)
         dense = fuse_dense(Mlp(cfg.embed_dim, cfg.moe.top_k * cfg.moe_hidden()).to(BF16))
-        moa = MoEAttention(cfg.embed_dim, cfg.moa, tasks, cfg.qkv_bias).to(BF16)
+        moa = MoEAttention(cfg.embed_dim, dataclasses.replace(cfg.moa, kernel=moa_kernel), tasks, cfg.qkv_bias).to(BF16)
         mqa = fuse_dense(MultiQueryAttention(cfg.embed_dim, cfg.moa.top_k, cfg.moa.head_dim).to(BF16))
         inputs = [tokens() for _ in range(4)]
     ctx = _segment_context(images, tasks, META)
@@ -149,6 +150,8 @@ LAYERS = [
           "moe_mlp_fwd_bwd_vs_dense_gpu"),
     Layer("moe_mlp_triton", "dense_mlp", lambda: _blocks("triton")["moe_mlp"], "", "", False, ""),
     Layer("moa", "mqa", lambda: _blocks()["moa"], "<= 1.6", "<= 1.4", False, "moa_fwd_bwd_vs_mqa_gpu"),
+    Layer("moa_heads", "mqa", lambda: _blocks(moa_kernel="heads")["moa"], "", "", False, ""),
+    Layer("moa_routed", "mqa", lambda: _blocks(moa_kernel="routed")["moa"], "", "", False, ""),
     Layer("mod_vit_s", "dense_vit_s", lambda: _inference("mod_vit_s"), "", ">= 1.6", True,
           "mod_vit_s_forward_vs_dense_gpu"),
     Layer("mone_vit_s", "dense_vit_s", lambda: _inference("mone_vit_s"), "<= 0.6", ">= 1.7", True,

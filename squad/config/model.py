@@ -119,6 +119,11 @@ class MoAConfig:
     head_dim: int = 64  # width of every head (the shared key/value head's too)
     expert_parallel: int = 1  # heads spread over groups of this many ranks (as MoEConfig.expert_parallel)
     router: RouterConfig = dataclasses.field(default_factory=RouterConfig)
+    # The query and output projections on the CUDA path: `cublas` (every head by one plain GEMM, the selected ones
+    # gathered), `heads` (the same all-head form on squad's Triton head kernels), `routed` (grouped GEMMs over the
+    # expert-sorted rows), `auto` (the one `make gpu-check` measured faster at this shape on this GPU; until one has,
+    # the form a cost model prices lower: cublas for the all-head form). Expert-parallel runs are always routed.
+    kernel: Literal["auto", "cublas", "heads", "routed"] = "auto"
 
     def check(self, path: str) -> None:
         if self.num_experts < 1:

@@ -9,12 +9,14 @@ multi-query attention: k query heads per token over one shared K/V head, and the
 The query and output projections are grouped matmuls over tokens grouped by expert once (squad.layers.experts),
 in (token, slot) order on both sides of the attention: slot j of every token is query head j.
 
-On the CUDA path a layer takes one of two forms of these projections, whichever a GPU cost model prices lower for
-its E, k, d and D (`projection_costs`): routed (grouped GEMMs over the expert-sorted (token, slot) rows that read a
-token once per selected head and write k rows of width D per token, `squad.layers.experts.ops`) or dense all-head
-(every head's query by one GEMM, only the selected ones written; one output GEMM over the [M, E·d] operand of the
-gated heads, which is never in memory: `squad.layers.experts.heads` and its ops in `squad.kernels.heads`). On the CPU
-the routed form's CPU algorithm runs.
+On the CUDA path a layer takes one of two forms of these projections: routed (grouped GEMMs over the expert-sorted
+(token, slot) rows that read a token once per selected head and write k rows of width D per token,
+`squad.layers.experts.ops`) or dense all-head (every head's query by one GEMM, only the selected ones kept; one
+output GEMM over the [M, E·d] operand of the gated heads: `squad.layers.experts.heads`), the latter on plain GEMMs
+(``cublas``) or on squad's Triton head kernels (``heads``). ``model.moa.kernel`` names one, or ``auto`` takes the one
+`make gpu-check` measured faster at the layer's shape on this GPU (`squad.kernels.choice`), and until a GPU has
+measured it the form a cost model prices lower for its E, k, d and D (`projection_costs`; the dense form on
+``cublas``). On the CPU the routed form's CPU algorithm runs.
 
 With ``expert_parallel`` P > 1 a training run shards the heads over P ranks (`squad.layers.parallel`) and the routed
 form runs across them: each token's rows travel to their heads' ranks for the query projection and back, the
@@ -28,11 +30,19 @@ import torch
 import torch.nn as nn
 
 from squad.config.model import MoAConfig
+from squad.kernels.choice import resolve
 from squad.layers.attention import attend
 from squad.layers.base import ExpertLayer, select_rows
 from squad.layers.context import ForwardContext
 from squad.layers.experts import dispatch_matmul, matmul_combine, plan_dispatch, takes_kernel_path
-from squad.layers.experts.heads import dense_gated_output, dense_query_kv, head_slots
+from squad.layers.experts.heads import (
+    HeadIndex,
+    dense_gated_output,
+    dense_query_kv,
+    head_slots,
+    library_gated_output,
+    library_query_kv,
+)
 from squad.layers.parallel import SINGLE, routed
 from squad.layers.routing import TaskRouter
 
@@ -135,13 +145,18 @@ class MoEAttention(ExpertLayer):
         self.q = select_rows(self.q, index)  # [K, D, d]
         self.o = select_rows(self.o, index)  # [K, d, D]
 
-    def projections(self, tokens: int, device: torch.device, itemsize: int = 2) -> str:
-        """The projections' form for ``tokens`` tokens on ``device``: ``"dense"`` on the kernel path when
-        `projection_costs` prices it lower, else ``"routed"`` (always on the CPU)."""
+    def projections(self, tokens: int, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str:
+        """The projections' backend for ``tokens`` tokens of ``dtype`` on ``device``: ``routed`` off the kernel path
+        (the CPU algorithm), else ``model.moa.kernel`` — ``auto`` resolved by `squad.kernels.choice` (a GPU's
+        measurement at this shape, else ``cublas`` where `projection_costs` prices the dense form lower, else
+        ``routed``)."""
         if not takes_kernel_path(device):
             return "routed"
-        costs = projection_costs(self.num_experts, self.top_k, self.head_dim, self.kv.in_features, tokens, itemsize)
-        return "dense" if costs["dense"] < costs["routed"] else "routed"
+        e, k, dh, d = self.num_experts, self.top_k, self.head_dim, self.kv.in_features
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        costs = projection_costs(e, k, dh, d, tokens, itemsize)
+        modelled = "cublas" if costs["dense"] < costs["routed"] else "routed"
+        return resolve("moa", self.cfg.kernel, {"E": e, "D": d, "d": dh, "k": k}, dtype, device, unmeasured=modelled)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, key_mask: torch.Tensor | None = None) -> torch.Tensor:
         r, n, d = x.shape
@@ -150,8 +165,11 @@ class MoEAttention(ExpertLayer):
         if self.ep.size > 1:
             return self._forward_parallel(x, ctx, routing, key_mask)
         xs = x.reshape(r * n, d)
-        dense = self.projections(r * n, x.device, x.element_size()) == "dense"
-        if dense:
+        form = self.projections(r * n, x.device, x.dtype)
+        if form == "cublas":
+            index = HeadIndex.of(routing.experts, self.num_experts)  # the gathers of the all-head GEMMs
+            q, kv = library_query_kv(xs, self.q, self.kv.weight, self.kv.bias, index)  # [M, k, d], [M, 2d]
+        elif form == "heads":
             slots = head_slots(routing.experts, self.num_experts)  # [M, E]: each head's slot in a token, or -1
             q, kv = dense_query_kv(xs, self.q, self.kv.weight, self.kv.bias, slots, k)  # [M, k, d], [M, 2d]
         else:
@@ -165,7 +183,9 @@ class MoEAttention(ExpertLayer):
         if want:
             ctx.attn_scores = scores
         out = out.transpose(1, 2).reshape(r * n, k, dh)  # [M, k, d] in (token, slot) order
-        if dense:
+        if form == "cublas":
+            return library_gated_output(out, self.o, routing.gates, self.proj_bias, index).view(r, n, d)
+        if form == "heads":
             return dense_gated_output(out, self.o, routing.gates, self.proj_bias, slots).view(r, n, d)
         y = matmul_combine(out.view(r * n * k, dh), self.o, routing.gates, plan, slot_order=True)  # [M, D], fresh
         return y.add_(self.proj_bias).view(r, n, d)

@@ -11,13 +11,26 @@ output rows of width D are written and summed; here instead
 - backward: the same GEMMs transposed (the heads' input gradient with the gates' gradient, the queries' input
   gradient plus the key/value head's in one GEMM, both weight gradients with the bias's).
 
-The [M, E·d] operands are never in memory: the ops of `squad.kernels.heads` read and write the compact [M, k, d]
-tensors through a per-token slot map ([M, E] int32, `head_slots`). E/k times the routed projections' FLOPs, each
-token read once; which form a layer takes is a cost model's choice (`squad.layers.moe_attention.projection_costs`).
-No sort, no plan, no host read, no atomics.
+Two backends run this form (``model.moa.kernel``, `squad.layers.moe_attention`):
+
+- ``heads``: the [M, E·d] operands are never in memory: the ops of `squad.kernels.heads` (Triton) read and write the
+  compact [M, k, d] tensors through a per-token slot map ([M, E] int32, `head_slots`);
+- ``cublas``: the [M, E·d] operands are materialised (`HeadIndex`) and every product is one plain GEMM (cuBLAS on a
+  GPU): the query GEMM writes all E heads and a gather keeps the k selected; the gated heads are copied into a
+  zero [M, E·d] operand for the output GEMM (and again, recomputed, for its weight gradient).
+  Each [M, E·d] pass moves E/k times the compact rows' bytes (2× at modsquad_vit_b: 94 MB in bf16), a few tens of
+  microseconds at HBM rates, against GEMMs at the library's rate that a GPU has measured
+  (``../shared/gpu/MEASURED.md``), where the Triton head kernels spent 1.85 ms of MoE attention's 4.12 in one
+  weight-gradient kernel on an H200 (reports/bench/gpu_check_h200).
+
+Both cost E/k times the routed projections' FLOPs and read each token once. No sort, no plan, no host read, no
+atomics: every move of rows is a gather (``index_select``) or a copy to distinct rows (``index_copy``), each the
+other's backward written out, never autograd's ``index_add``.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -98,3 +111,108 @@ def dense_gated_output(o: torch.Tensor, wo: torch.Tensor, gates: torch.Tensor, b
         [M, D].
     """
     return _DenseGatedOutput.apply(o, wo, gates, bias, slots)
+
+
+# ------------------------------------------------------------------------------------------- the cublas backend
+@dataclasses.dataclass(frozen=True)
+class HeadIndex:
+    """The row map of the ``cublas`` backend, from one routing decision (M tokens, k of E heads each).
+
+    Attributes:
+        select: [M·k] int64: row ``m·E + e`` of an all-head [M·E, d] tensor for each (token m, slot j) whose head is
+            e, in (token, slot) order. Gathering by it keeps the selected heads' rows; copying the compact rows to
+            it (`spread_rows`) builds the zero-padded all-head operand. Slots name distinct heads (top-k), so no two
+            rows meet: a copy, never an add.
+        num_experts, top_k: E and k.
+    """
+
+    select: torch.Tensor
+    num_experts: int
+    top_k: int
+
+    @classmethod
+    def of(cls, experts: torch.Tensor, num_experts: int) -> HeadIndex:
+        """From the selected heads [M, k] (distinct per token, as top-k gives them)."""
+        m, k = experts.shape
+        token = torch.arange(m, device=experts.device).unsqueeze(1)  # [M, 1]
+        return cls((token * num_experts + experts).view(-1), num_experts, k)
+
+    def spread_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """[M, k, d] compact rows (any strides) → [M, E·d]: each selected head's row at its head, zeros elsewhere
+        (a zero fill and one indexed copy: fewer bytes than padding the rows and gathering)."""
+        m, k, d = rows.shape
+        full = rows.new_zeros(m * self.num_experts, d)
+        return full.index_copy_(0, self.select, rows.reshape(m * k, d)).view(m, self.num_experts * d)
+
+    def select_rows(self, full: torch.Tensor) -> torch.Tensor:
+        """[M, E·d] all heads → [M, k, d] the selected heads in (token, slot) order."""
+        m = full.shape[0]
+        d = full.shape[1] // self.num_experts
+        return full.view(m * self.num_experts, d).index_select(0, self.select).view(m, self.top_k, d)
+
+
+def _query_weights(wq: torch.Tensor) -> torch.Tensor:
+    """[E, D, d] query weights → [D, E·d] (head e's columns at e·d …): the all-head GEMM's operand (a small copy)."""
+    e, big_d, d = wq.shape
+    return wq.permute(1, 0, 2).reshape(big_d, e * d)
+
+
+class _LibraryQueryKV(torch.autograd.Function):
+    """`_DenseQueryKV` on plain GEMMs: Q = x @ [Wq_1 … Wq_E], the selected heads gathered; kv = x Wkvᵀ + bkv."""
+
+    @staticmethod
+    def forward(ctx, x, wq, wkv, bkv, index):  # x [M, D], wq [E, D, d], wkv [2d, D], bkv [2d] | None
+        q = index.select_rows(x @ _query_weights(wq))  # [M, k, d]
+        kv = torch.nn.functional.linear(x, wkv, bkv)  # [M, 2d]
+        ctx.save_for_backward(x, wq, wkv)
+        ctx.index, ctx.has_bias = index, bkv is not None
+        return q, kv
+
+    @staticmethod
+    def backward(ctx, dq, dkv):  # dq [M, k, d], dkv [M, 2d]
+        x, wq, wkv = ctx.saved_tensors
+        e, big_d, d = wq.shape
+        dq_all = ctx.index.spread_rows(dq)  # [M, E·d], zero at the heads not selected
+        dx = torch.addmm(dkv @ wkv, dq_all, _query_weights(wq).t())  # the queries' and the key/value head's
+        dwq = (x.t() @ dq_all).view(big_d, e, d).permute(1, 0, 2).contiguous()  # [E, D, d]
+        dwkv = dkv.t() @ x
+        dbkv = dkv.sum(0) if ctx.has_bias else None
+        return dx, dwq, dwkv, dbkv, None
+
+
+class _LibraryGatedOutput(torch.autograd.Function):
+    """`_DenseGatedOutput` on plain GEMMs: y = V @ Wo.view(E·d, D) + b, V the gated heads spread to [M, E·d]."""
+
+    @staticmethod
+    def forward(ctx, o, wo, gates, bias, index):  # o [M, k, d], wo [E, d, D], gates [M, k], bias [D]
+        e, d, big_d = wo.shape
+        gated = o * gates.unsqueeze(-1).to(o.dtype)
+        y = torch.addmm(bias, index.spread_rows(gated), wo.reshape(e * d, big_d))  # [M, D]
+        ctx.save_for_backward(o, wo, gates)
+        ctx.index = index
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):  # dy [M, D]
+        o, wo, gates = ctx.saved_tensors
+        e, d, big_d = wo.shape
+        index = ctx.index
+        w = wo.reshape(e * d, big_d)
+        dsel = index.select_rows(dy @ w.t())  # [M, k, d]: dy Woᵀ at each selected head
+        dgates = torch.linalg.vecdot(dsel, o)  # <dy Woᵀ, o> per slot: one reduction (accumulating in float32)
+        g = gates.unsqueeze(-1).to(o.dtype)
+        do = dsel * g
+        dwo = (index.spread_rows(o * g).t() @ dy).view(e, d, big_d)  # V recomputed, not kept
+        return do, dwo, dgates.to(gates.dtype), dy.sum(0), None
+
+
+def library_query_kv(x: torch.Tensor, wq: torch.Tensor, wkv: torch.Tensor, bkv: torch.Tensor | None,
+                     index: HeadIndex) -> tuple[torch.Tensor, torch.Tensor]:
+    """`dense_query_kv` on the ``cublas`` backend (``index``: `HeadIndex.of` the routing's heads)."""
+    return _LibraryQueryKV.apply(x, wq, wkv, bkv, index)
+
+
+def library_gated_output(o: torch.Tensor, wo: torch.Tensor, gates: torch.Tensor, bias: torch.Tensor,
+                         index: HeadIndex) -> torch.Tensor:
+    """`dense_gated_output` on the ``cublas`` backend."""
+    return _LibraryGatedOutput.apply(o, wo, gates, bias, index)

@@ -153,8 +153,7 @@ class MoEAttention(ExpertLayer):
         if not takes_kernel_path(device):
             return "routed"
         e, k, dh, d = self.num_experts, self.top_k, self.head_dim, self.kv.in_features
-        itemsize = torch.empty(0, dtype=dtype).element_size()
-        costs = projection_costs(e, k, dh, d, tokens, itemsize)
+        costs = projection_costs(e, k, dh, d, tokens, dtype.itemsize)
         modelled = "cublas" if costs["dense"] < costs["routed"] else "routed"
         return resolve("moa", self.cfg.kernel, {"E": e, "D": d, "d": dh, "k": k}, dtype, device, unmeasured=modelled)
 

@@ -207,3 +207,28 @@ def test_float32_routed_layers_never_read_the_device(kind):
         x = torch.randn(4, 50, 64, requires_grad=True)
     t = _fwd_bwd(layer, x, C._segment_context(2, 2, "meta"))
     assert t.syncs == 0 and t.pins == 0
+
+
+@pytest.mark.parametrize("shape", [(24, 12, 64, 768), (15, 6, 64, 384), (64, 16, 64, 1024)], ids=str)
+def test_auto_takes_cublas_where_the_kernel_model_prices_it_at_most_routed(shape):
+    """At every shipped MoE attention shape (modsquad_vit_b, _s, _l) and the bench's 12 images × 13 tasks, the
+    closed form picks the dense form, which ``auto`` runs on ``cublas`` before a GPU has measured; the kernel model
+    (`costmodel.KernelModel`, central) prices that backend at or below the routed form there."""
+    from squad.bench import costmodel
+    from squad.config.model import MoAConfig, RouterConfig
+
+    e, k, d, dim = shape
+    rows, tokens = 12 * 13, 197
+    with torch.device("meta"):
+        layer = MoEAttention(dim, MoAConfig(num_experts=e, top_k=k, head_dim=d, router=RouterConfig(noise=False)),
+                             num_tasks=13).to(torch.bfloat16)
+        x = torch.randn(rows, tokens, dim, dtype=torch.bfloat16, requires_grad=True)
+    assert layer.projections(rows * tokens, torch.device("cuda"), torch.bfloat16) == "cublas"
+    ctx = C._segment_context(12, 13, "meta")
+    model = costmodel.KernelModel.at(gpu="H100")
+    seconds = {}
+    for form in ("cublas", "routed"):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(MoEAttention, "projections", lambda self, *a, f=form: f)
+            seconds[form] = model.seconds(_fwd_bwd(layer, x, ctx).records)
+    assert seconds["cublas"] <= seconds["routed"], seconds

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -371,3 +372,13 @@ def test_segments_cover_the_real_range(dataset: Path) -> None:
     counts = [len(np.unique(_read(dataset, "segment_unsup25d", b, p, v))) for b, p, v in _images(dataset)]
     counts += [len(np.unique(_read(dataset, "segment_unsup2d", b, p, v))) for b, p, v in _images(dataset)]
     assert 10 <= np.median(counts) <= 65  # real files: 25-65 values per image (at 512 px; this is 40 px)
+
+
+def test_a_small_render_stays_in_this_process():
+    """`default_workers`: a render below `SMALL_RENDER` pixels takes no pool (spawned workers would spend longer
+    importing than rendering), a larger one up to 2 processes; the bytes are the same either way (above)."""
+    from squad.data.synthetic.jobs import SMALL_RENDER, default_workers
+
+    assert default_workers(32, 32) == 1 and default_workers(63, 64) == 1
+    assert SMALL_RENDER == 64 * 64 * 64
+    assert default_workers(2000, 64) == min(2, os.cpu_count() or 1)

@@ -37,7 +37,7 @@ THETA = 0.01
 def _train_tiny_run(folder: Path, quick: bool) -> tuple[Path, Path]:
     """Renders a small synthetic dataset and trains configs/demo.yaml briefly (one plain-python process)."""
     data = folder / "data"
-    render_dataset(data, n=48 if quick else 96, image_size=64, seed=0, workers=1)
+    render_dataset(data, n=24 if quick else 96, image_size=64, seed=0, workers=1)
     run = folder / "run"
     env = dict(os.environ)
     if not torch.cuda.is_available():
@@ -46,7 +46,7 @@ def _train_tiny_run(folder: Path, quick: bool) -> tuple[Path, Path]:
         env.pop(k, None)
     config = config_root() / "demo.yaml"  # squad's own configs: a checkout's configs/ or a wheel's package data
     cmd = [sys.executable, "-m", "squad.cli.train", "--config", str(config),
-           "--out", str(run), "--set", f"data.root={data}", "--set", f"optim.steps={40 if quick else 150}",
+           "--out", str(run), "--set", f"data.root={data}", "--set", f"optim.steps={10 if quick else 150}",
            "--set", "data.workers=0", "--set", "data.val_batches=1", "--set", "train.progress=false",
            "--set", "train.ckpt_every=0", "--set", "train.eval_every=0"]
     res = subprocess.run(cmd, cwd=folder, env=env, capture_output=True, text=True)

@@ -20,12 +20,9 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
-from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from collections.abc import Sequence
 from dataclasses import dataclass
-from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +31,6 @@ from PIL import Image
 
 from squad.data.synthetic.render import Box, Camera, Cylinder, Material, Room, Scene, Sphere, View, render_view
 from squad.io.files import atomic_save, atomic_write_text, sync_tree
-from squad.runtime import SINGLE_THREADED, environment
 
 RGB = tuple[float, float, float]
 Shape = Box | Sphere | Cylinder
@@ -277,15 +273,6 @@ def start_render(out: str | Path, n: int, image_size: int, seed: int, overwrite:
         (out / sub).mkdir(parents=True, exist_ok=True)
     chunk = min(16, max(1, n // 8))
     return out, [(tuple(range(a, min(n, a + chunk))), slice(a, a + chunk)) for a in range(0, n, chunk)]
-
-
-def run_jobs(fn: Callable[[Any], Any], jobs: Sequence[Any], workers: int | None) -> list[Any]:
-    """``fn`` over ``jobs`` in order, in ``workers`` spawned processes (default: up to 2 CPUs; 1 = in process)."""
-    workers = min(2, os.cpu_count() or 1) if workers is None else workers
-    if workers > 1 and len(jobs) > 1:
-        with environment(SINGLE_THREADED), ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
-            return list(pool.map(fn, jobs, chunksize=max(1, len(jobs) // (8 * workers))))
-    return [fn(job) for job in jobs]
 
 
 def split_ids(ids: Sequence[str], val_share: float, rng_seed: int) -> dict[str, list[str]]:

@@ -40,13 +40,13 @@ from squad.data.synthetic.dense import (
     person_pieces,
     place,
     render_rect,
-    run_jobs,
     save_image,
     save_npy,
     split_ids,
     start_render,
     write_lines,
 )
+from squad.data.synthetic.jobs import default_workers, run_jobs
 from squad.data.synthetic.pascal import CLASSES as PASCAL_CLASSES
 from squad.data.synthetic.render import Box, Camera, Material, Opening, Room
 from squad.io.files import removed_on_failure
@@ -295,7 +295,7 @@ def render_nyud(
         n: number of images (>= 2: one per split).
         image_size: image width in pixels (>= 16); the height is 3/4 of it.
         seed: non-negative seed; the same arguments give the same bytes whatever ``workers`` is.
-        workers: processes (default: up to 2 CPUs; 1 renders in this process).
+        workers: processes (default: `jobs.default_workers`: 1, in this process, for a small render; else up to 2).
         overwrite: replace a previous synthetic NYUD render in ``out``.
 
     Returns:
@@ -304,6 +304,7 @@ def render_nyud(
     out, chunks = start_render(out, n, image_size, seed, overwrite, MANIFEST, DATASET, FOLDERS)
     ids = image_ids(n)
     jobs = [_Job(str(out), seed, image_size, index, tuple(ids[part])) for index, part in chunks]
+    workers = default_workers(n, image_size) if workers is None else workers
     with removed_on_failure([out / f for f in FOLDERS], f"the render in {out}"):  # a full disk leaves nothing
         done = sum(run_jobs(_render_chunk, jobs, workers))
         assert done == n, f"rendered {done} images, planned {n}"

@@ -57,13 +57,13 @@ from squad.data.synthetic.dense import (
     person_pieces,
     place,
     render_rect,
-    run_jobs,
     save_image,
     soft_mask,
     split_ids,
     start_render,
     write_lines,
 )
+from squad.data.synthetic.jobs import default_workers, run_jobs
 from squad.data.synthetic.render import Camera, Material, Opening, Room
 from squad.io.files import atomic_write_bytes, removed_on_failure
 
@@ -514,7 +514,7 @@ def render_pascal(
         n: number of images (>= 2: one per split).
         image_size: long side in pixels (>= 16); the other side follows each image's aspect.
         seed: non-negative seed; the same arguments give the same bytes whatever ``workers`` is.
-        workers: processes (default: up to 2 CPUs; 1 renders in this process).
+        workers: processes (default: `jobs.default_workers`: 1, in this process, for a small render; else up to 2).
         overwrite: replace a previous synthetic PASCAL render in ``out``.
 
     Returns:
@@ -525,6 +525,7 @@ def render_pascal(
         "normals_distill", "ImageSets/Context", "ImageSets/Parts"))
     ids = image_ids(n)
     jobs = [_Job(str(out), seed, image_size, index, tuple(ids[part])) for index, part in chunks]
+    workers = default_workers(n, image_size) if workers is None else workers
     with removed_on_failure([out / f for f in FOLDERS], f"the render in {out}"):  # a full disk leaves nothing
         rows = [row for part in run_jobs(_render_chunk, jobs, workers) for row in part]
         cats = {image_id: c for image_id, c, _ in rows}

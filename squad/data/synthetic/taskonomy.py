@@ -50,17 +50,15 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import shutil
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
-from multiprocessing import get_context
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
 from squad.data.synthetic import annotate
+from squad.data.synthetic.jobs import default_workers, run_jobs
 from squad.data.synthetic.render import (
     NUM_ROOM_FACES,
     Box,
@@ -76,7 +74,6 @@ from squad.data.synthetic.render import (
     render_view,
 )
 from squad.io.files import atomic_save, atomic_write_bytes, atomic_write_text, removed_on_failure, sync_tree
-from squad.runtime import SINGLE_THREADED, environment
 
 logger = logging.getLogger(__name__)
 
@@ -605,7 +602,7 @@ def render_dataset(
         image_size: side in pixels (>= 8).
         seed: non-negative seed; the same arguments give the same bytes whatever ``workers`` is.
         buildings: number of buildings (default min(8, n)), split about 6:1:1 into train/val/test.
-        workers: processes (default: up to 2 CPUs; 1 renders in this process).
+        workers: processes (default: `jobs.default_workers`: 1, in this process, for a small render; else up to 2).
         overwrite: replace a previous synthetic render in ``out``.
 
     Returns:
@@ -626,15 +623,11 @@ def render_dataset(
     out.mkdir(parents=True, exist_ok=True)
     names = [name for split in ("train", "val", "test") for name in splits[split]]
     jobs = _plan(n, sorted(names), str(out), seed, image_size)
-    workers = min(2, os.cpu_count() or 1) if workers is None else workers
+    workers = default_workers(n, image_size) if workers is None else workers
     csv = out / "train_val_test_synthetic.csv"
     made = [out / domain for domain in DOMAINS] + [csv, out / "synthetic.json"]
     with removed_on_failure(made, f"the render in {out}"):  # a full disk leaves nothing behind
-        if workers > 1 and len(jobs) > 1:
-            with environment(SINGLE_THREADED), ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
-                results = list(pool.map(_render_room, jobs, chunksize=max(1, len(jobs) // (8 * workers))))
-        else:
-            results = [_render_room(job) for job in jobs]
+        results = run_jobs(_render_room, jobs, workers)
         images = sum(r[0] for r in results)
         invalid = sum(r[1] for r in results)
         assert images == n, f"rendered {images} images, planned {n}"

@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from squad.bench.traffic import HostReadOnMeta, TrafficRecorder, nested_mlp_row_ops, record
+from squad.bench.launches import nested_mlp_row_ops
+from squad.bench.traffic import HostReadOnMeta, TrafficRecorder, record
 from squad.kernels import device
 
 

@@ -150,7 +150,7 @@ def test_the_wave_term_grows_past_one_wave():
 def test_cuda_core_work_counts_each_hidden_chunks_renormalisation():
     """MoNE's fused MLP normalises a token's w features once per hidden chunk: the CUDA-core count grows with the
     chunks, and a config that normalises once (NORM_ONCE) drops that term."""
-    from squad.bench.traffic import NORMALISE_OPS, nested_mlp_row_ops
+    from squad.bench.launches import NORMALISE_OPS, nested_mlp_row_ops
 
     cfg = {"BLOCK_K": 16, "BLOCK_W": 64, "BLOCK_H": 64}
     d, hidden, width = 384, 1536, 128

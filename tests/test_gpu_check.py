@@ -118,6 +118,36 @@ def test_moa_backends_are_timed_on_one_routing_at_the_shipped_shapes():
     assert ms == {"cublas": 1.0, "heads": 2.0, "routed": 3.0}
 
 
+def test_measure_records_each_shape_and_keeps_going_past_a_failing_one(tmp_path, monkeypatch):
+    """`backends.measure` with the GPU's timings stubbed: one row per shipped shape of each op, each winner written
+    to the choice file, a shape that fails reported in its row while the others are recorded."""
+    import json
+
+    import torch
+
+    from squad.bench import backends
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "Test GPU")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(backends, "_moe_times", lambda *a: {"grouped_mm": 2.0, "triton": 1.0})
+    monkeypatch.setattr(backends, "_moa_times", lambda *a: {"cublas": 1.0, "heads": 3.0, "routed": 2.0})
+
+    def oom(name):
+        raise RuntimeError("CUDA out of memory")
+
+    monkeypatch.setattr(backends, "_mone_times", oom)
+    path = tmp_path / "choices.json"
+    rows = backends.measure(path)
+    assert [r["op"] for r in rows] == ["moe_mlp"] * len(backends.moe_shapes()) + ["moa"] * len(
+        backends.moa_shapes()) + ["mone"] * len(backends.mone_configs())
+    assert {r["choice"] for r in rows if r["op"] == "moe_mlp"} == {"triton"}
+    assert {r["choice"] for r in rows if r["op"] == "moa"} == {"cublas"}
+    assert all(r["error"] == "RuntimeError: CUDA out of memory" and "choice" not in r for r in rows
+               if r["op"] == "mone")
+    recorded = json.loads(path.read_text())["devices"]["Test GPU"]
+    assert len(recorded) == len(backends.moe_shapes()) + len(backends.moa_shapes())
+
+
 def test_a_stage_stopped_at_its_limit_takes_what_it_started_along_and_keeps_its_log(tmp_path):
     """At the limit the stage's whole process group is stopped (a launcher's ranks would hold the GPU into the next
     stage) and what it printed before is in its log (`gpucheck.stream` prints a command's lines as they come)."""

@@ -161,45 +161,38 @@ def _mone_times(name: str) -> dict[str, float]:
     return out
 
 
+def _row(op: str, dims: dict[str, int], configs: list[str], times: Callable[[], dict[str, float]], gpu: str,
+         path: Path | None, **extra) -> dict:
+    """One shape's row: ``times()`` (milliseconds per backend) and the winner recorded in the choice file, or the
+    error that stopped it (one shape failing leaves the others measured)."""
+    from squad.kernels import choice
+
+    row = {"op": op, "dims": dims, "configs": configs, **extra}
+    try:
+        row["ms"] = times()
+        row["choice"] = choice.record(op, dims, torch.bfloat16, gpu, row["ms"], path)
+    except Exception as err:
+        row["error"] = f"{type(err).__name__}: {err}"
+    torch.cuda.empty_cache()
+    return row
+
+
 def measure(path: Path | None = None) -> list[dict]:
     """Times every backend at every shipped shape on this GPU and records each winner in the choice file
     (``path``, default `squad.kernels.choice.choices_path`). Returns one row per shape: op, dims, the configs, the
     milliseconds of each backend, the choice (or the error that stopped the row)."""
-    from squad.kernels import choice
-
-    gpu = torch.cuda.get_device_name(0)
-    rows = []
-    for (e, d, h, k), configs in moe_shapes().items():
-        dims = {"E": e, "D": d, "H": h, "k": k}
-        row = {"op": "moe_mlp", "dims": dims, "configs": configs, "tokens": IMAGES * TASKS * 197}
-        try:
-            row["ms"] = _moe_times(e, d, h, k, row["tokens"])
-            row["choice"] = choice.record("moe_mlp", dims, torch.bfloat16, gpu, row["ms"], path)
-        except Exception as err:  # one shape failing leaves the others measured
-            row["error"] = f"{type(err).__name__}: {err}"
-        rows.append(row)
-        torch.cuda.empty_cache()
-    for (e, d, dh, k), configs in moa_shapes().items():
-        dims = {"E": e, "D": d, "d": dh, "k": k}
-        row = {"op": "moa", "dims": dims, "configs": configs, "tokens": IMAGES * TASKS * 197}
-        try:
-            row["ms"] = _moa_times(e, d, dh, k, IMAGES, TASKS)
-            row["choice"] = choice.record("moa", dims, torch.bfloat16, gpu, row["ms"], path)
-        except Exception as err:
-            row["error"] = f"{type(err).__name__}: {err}"
-        rows.append(row)
-        torch.cuda.empty_cache()
     import squad
 
+    gpu = torch.cuda.get_device_name(0)
+    tokens = IMAGES * TASKS * 197
+    rows = [_row("moe_mlp", {"E": e, "D": d, "H": h, "k": k}, configs,
+                 lambda e=e, d=d, h=h, k=k: _moe_times(e, d, h, k, tokens), gpu, path, tokens=tokens)
+            for (e, d, h, k), configs in moe_shapes().items()]
+    rows += [_row("moa", {"E": e, "D": d, "d": dh, "k": k}, configs,
+                  lambda e=e, d=d, dh=dh, k=k: _moa_times(e, d, dh, k, IMAGES, TASKS), gpu, path, tokens=tokens)
+             for (e, d, dh, k), configs in moa_shapes().items()]
     for name in mone_configs():
         cfg = squad.load_config(REPO / "configs" / "model" / f"{name}.yaml").model
         dims = {"D": cfg.embed_dim, "H": int(cfg.embed_dim * cfg.mlp_ratio), "heads": cfg.num_heads}
-        row = {"op": "mone", "dims": dims, "configs": [name], "images": MONE_IMAGES}
-        try:
-            row["ms"] = _mone_times(name)
-            row["choice"] = choice.record("mone", dims, torch.bfloat16, gpu, row["ms"], path)
-        except Exception as err:
-            row["error"] = f"{type(err).__name__}: {err}"
-        rows.append(row)
-        torch.cuda.empty_cache()
+        rows.append(_row("mone", dims, [name], lambda name=name: _mone_times(name), gpu, path, images=MONE_IMAGES))
     return rows

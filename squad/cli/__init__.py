@@ -198,8 +198,10 @@ def require_paths(checkpoint: str | list[str] | None = None, data: str | None = 
     """
     from pathlib import Path
 
+    from squad.io.hf_folder import is_hub_id
+
     for path in [checkpoint] if isinstance(checkpoint, str) else checkpoint or []:
-        if not path.startswith("hf-hub:") and not Path(path).exists():
+        if not is_hub_id(path) and not Path(path).exists():
             raise FileNotFoundError(f"model file not found: {path}")
     if data is not None:
         missing_data(data)
@@ -210,7 +212,9 @@ def beside(checkpoint: str):
     names, the folder of a file, or the working folder for a hub id (never huggingface_hub's cache): a `Path`."""
     from pathlib import Path
 
-    if checkpoint.startswith("hf-hub:"):
+    from squad.io.hf_folder import is_hub_id
+
+    if is_hub_id(checkpoint):
         return Path(".")
     path = Path(checkpoint)
     return path if path.is_dir() else path.parent

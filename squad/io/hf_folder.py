@@ -26,11 +26,12 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from squad.io.files import atomic_write_bytes, atomic_write_text
+
+if TYPE_CHECKING:  # torch is imported where tensors are handled: `is_hub_id` serves torch-free start-up checks
+    import torch
 
 FORMAT = "squad.hf/1"
 FORMAT_NAME = "squad.hf"
@@ -163,7 +164,7 @@ def plain_data(obj: Any) -> Any:
         return {str(k): plain_data(v) for k, v in obj.items()}
     if isinstance(obj, list | tuple):
         return [plain_data(v) for v in obj]
-    if isinstance(obj, torch.Tensor):
+    if hasattr(obj, "tolist"):  # a tensor (or a numpy array)
         return obj.tolist()
     if obj is None or isinstance(obj, bool | int | float | str):
         return obj

@@ -53,6 +53,7 @@ from squad.config.loading import load_config
 from squad.config.run import RunConfig
 from squad.io.checkpoints import TAG_CONFIG, complete_tags, read_marker
 from squad.io.files import atomic_write_text, fail
+from squad.io.hf_folder import is_hub_id, resolve
 from squad.runtime import launch_rank, pid_alive
 from squad.train.shm import ShmSegments, remove_stale_shm
 from squad.train.tags import ResumeSource, remove_interrupted_saves, resolve_resume
@@ -390,9 +391,7 @@ def init_file(cfg, run_dir: str | Path, resume: str | None, overwrite: bool = Fa
     starts_over = overwrite and resume == "auto"  # --overwrite deletes the folder's checkpoints
     if not starts_over and resolve_resume(run_dir, resume) is not None:
         return None
-    if init.startswith("hf-hub:"):  # its folder in huggingface_hub's cache (downloaded unless HF_HUB_OFFLINE is set)
-        from squad.io.hf_folder import resolve  # here: it imports torch, which the run folder's checks run without
-
+    if is_hub_id(init):  # its folder in huggingface_hub's cache (downloaded unless HF_HUB_OFFLINE is set)
         try:
             return str(resolve(init))
         except (FileNotFoundError, ValueError) as e:

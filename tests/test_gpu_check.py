@@ -208,3 +208,45 @@ def test_rejoin_prices_a_committed_report_by_the_model_of_its_gpu(tmp_path, load
     assert h200.bandwidth_tbs > h100.bandwidth_tbs and h200.cublas_tflops == h100.cublas_tflops
     with pytest.raises(ValueError, match="no cost model for GPU 'A100'"):
         costmodel.constants_for("A100")
+
+
+@pytest.mark.parametrize("case", ["moe_mlp", "moa"])
+def test_gpu_bench_rows_time_each_layer_against_its_eager_and_compiled_twin(case):
+    """The ``bench`` stage's MoE MLP and MoE attention cases, run here on the CPU with the CUDA path forced, at the
+    tests' widths (the ``aot_eager`` backend: dynamo's graphs, no code generation): the eager row, the row against
+    the compiled twin (the twin the cost model prices: it carries the target) and the both-compiled row; the
+    traffic profile predicts the compiled-twin row and the eager one, marked as such."""
+    from squad.bench import cases, traffic_profile
+    from squad.kernels.device import force_cuda_path
+    from tests.helpers import TINY
+
+    bench = {"moe_mlp": cases.bench_moe_mlp_gpu, "moa": cases.bench_moa_gpu}[case]
+    with force_cuda_path():
+        rows = bench(quick=True, device="cpu", overrides=[*TINY, "model.head_dim=null"], compile_backend="aot_eager")
+    twin = {"moe_mlp": "dense", "moa": "mqa"}[case]
+    names = [f"{case}_fwd_bwd_vs_{twin}_gpu", f"{case}_fwd_bwd_vs_compiled_{twin}_gpu",
+             f"compiled_{case}_fwd_bwd_vs_compiled_{twin}_gpu"]
+    assert [r.case for r in rows] == names
+    assert all(r.unit == "x time" and r.value > 0 for r in rows), [(r.case, r.unit, r.details) for r in rows]
+    assert [r.target for r in rows] == ["", {"moe_mlp": "<= 1.3", "moa": "<= 1.4"}[case], ""]
+    assert rows[0].details["dim"] == 64 and rows[1].details["compile_backend"] == "aot_eager"
+    layer = next(x for x in traffic_profile.LAYERS if x.name == case)
+    assert (layer.gpu_case, layer.eager_case) == (names[1], names[0])
+
+
+def test_a_twin_that_fails_to_compile_leaves_the_eager_row(monkeypatch):
+    """A compile failure becomes the compiled rows' error, naming the backend; the eager row is still measured."""
+    from squad.bench import cases
+    from squad.kernels.device import force_cuda_path
+    from tests.helpers import TINY
+
+    def broken(module, backend="inductor"):
+        def fail(*args, **kwargs):
+            raise RuntimeError("no compiler here")
+        return fail
+
+    monkeypatch.setattr(cases.torch, "compile", broken)
+    with force_cuda_path():
+        rows = cases.bench_moe_mlp_gpu(quick=True, device="cpu", overrides=[*TINY, "model.head_dim=null"])
+    assert [r.unit for r in rows] == ["x time", "error", "error"]
+    assert "torch.compile (inductor) of the twin: RuntimeError: no compiler here" in rows[1].details["error"]

@@ -97,7 +97,10 @@ def test_profile_rows_counts_and_table():
         assert layer.name in table and layer.twin in table
     assert "a MODEL" in table and "low/central/high" in table
     predicted = traffic_profile.predictions(rows)
-    assert set(predicted) == {layer.gpu_case for layer in traffic_profile.LAYERS if layer.gpu_case}
+    assert set(predicted) == {case for layer in traffic_profile.LAYERS
+                              for case in (layer.gpu_case, layer.eager_case) if case}
+    assert predicted["moe_mlp_fwd_bwd_vs_dense_gpu"]["twin"] == "eager"  # the model prices the fused twin
+    assert predicted["moe_mlp_fwd_bwd_vs_compiled_dense_gpu"]["twin"] == "as priced"
 
 
 @pytest.mark.slow

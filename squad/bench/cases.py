@@ -266,10 +266,10 @@ def _segment_context(rows_per_task: int, num_tasks: int, device: str | torch.dev
     return lambda: ForwardContext(task_ids=ids, num_tasks=num_tasks, segments=segments)
 
 
-def _gpu_block_inputs(quick: bool, device: str | torch.device):
-    """modsquad_vit_b's widths: the config, 12 images (2 with --quick) × its 13 tasks × 197 tokens of width 768
-    (bf16, requiring gradients), and the task-major contexts."""
-    cfg = _config("modsquad_vit_b")
+def _gpu_block_inputs(quick: bool, device: str | torch.device, overrides: Sequence[str] = ()):
+    """modsquad_vit_b's widths (``overrides``: other widths, for the tests): the config, 12 images (2 with --quick) ×
+    its 13 tasks × 197 tokens of width 768 (bf16, requiring gradients), and the task-major contexts."""
+    cfg = _config("modsquad_vit_b", overrides)
     tasks, images = len(cfg.head_configs()), (2 if quick else 12)
     x = torch.randn(images * tasks, cfg.num_tokens, cfg.embed_dim, device=device, dtype=torch.bfloat16,
                     requires_grad=True)
@@ -331,19 +331,69 @@ def bench_moe_mlp(quick: bool = False, device: str = "cpu") -> list[BenchResult]
     return out
 
 
-def bench_moe_mlp_gpu(quick: bool = False, device: str = "cuda") -> list[BenchResult]:
+def _compiled_fwd_bwd(module: nn.Module, call: Callable[[nn.Module], torch.Tensor], params: Sequence[torch.Tensor],
+                      backend: str) -> Callable[[], None]:
+    """`_fwd_bwd` of ``call`` on ``module`` under ``torch.compile`` (compiled at its first call)."""
+    compiled = torch.compile(module, backend=backend)
+    return _fwd_bwd(lambda: call(compiled), [*params, *module.parameters()])
+
+
+def _gpu_pair_rows(name: str, twin_name: str, routed: nn.Module, twin: nn.Module,
+                   run: Callable[[nn.Module], torch.Tensor], run_twin: Callable[[nn.Module], torch.Tensor],
+                   params: Sequence[torch.Tensor], target: str, quick: bool, device: str | torch.device,
+                   compile_backend: str, **details) -> list[BenchResult]:
+    """A routed layer against its dense twin, fwd+bwd, eager and under ``torch.compile``, timed interleaved:
+
+    - ``<name>_fwd_bwd_vs_<twin>_gpu``: both eager (the twin's bias, GELU and their gradients separate passes);
+    - ``<name>_fwd_bwd_vs_compiled_<twin>_gpu``: the layer as it runs against the twin compiled, with the fusions a
+      dense layer gets (bias + GELU in the GEMMs' epilogues or one generated kernel): the twin the cost model
+      prices (`squad.bench.twins`), so this row carries ``target``;
+    - ``compiled_<name>_fwd_bwd_vs_compiled_<twin>_gpu``: both compiled (``train.compile``'s view of the layer).
+
+    A form that fails to compile becomes an error row; the eager row stands.
+    """
+    eager = [_fwd_bwd(lambda: run(routed), [*params, *routed.parameters()]),
+             _fwd_bwd(lambda: run_twin(twin), [*params, *twin.parameters()])]
+    compiled, errors = {}, {}
+    for key, module, call in (("twin", twin, run_twin), ("routed", routed, run)):
+        fn = _compiled_fwd_bwd(module, call, params, compile_backend)
+        try:
+            fn()  # compiles here, outside the timed rounds
+        except Exception as err:  # noqa: BLE001 - reported as the row's error, the eager rows stand
+            errors[key] = f"torch.compile ({compile_backend}) of the {key}: {type(err).__name__}: {err}"[:500]
+        else:
+            compiled[key] = fn
+    fns = eager + [compiled[k] for k in ("twin", "routed") if k in compiled]
+    times = time_interleaved(fns, **_repeats(quick, 50), device=device)
+    t_routed, t_twin = times[0], times[1]
+    t_twin_c = times[2] if "twin" in compiled else None
+    t_routed_c = times[-1] if "routed" in compiled else None
+    details = {**details, "compile_backend": compile_backend}
+    rows = [ratio_row(f"{name}_fwd_bwd_vs_{twin_name}_gpu", t_routed, t_twin, "", **details)]
+    both = f"compiled_{name}_fwd_bwd_vs_compiled_{twin_name}_gpu"
+    if t_twin_c is None:
+        return rows + [error_row(f"{name}_fwd_bwd_vs_compiled_{twin_name}_gpu", errors["twin"]),
+                       error_row(both, errors["twin"])]
+    rows.append(ratio_row(f"{name}_fwd_bwd_vs_compiled_{twin_name}_gpu", t_routed, t_twin_c, target, **details))
+    rows.append(ratio_row(both, t_routed_c, t_twin_c, "", **details) if t_routed_c is not None
+                else error_row(both, errors["routed"]))
+    return rows
+
+
+def bench_moe_mlp_gpu(quick: bool = False, device: str = "cuda", overrides: Sequence[str] = (),
+                      compile_backend: str = "inductor") -> list[BenchResult]:
     """modsquad_vit_b's MoE MLP (D 768, 16 experts, top-4, width 768, its routers) fwd+bwd in bf16 on a GPU against
-    the dense MLP of equal active FLOPs (hidden k·768), 12 images × 13 tasks × 197 tokens, timed with CUDA events."""
-    cfg, x, ctx, shape = _gpu_block_inputs(quick, device)
+    the dense MLP of equal active FLOPs (hidden k·768), 12 images × 13 tasks × 197 tokens, timed with CUDA events;
+    eager and compiled (`_gpu_pair_rows`). ``overrides`` and ``compile_backend`` are for the tests (the CPU runs it
+    at small widths under the forced CUDA path)."""
+    cfg, x, ctx, shape = _gpu_block_inputs(quick, device, overrides)
     torch.manual_seed(0)
     hidden = cfg.moe_hidden()
     moe = MoEMlp(cfg.embed_dim, hidden, cfg.moe, shape["tasks"]).to(device, torch.bfloat16)
     dense = Mlp(cfg.embed_dim, cfg.moe.top_k * hidden).to(device, torch.bfloat16)
-    times = time_interleaved([_fwd_bwd(lambda: moe(x, ctx()), [x, *moe.parameters()]),
-                              _fwd_bwd(lambda: dense(x), [x, *dense.parameters()])],
-                             **_repeats(quick, 50), device=device)
-    return [ratio_row("moe_mlp_fwd_bwd_vs_dense_gpu", *times, "<= 1.3", experts=cfg.moe.num_experts,
-                      top_k=cfg.moe.top_k, expert_hidden=hidden, **shape)]
+    return _gpu_pair_rows("moe_mlp", "dense", moe, dense, lambda m: m(x, ctx()), lambda m: m(x), [x], "<= 1.3",
+                          quick, device, compile_backend, experts=cfg.moe.num_experts, top_k=cfg.moe.top_k,
+                          expert_hidden=hidden, **shape)
 
 
 # ------------------------------------------------------------------------------------------------------------- MoA
@@ -387,18 +437,18 @@ def bench_moa(quick: bool = False, device: str = "cpu") -> list[BenchResult]:
                       top_k=k, head_dim=dh, threads=torch.get_num_threads())]
 
 
-def bench_moa_gpu(quick: bool = False, device: str = "cuda") -> list[BenchResult]:
+def bench_moa_gpu(quick: bool = False, device: str = "cuda", overrides: Sequence[str] = (),
+                  compile_backend: str = "inductor") -> list[BenchResult]:
     """modsquad_vit_b's MoE attention (24 experts, top-12, head 64, its routers) fwd+bwd in bf16 on a GPU against
-    multi-query attention of equal FLOPs (12 query heads over one K/V head), 12 images × 13 tasks × 197 tokens."""
-    cfg, x, ctx, shape = _gpu_block_inputs(quick, device)
+    multi-query attention of equal FLOPs (12 query heads over one K/V head), 12 images × 13 tasks × 197 tokens;
+    eager and compiled (`_gpu_pair_rows`)."""
+    cfg, x, ctx, shape = _gpu_block_inputs(quick, device, overrides)
     torch.manual_seed(0)
     moa = MoEAttention(cfg.embed_dim, cfg.moa, shape["tasks"], cfg.qkv_bias).to(device, torch.bfloat16)
     mqa = MultiQueryAttention(cfg.embed_dim, cfg.moa.top_k, cfg.moa.head_dim).to(device, torch.bfloat16)
-    times = time_interleaved([_fwd_bwd(lambda: moa(x, ctx()), [x, *moa.parameters()]),
-                              _fwd_bwd(lambda: mqa(x), [x, *mqa.parameters()])],
-                             **_repeats(quick, 50), device=device)
-    return [ratio_row("moa_fwd_bwd_vs_mqa_gpu", *times, "<= 1.4", experts=cfg.moa.num_experts,
-                      top_k=cfg.moa.top_k, head_dim=cfg.moa.head_dim, **shape)]
+    return _gpu_pair_rows("moa", "mqa", moa, mqa, lambda m: m(x, ctx()), lambda m: m(x), [x], "<= 1.4", quick,
+                          device, compile_backend, experts=cfg.moa.num_experts, top_k=cfg.moa.top_k,
+                          head_dim=cfg.moa.head_dim, kernel=cfg.moa.kernel, **shape)
 
 
 # ------------------------------------------------------------------------------------------------ fused 13-task step

@@ -59,7 +59,10 @@ class Layer:
         bytes_target: target on bytes / twin's bytes ("" for none).
         time_target: target on the modelled time ratio (or speed-up with ``speedup``).
         speedup: report twin time / layer time.
-        gpu_case: the ``tools/bench.py --device cuda`` row this predicts.
+        gpu_case: the ``tools/bench.py --device cuda`` row this predicts (for a layer against a fused twin, the row
+            against the compiled twin).
+        eager_case: the row of the same layer against its eager twin (bias, GELU and their gradients separate
+            passes: slower than the twin priced here, so the measured ratio reads lower); joined too, marked so.
     """
 
     name: str
@@ -69,6 +72,7 @@ class Layer:
     time_target: str
     speedup: bool
     gpu_case: str
+    eager_case: str = ""
 
 
 def _fwd_bwd(module: Callable[..., torch.Tensor], x: torch.Tensor, *extra) -> Callable[[], None]:
@@ -147,9 +151,10 @@ def _attention(tokens: int, batch: int = 8, heads: int = 12, head_dim: int = 64)
 
 LAYERS = [
     Layer("moe_mlp", "dense_mlp", lambda: _blocks()["moe_mlp"], "<= 1.6", "<= 1.3", False,
-          "moe_mlp_fwd_bwd_vs_dense_gpu"),
+          "moe_mlp_fwd_bwd_vs_compiled_dense_gpu", "moe_mlp_fwd_bwd_vs_dense_gpu"),
     Layer("moe_mlp_triton", "dense_mlp", lambda: _blocks("triton")["moe_mlp"], "", "", False, ""),
-    Layer("moa", "mqa", lambda: _blocks()["moa"], "<= 1.6", "<= 1.4", False, "moa_fwd_bwd_vs_mqa_gpu"),
+    Layer("moa", "mqa", lambda: _blocks()["moa"], "<= 1.6", "<= 1.4", False, "moa_fwd_bwd_vs_compiled_mqa_gpu",
+          "moa_fwd_bwd_vs_mqa_gpu"),
     Layer("moa_heads", "mqa", lambda: _blocks(moa_kernel="heads")["moa"], "", "", False, ""),
     Layer("moa_routed", "mqa", lambda: _blocks(moa_kernel="routed")["moa"], "", "", False, ""),
     Layer("mod_vit_s", "dense_vit_s", lambda: _inference("mod_vit_s"), "", ">= 1.6", True,
@@ -188,6 +193,7 @@ def profile_layer(layer: Layer, gpu: str = "H100") -> list[BenchResult]:
     ratio = (costmodel.ratio_range(twin_t.records, mine_t.records, gpu) if layer.speedup
              else costmodel.ratio_range(mine_t.records, twin_t.records, gpu))
     details = {"name": layer.name, "layer": mine, "twin": twin, "twin_name": layer.twin, "gpu_case": layer.gpu_case,
+               "eager_case": layer.eager_case,
                "dtype": "bfloat16", "path": "cuda (recorded on meta)", "model_ratio": ratio,
                "model": costmodel.KernelModel.at(gpu=gpu).as_dict(), "model_gpu": gpu}
     constants = {name: dataclasses.asdict(c) for name, c in costmodel.constants_for(gpu).items()}  # time row only
@@ -217,14 +223,18 @@ def bench_traffic(quick: bool = False) -> list[BenchResult]:
 
 def predictions(rows: Sequence[BenchResult]) -> dict[str, dict]:
     """The modelled figure of every GPU bench row the traffic rows predict: ``{gpu case: {"modelled": ratio,
-    "layer": name, "unit": ...}}`` (what `squad.bench.gpucheck` puts beside each measured GPU figure)."""
+    "layer": name, "unit": ..., "twin": "as priced" | "eager"}}`` (what `squad.bench.gpucheck` puts beside each
+    measured GPU figure); a layer's row against its eager twin (``eager_case``) gets the same figure, marked
+    ``"twin": "eager"``: the model prices the fused twin, so that row's measured ratio reads below the model's."""
     out = {}
     for r in rows:
-        gpu = r.details.get("gpu_case")
-        if gpu and _modelled(r):
-            ratio = r.details["model_ratio"]
-            out[gpu] = {"modelled": r.value, "low": ratio["low"], "high": ratio["high"], "traffic_row": r.case,
-                        "unit": r.unit}
+        if not _modelled(r):
+            continue
+        ratio = r.details["model_ratio"]
+        for key, twin in (("gpu_case", "as priced"), ("eager_case", "eager")):
+            if r.details.get(key):
+                out[r.details[key]] = {"modelled": r.value, "low": ratio["low"], "high": ratio["high"],
+                                       "traffic_row": r.case, "unit": r.unit, "twin": twin}
     return out
 
 

@@ -41,6 +41,8 @@ from pathlib import Path
 
 import torch
 
+from squad.lazy import constant_result
+
 BACKENDS = {"moe_mlp": ("grouped_mm", "triton"), "mone": ("cublas", "triton"), "moa": ("cublas", "heads", "routed")}
 LIBRARY = {"moe_mlp": "grouped_mm", "mone": "cublas", "moa": "cublas"}  # ``auto``'s backend until a GPU has measured
 ENV = "SQUAD_KERNEL_CHOICES"
@@ -96,7 +98,7 @@ def device_name(device: torch.device) -> str | None:
     return torch.cuda.get_device_name(device)
 
 
-@torch.compiler.assume_constant_result
+@constant_result
 def measured_backend(key: str, device_type: str, device_index: int) -> str | None:
     """The backend a GPU of this kind measured faster at ``key`` (`shape_key`), or None if none has."""
     index = None if device_index < 0 else device_index

@@ -86,3 +86,12 @@ def no_grad(fn: Callable) -> Callable:
             return fn(*args, **kwargs)
 
     return wrapper
+
+
+def constant_result(fn: Callable) -> Callable:
+    """``torch.compiler.assume_constant_result`` without its import of ``torch._dynamo`` (about 2 s of the start of
+    every process, most of which never compile): torch's decorator only marks ``fn`` with this attribute, which dynamo
+    reads when it meets the call (tests/test_compile.py checks that the public decorator marks a function the same
+    way). Under ``torch.compile`` ``fn``'s result is taken as a constant at trace time."""
+    fn._dynamo_marked_constant = True
+    return fn

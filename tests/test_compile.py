@@ -304,3 +304,35 @@ def test_compiled_forward_with_sampled_tasks_per_image_does_not_recompile_per_ba
         assert sum(counters["recompiles"].values()) <= 1, dict(counters["recompiles"])
     finally:
         torch._dynamo.reset()
+
+
+def test_constant_result_marks_a_function_as_torch_s_decorator_does_and_dynamo_keeps_it_constant():
+    """`squad.lazy.constant_result` (torch.compiler.assume_constant_result without importing dynamo at start-up)
+    marks a function exactly as the public decorator does, and a compiled caller takes its result as a constant: the
+    host work in it (a file read, a Python counter here) runs once while tracing, not in the graph."""
+    import subprocess
+    import sys
+
+    from squad.lazy import constant_result
+
+    def plain():
+        return 1
+
+    def mine():
+        return 1
+
+    public = torch.compiler.assume_constant_result(plain)
+    assert vars(constant_result(mine)) == vars(public) != {}
+    calls = []
+
+    @constant_result
+    def host_value() -> int:
+        calls.append(1)
+        return 3
+
+    fn = torch.compile(lambda x: x * host_value(), backend="eager", fullgraph=True)
+    assert fn(torch.ones(2)).tolist() == [3.0, 3.0] and fn(torch.ones(2)).tolist() == [3.0, 3.0]
+    assert len(calls) == 1
+    code = "import sys, squad.models, squad.kernels.choice; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "False", "importing squad's model imports torch._dynamo again"

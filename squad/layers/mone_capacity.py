@@ -14,8 +14,10 @@ import math
 import numpy as np
 import torch
 
+from squad.lazy import constant_result
 
-@torch.compiler.assume_constant_result
+
+@constant_result
 def capacity_distribution(e_c: float, num_experts: int = 4, beta: float = 10.0, delta: float = 2.0) -> tuple:
     """`_capacity_distribution`, which torch.compile calls while tracing and keeps as a constant: the SLSQP solve is
     host work on constants (and tracing it into scipy fails)."""

@@ -210,28 +210,38 @@ def test_rejoin_prices_a_committed_report_by_the_model_of_its_gpu(tmp_path, load
         costmodel.constants_for("A100")
 
 
-@pytest.mark.parametrize("case", ["moe_mlp", "moa"])
-def test_gpu_bench_rows_time_each_layer_against_its_eager_and_compiled_twin(case):
-    """The ``bench`` stage's MoE MLP and MoE attention cases, run here on the CPU with the CUDA path forced, at the
-    tests' widths (the ``aot_eager`` backend: dynamo's graphs, no code generation): the eager row, the row against
-    the compiled twin (the twin the cost model prices: it carries the target) and the both-compiled row; the
-    traffic profile predicts the compiled-twin row and the eager one, marked as such."""
+@pytest.mark.parametrize("case", ["moe_mlp", "moa", "mone"])
+def test_gpu_bench_rows_time_each_routed_one_against_its_eager_and_compiled_twin(case):
+    """The ``bench`` stage's MoE MLP, MoE attention and MoNE cases (MoD's share MoNE's code), run here on the CPU
+    with the CUDA path forced, at the tests' widths (the ``aot_eager`` backend: dynamo's graphs, no code generation):
+    the eager row, the row against the compiled twin (the twin the cost model prices: it carries the target) and the
+    both-compiled row; the traffic profile predicts the compiled-twin row and the eager one, marked as such. On the
+    CPU the rows' names lack the GPU rows' ``_gpu``."""
     from squad.bench import cases, traffic_profile
     from squad.kernels.device import force_cuda_path
     from tests.helpers import TINY
 
-    bench = {"moe_mlp": cases.bench_moe_mlp_gpu, "moa": cases.bench_moa_gpu}[case]
+    tiny = [*TINY, "model.head_dim=null"]
     with force_cuda_path():
-        rows = bench(quick=True, device="cpu", overrides=[*TINY, "model.head_dim=null"], compile_backend="aot_eager")
-    twin = {"moe_mlp": "dense", "moa": "mqa"}[case]
-    names = [f"{case}_fwd_bwd_vs_{twin}_gpu", f"{case}_fwd_bwd_vs_compiled_{twin}_gpu",
-             f"compiled_{case}_fwd_bwd_vs_compiled_{twin}_gpu"]
+        if case == "mone":
+            mone = cases._build("mone_vit_s", tiny).eval()
+            dense = cases._build("mod_vit_s", [*tiny, "model.plan=[{attn: dense, mlp: dense}]",
+                                               "model.task_embed=none"]).eval()
+            rows = cases._forward_speedup("mone_vit_s_forward_vs_dense", mone, dense, ">= 1.7", True, "cpu",
+                                          compile_backend="aot_eager")
+        else:
+            bench = {"moe_mlp": cases.bench_moe_mlp_gpu, "moa": cases.bench_moa_gpu}[case]
+            rows = bench(quick=True, device="cpu", overrides=tiny, compile_backend="aot_eager")
+    name, twin = {"moe_mlp": ("moe_mlp_fwd_bwd", "dense"), "moa": ("moa_fwd_bwd", "mqa"),
+                  "mone": ("mone_vit_s_forward", "dense")}[case]
+    names = [f"{name}_vs_{twin}", f"{name}_vs_compiled_{twin}", f"compiled_{name}_vs_compiled_{twin}"]
     assert [r.case for r in rows] == names
-    assert all(r.unit == "x time" and r.value > 0 for r in rows), [(r.case, r.unit, r.details) for r in rows]
-    assert [r.target for r in rows] == ["", {"moe_mlp": "<= 1.3", "moa": "<= 1.4"}[case], ""]
-    assert rows[0].details["dim"] == 64 and rows[1].details["compile_backend"] == "aot_eager"
-    layer = next(x for x in traffic_profile.LAYERS if x.name == case)
-    assert (layer.gpu_case, layer.eager_case) == (names[1], names[0])
+    unit = "x faster" if case == "mone" else "x time"
+    assert all(r.unit == unit and r.value > 0 for r in rows), [(r.case, r.unit, r.details) for r in rows]
+    assert [r.target for r in rows] == ["", {"moe_mlp": "<= 1.3", "moa": "<= 1.4", "mone": ">= 1.7"}[case], ""]
+    assert rows[1].details["compile_backend"] == "aot_eager"
+    layer = next(x for x in traffic_profile.LAYERS if x.name == {"mone": "mone_vit_s"}.get(case, case))
+    assert (layer.gpu_case, layer.eager_case) == (names[1] + "_gpu", names[0] + "_gpu")
 
 
 def test_a_twin_that_fails_to_compile_leaves_the_eager_row(monkeypatch):
@@ -240,13 +250,21 @@ def test_a_twin_that_fails_to_compile_leaves_the_eager_row(monkeypatch):
     from squad.kernels.device import force_cuda_path
     from tests.helpers import TINY
 
-    def broken(module, backend="inductor"):
-        def fail(*args, **kwargs):
+    class Broken(torch.nn.Module):  # what torch.compile gives, failing at its first call as a compile error does
+        def __init__(self, module):
+            super().__init__()
+            self.inner = module
+
+        def forward(self, *args):
             raise RuntimeError("no compiler here")
-        return fail
+
+    def broken(module, backend="inductor"):
+        return Broken(module)
 
     monkeypatch.setattr(cases.torch, "compile", broken)
     with force_cuda_path():
         rows = cases.bench_moe_mlp_gpu(quick=True, device="cpu", overrides=[*TINY, "model.head_dim=null"])
+    assert [r.case for r in rows] == ["moe_mlp_fwd_bwd_vs_dense", "moe_mlp_fwd_bwd_vs_compiled_dense",
+                                      "compiled_moe_mlp_fwd_bwd_vs_compiled_dense"]
     assert [r.unit for r in rows] == ["x time", "error", "error"]
     assert "torch.compile (inductor) of the twin: RuntimeError: no compiler here" in rows[1].details["error"]

@@ -331,69 +331,66 @@ def bench_moe_mlp(quick: bool = False, device: str = "cpu") -> list[BenchResult]
     return out
 
 
-def _compiled_fwd_bwd(module: nn.Module, call: Callable[[nn.Module], torch.Tensor], params: Sequence[torch.Tensor],
-                      backend: str) -> Callable[[], None]:
-    """`_fwd_bwd` of ``call`` on ``module`` under ``torch.compile`` (compiled at its first call)."""
-    compiled = torch.compile(module, backend=backend)
-    return _fwd_bwd(lambda: call(compiled), [*params, *module.parameters()])
+def _paired_rows(name: str, twin_name: str, routed: nn.Module, twin: nn.Module,
+                 units: tuple[Callable[[nn.Module], Callable[[], None]], Callable[[nn.Module], Callable[[], None]]],
+                 target: str, quick: bool,
+                 device: str | torch.device, compile_backend: str, faster: bool = False, repeats: int = 50,
+                 **details) -> list[BenchResult]:
+    """A routed layer or model against its dense twin, eager and under ``torch.compile``, timed interleaved
+    (``units``: for the routed one and the twin, the timed unit on the module given, eager or compiled; on a GPU
+    the rows end in ``_gpu``):
 
-
-def _gpu_pair_rows(name: str, twin_name: str, routed: nn.Module, twin: nn.Module,
-                   run: Callable[[nn.Module], torch.Tensor], run_twin: Callable[[nn.Module], torch.Tensor],
-                   params: Sequence[torch.Tensor], target: str, quick: bool, device: str | torch.device,
-                   compile_backend: str, **details) -> list[BenchResult]:
-    """A routed layer against its dense twin, fwd+bwd, eager and under ``torch.compile``, timed interleaved:
-
-    - ``<name>_fwd_bwd_vs_<twin>_gpu``: both eager (the twin's bias, GELU and their gradients separate passes);
-    - ``<name>_fwd_bwd_vs_compiled_<twin>_gpu``: the layer as it runs against the twin compiled, with the fusions a
-      dense layer gets (bias + GELU in the GEMMs' epilogues or one generated kernel): the twin the cost model
-      prices (`squad.bench.twins`), so this row carries ``target``;
-    - ``compiled_<name>_fwd_bwd_vs_compiled_<twin>_gpu``: both compiled (``train.compile``'s view of the layer).
+    - ``<name>_vs_<twin>``: both eager (the twin's bias, GELU, norms and their gradients separate passes);
+    - ``<name>_vs_compiled_<twin>``: the routed one as it runs against the twin compiled, with the fusions a dense
+      layer gets (bias + GELU in the GEMMs' epilogues or one generated kernel): the twin the cost model prices
+      (`squad.bench.twins`), so this row carries ``target``;
+    - ``compiled_<name>_vs_compiled_<twin>``: both compiled (``train.compile``'s view of them).
 
     A form that fails to compile becomes an error row; the eager row stands.
     """
-    eager = [_fwd_bwd(lambda: run(routed), [*params, *routed.parameters()]),
-             _fwd_bwd(lambda: run_twin(twin), [*params, *twin.parameters()])]
-    compiled, errors = {}, {}
-    for key, module, call in (("twin", twin, run_twin), ("routed", routed, run)):
-        fn = _compiled_fwd_bwd(module, call, params, compile_backend)
+    suffix = "_gpu" if _on_gpu(device) else ""
+    fns, errors = [units[0](routed), units[1](twin)], {}
+    for key, module, unit in (("twin", twin, units[1]), ("routed", routed, units[0])):
         try:
+            fn = unit(torch.compile(module, backend=compile_backend))
             fn()  # compiles here, outside the timed rounds
         except Exception as err:  # noqa: BLE001 - reported as the row's error, the eager rows stand
             errors[key] = f"torch.compile ({compile_backend}) of the {key}: {type(err).__name__}: {err}"[:500]
+            if key == "twin":
+                break
         else:
-            compiled[key] = fn
-    fns = eager + [compiled[k] for k in ("twin", "routed") if k in compiled]
-    times = time_interleaved(fns, **_repeats(quick, 50), device=device)
-    t_routed, t_twin = times[0], times[1]
-    t_twin_c = times[2] if "twin" in compiled else None
-    t_routed_c = times[-1] if "routed" in compiled else None
+            fns.append(fn)
+    times = time_interleaved(fns, **_repeats(quick, repeats), device=device if suffix else None)
     details = {**details, "compile_backend": compile_backend}
-    rows = [ratio_row(f"{name}_fwd_bwd_vs_{twin_name}_gpu", t_routed, t_twin, "", **details)]
-    both = f"compiled_{name}_fwd_bwd_vs_compiled_{twin_name}_gpu"
-    if t_twin_c is None:
-        return rows + [error_row(f"{name}_fwd_bwd_vs_compiled_{twin_name}_gpu", errors["twin"]),
-                       error_row(both, errors["twin"])]
-    rows.append(ratio_row(f"{name}_fwd_bwd_vs_compiled_{twin_name}_gpu", t_routed, t_twin_c, target, **details))
-    rows.append(ratio_row(both, t_routed_c, t_twin_c, "", **details) if t_routed_c is not None
+    rows = [ratio_row(f"{name}_vs_{twin_name}{suffix}", times[0], times[1], "", faster=faster, **details)]
+    against, both = f"{name}_vs_compiled_{twin_name}{suffix}", f"compiled_{name}_vs_compiled_{twin_name}{suffix}"
+    if "twin" in errors:
+        return rows + [error_row(against, errors["twin"]), error_row(both, errors["twin"])]
+    rows.append(ratio_row(against, times[0], times[2], target, faster=faster, **details))
+    rows.append(ratio_row(both, times[3], times[2], "", faster=faster, **details) if len(times) > 3
                 else error_row(both, errors["routed"]))
     return rows
+
+
+def _fwd_bwd_unit(x: torch.Tensor, call: Callable[[nn.Module], torch.Tensor]) -> Callable:
+    """A unit of `_paired_rows`: forward + backward of ``call(module)`` (``x``'s and the module's gradients)."""
+    return lambda module: _fwd_bwd(lambda: call(module), [x, *module.parameters()])
 
 
 def bench_moe_mlp_gpu(quick: bool = False, device: str = "cuda", overrides: Sequence[str] = (),
                       compile_backend: str = "inductor") -> list[BenchResult]:
     """modsquad_vit_b's MoE MLP (D 768, 16 experts, top-4, width 768, its routers) fwd+bwd in bf16 on a GPU against
     the dense MLP of equal active FLOPs (hidden k·768), 12 images × 13 tasks × 197 tokens, timed with CUDA events;
-    eager and compiled (`_gpu_pair_rows`). ``overrides`` and ``compile_backend`` are for the tests (the CPU runs it
+    eager and compiled (`_paired_rows`). ``overrides`` and ``compile_backend`` are for the tests (the CPU runs it
     at small widths under the forced CUDA path)."""
     cfg, x, ctx, shape = _gpu_block_inputs(quick, device, overrides)
     torch.manual_seed(0)
     hidden = cfg.moe_hidden()
     moe = MoEMlp(cfg.embed_dim, hidden, cfg.moe, shape["tasks"]).to(device, torch.bfloat16)
     dense = Mlp(cfg.embed_dim, cfg.moe.top_k * hidden).to(device, torch.bfloat16)
-    return _gpu_pair_rows("moe_mlp", "dense", moe, dense, lambda m: m(x, ctx()), lambda m: m(x), [x], "<= 1.3",
-                          quick, device, compile_backend, experts=cfg.moe.num_experts, top_k=cfg.moe.top_k,
-                          expert_hidden=hidden, **shape)
+    units = _fwd_bwd_unit(x, lambda m: m(x, ctx())), _fwd_bwd_unit(x, lambda m: m(x))
+    return _paired_rows("moe_mlp_fwd_bwd", "dense", moe, dense, units, "<= 1.3", quick, device, compile_backend,
+                        experts=cfg.moe.num_experts, top_k=cfg.moe.top_k, expert_hidden=hidden, **shape)
 
 
 # ------------------------------------------------------------------------------------------------------------- MoA
@@ -441,14 +438,15 @@ def bench_moa_gpu(quick: bool = False, device: str = "cuda", overrides: Sequence
                   compile_backend: str = "inductor") -> list[BenchResult]:
     """modsquad_vit_b's MoE attention (24 experts, top-12, head 64, its routers) fwd+bwd in bf16 on a GPU against
     multi-query attention of equal FLOPs (12 query heads over one K/V head), 12 images × 13 tasks × 197 tokens;
-    eager and compiled (`_gpu_pair_rows`)."""
+    eager and compiled (`_paired_rows`)."""
     cfg, x, ctx, shape = _gpu_block_inputs(quick, device, overrides)
     torch.manual_seed(0)
     moa = MoEAttention(cfg.embed_dim, cfg.moa, shape["tasks"], cfg.qkv_bias).to(device, torch.bfloat16)
     mqa = MultiQueryAttention(cfg.embed_dim, cfg.moa.top_k, cfg.moa.head_dim).to(device, torch.bfloat16)
-    return _gpu_pair_rows("moa", "mqa", moa, mqa, lambda m: m(x, ctx()), lambda m: m(x), [x], "<= 1.4", quick,
-                          device, compile_backend, experts=cfg.moa.num_experts, top_k=cfg.moa.top_k,
-                          head_dim=cfg.moa.head_dim, kernel=cfg.moa.kernel, **shape)
+    units = _fwd_bwd_unit(x, lambda m: m(x, ctx())), _fwd_bwd_unit(x, lambda m: m(x))
+    return _paired_rows("moa_fwd_bwd", "mqa", moa, mqa, units, "<= 1.4", quick, device, compile_backend,
+                        experts=cfg.moa.num_experts, top_k=cfg.moa.top_k, head_dim=cfg.moa.head_dim,
+                        kernel=cfg.moa.kernel, **shape)
 
 
 # ------------------------------------------------------------------------------------------------ fused 13-task step
@@ -500,10 +498,22 @@ def _dense_vit_s(img_size: int):
                                 "model.task_embed=none", "model.name=vit_s_dense"]).eval()
 
 
+class _Features(nn.Module):
+    """``model.forward_features(images, task)`` as a module's forward, so that ``torch.compile`` compiles it."""
+
+    def __init__(self, model: nn.Module, task: str):
+        super().__init__()
+        self.model, self.task = model, task
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.model.forward_features(images, self.task)
+
+
 def _forward_speedup(case: str, conditional, dense, target: str, quick: bool, device: str = "cpu",
-                     **details) -> BenchResult:
+                     compile_backend: str | None = None, **details) -> list[BenchResult]:
     """Inference speed-up of ``conditional`` over ``dense`` (``forward_features``, no_grad): 8 images in float32
-    on the CPU; on a GPU 256 images in bf16 timed with CUDA events (2 images with --quick)."""
+    on the CPU; on a GPU 256 images in bf16 timed with CUDA events (2 images with --quick), eager and compiled
+    (`_paired_rows`: ``compile_backend``, inductor on a GPU; on the CPU only when given)."""
     gpu = _on_gpu(device)
     batch = 2 if quick else (256 if gpu else 8)
     size = conditional.cfg.img_size
@@ -515,16 +525,20 @@ def _forward_speedup(case: str, conditional, dense, target: str, quick: bool, de
     def run(model) -> Callable[[], None]:
         def fwd() -> None:
             with torch.no_grad():
-                model.forward_features(images, task)
+                model(images)
 
         return fwd
 
-    t_cond, t_dense = time_interleaved([run(conditional), run(dense)], **_repeats(quick, 30 if gpu else 10),
-                                       device=device if gpu else None)
+    details = {**details, "batch": batch, "image_size": size, "threads": torch.get_num_threads()}
     if gpu:
-        case, details = case + "_gpu", {**details, "dtype": "bfloat16", "gpu": device_name(device)}
-    return ratio_row(case, t_cond, t_dense, target, faster=True, batch=batch, image_size=size,
-                     threads=torch.get_num_threads(), **details)
+        details.update(dtype="bfloat16", gpu=device_name(device))
+    if gpu or compile_backend:
+        return _paired_rows(case.removesuffix("_vs_dense"), "dense", _Features(conditional, task),
+                            _Features(dense, task), (run, run), target, quick, device,
+                            compile_backend or "inductor", faster=True, repeats=30 if gpu else 10, **details)
+    t_cond, t_dense = time_interleaved([run(_Features(conditional, task)), run(_Features(dense, task))],
+                                       **_repeats(quick, 10))
+    return [ratio_row(case, t_cond, t_dense, target, faster=True, **details)]
 
 
 def bench_mod(quick: bool = False, device: str = "cpu") -> list[BenchResult]:
@@ -532,8 +546,8 @@ def bench_mod(quick: bool = False, device: str = "cpu") -> list[BenchResult]:
     a GPU: 256 images, bf16)."""
     size = 64 if quick else 224
     mod = _build("mod_vit_s", [f"model.img_size={size}"]).eval()
-    return [_forward_speedup("mod_vit_s_forward_vs_dense", mod, _dense_vit_s(size), ">= 1.6", quick, device,
-                             capacity=mod.cfg.mod.capacity)]
+    return _forward_speedup("mod_vit_s_forward_vs_dense", mod, _dense_vit_s(size), ">= 1.6", quick, device,
+                            capacity=mod.cfg.mod.capacity)
 
 
 def bench_mone(quick: bool = False, device: str = "cpu") -> list[BenchResult]:
@@ -542,8 +556,8 @@ def bench_mone(quick: bool = False, device: str = "cpu") -> list[BenchResult]:
     mone = _build("mone_vit_s", [f"model.img_size={size}"]).eval()
     mone.set_mone_capacity(0.3)
     target = ">= 1.7" if _on_gpu(device) else ">= 1.8"
-    return [_forward_speedup("mone_vit_s_forward_vs_dense", mone, _dense_vit_s(size), target, quick, device,
-                             effective_capacity=0.3)]
+    return _forward_speedup("mone_vit_s_forward_vs_dense", mone, _dense_vit_s(size), target, quick, device,
+                            effective_capacity=0.3)
 
 
 # ------------------------------------------------------------------------------------------------------- profile

@@ -111,6 +111,19 @@ def test_device_option_and_gpu_name_in_table_and_json(tmp_path):
     assert report["results"][0]["case"] == "mod_vit_s_forward_vs_dense"  # the CPU row, as before
 
 
+def test_compiled_option_reaches_the_cases(tmp_path):
+    """``--compiled`` reaches the cases that take it (on the CPU, mod and mone: ``none`` times the eager pair through
+    the paired rows, which name the compile backend they would use); a value outside its choices is refused."""
+    out = tmp_path / "bench.json"
+    proc = run_tool("--quick", "--only", "mod", "--device", "cpu", "--compiled", "none", "--json", str(out),
+                    cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["case"] == "mod_vit_s_forward_vs_dense" and row["details"]["compile_backend"] == "inductor"
+    proc = run_tool("--only", "mod", "--compiled", "all", cwd=tmp_path)
+    assert proc.returncode == 2 and "--compiled: invalid choice: 'all'" in proc.stderr
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
 def test_device_cuda_without_a_gpu_is_a_usage_error(tmp_path):
     proc = run_tool("--quick", "--only", "moe_mlp", "--device", "cuda", cwd=tmp_path)
@@ -140,10 +153,13 @@ def test_device_reaches_only_the_cases_that_take_it(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("name", ["moe_mlp", "moa", "mod", "mone"])
 def test_gpu_rows_at_quick_sizes(name):
-    (row,) = [r for r in bench_cases.run_case(bench_cases.get_case(name), quick=True, device="cuda")
-              if r.case.endswith("_gpu")]
-    assert row.unit in ("x time", "x faster") and row.value > 0
-    assert row.details["gpu"] == torch.cuda.get_device_name() and row.details["dtype"] == "bfloat16"
+    """On a GPU each case gives its eager row and its row against the compiled twin (`--compiled twins`)."""
+    rows = [r for r in bench_cases.run_case(bench_cases.get_case(name), quick=True, device="cuda")
+            if r.case.endswith("_gpu")]
+    assert len(rows) == 2 and "_vs_compiled_" in rows[1].case and "compiled" not in rows[0].case, rows
+    for row in rows:
+        assert row.unit in ("x time", "x faster") and row.value > 0, row
+        assert row.details["gpu"] == torch.cuda.get_device_name() and row.details["dtype"] == "bfloat16"
 
 
 @pytest.mark.gpu

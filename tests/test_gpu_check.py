@@ -228,10 +228,10 @@ def test_gpu_bench_rows_time_each_routed_one_against_its_eager_and_compiled_twin
             dense = cases._build("mod_vit_s", [*tiny, "model.plan=[{attn: dense, mlp: dense}]",
                                                "model.task_embed=none"]).eval()
             rows = cases._forward_speedup("mone_vit_s_forward_vs_dense", mone, dense, ">= 1.7", True, "cpu",
-                                          compile_backend="aot_eager")
+                                          compiled="both", compile_backend="aot_eager")
         else:
             bench = {"moe_mlp": cases.bench_moe_mlp_gpu, "moa": cases.bench_moa_gpu}[case]
-            rows = bench(quick=True, device="cpu", overrides=tiny, compile_backend="aot_eager")
+            rows = bench(quick=True, device="cpu", compiled="both", overrides=tiny, compile_backend="aot_eager")
     name, twin = {"moe_mlp": ("moe_mlp_fwd_bwd", "dense"), "moa": ("moa_fwd_bwd", "mqa"),
                   "mone": ("mone_vit_s_forward", "dense")}[case]
     names = [f"{name}_vs_{twin}", f"{name}_vs_compiled_{twin}", f"compiled_{name}_vs_compiled_{twin}"]
@@ -263,8 +263,16 @@ def test_a_twin_that_fails_to_compile_leaves_the_eager_row(monkeypatch):
 
     monkeypatch.setattr(cases.torch, "compile", broken)
     with force_cuda_path():
-        rows = cases.bench_moe_mlp_gpu(quick=True, device="cpu", overrides=[*TINY, "model.head_dim=null"])
+        rows = cases.bench_moe_mlp_gpu(quick=True, device="cpu", compiled="both",
+                                       overrides=[*TINY, "model.head_dim=null"])
     assert [r.case for r in rows] == ["moe_mlp_fwd_bwd_vs_dense", "moe_mlp_fwd_bwd_vs_compiled_dense",
                                       "compiled_moe_mlp_fwd_bwd_vs_compiled_dense"]
     assert [r.unit for r in rows] == ["x time", "error", "error"]
     assert "torch.compile (inductor) of the twin: RuntimeError: no compiler here" in rows[1].details["error"]
+    with force_cuda_path():  # 'twins' (a GPU's default) leaves the both-compiled row out, 'none' every compiled one
+        twins = cases.bench_moa_gpu(quick=True, device="cpu", overrides=[*TINY, "model.head_dim=null"])
+        eager = cases.bench_moa_gpu(quick=True, device="cpu", compiled="none", overrides=[*TINY, "model.head_dim=null"])
+    assert [r.case for r in twins] == ["moa_fwd_bwd_vs_mqa", "moa_fwd_bwd_vs_compiled_mqa"]
+    assert [r.unit for r in twins] == ["x time", "error"] and [r.case for r in eager] == ["moa_fwd_bwd_vs_mqa"]
+    with pytest.raises(ValueError, match="compiled='all': expected one of none, twins, both"):
+        cases.bench_moa_gpu(quick=True, device="cpu", compiled="all", overrides=[*TINY, "model.head_dim=null"])

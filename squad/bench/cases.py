@@ -298,11 +298,11 @@ def _deepspeed_moe(dim: int, hidden: int, num_experts: int, k: int) -> nn.Module
     return MoE(hidden_size=dim, expert=expert, num_experts=num_experts, ep_size=1, k=k, capacity_factor=1.25)
 
 
-def bench_moe_mlp(quick: bool = False, device: str = "cpu") -> list[BenchResult]:
+def bench_moe_mlp(quick: bool = False, device: str = "cpu", compiled: str | None = None) -> list[BenchResult]:
     """MoE MLP fwd+bwd against the dense MLP of equal active FLOPs (D 384, 16 experts, top-4, width 4D/k = 384);
     on a GPU (``device="cuda"``) modsquad_vit_b's block in bf16 instead (`bench_moe_mlp_gpu`)."""
     if _on_gpu(device):
-        return bench_moe_mlp_gpu(quick, device)
+        return bench_moe_mlp_gpu(quick, device, compiled or "twins")
 
     d, e, k, tasks = VIT_S_DIM, 16, 4, 13
     rows, tokens = (2 if quick else 8), 197
@@ -331,45 +331,49 @@ def bench_moe_mlp(quick: bool = False, device: str = "cpu") -> list[BenchResult]
     return out
 
 
+COMPILED = ("none", "twins", "both")  # `tools/bench.py --compiled`: which GPU rows also run under torch.compile
+
+
 def _paired_rows(name: str, twin_name: str, routed: nn.Module, twin: nn.Module,
                  units: tuple[Callable[[nn.Module], Callable[[], None]], Callable[[nn.Module], Callable[[], None]]],
-                 target: str, quick: bool,
-                 device: str | torch.device, compile_backend: str, faster: bool = False, repeats: int = 50,
+                 target: str, quick: bool, device: str | torch.device, compiled: str = "twins",
+                 compile_backend: str = "inductor", faster: bool = False, repeats: int = 50,
                  **details) -> list[BenchResult]:
     """A routed layer or model against its dense twin, eager and under ``torch.compile``, timed interleaved
     (``units``: for the routed one and the twin, the timed unit on the module given, eager or compiled; on a GPU
     the rows end in ``_gpu``):
 
     - ``<name>_vs_<twin>``: both eager (the twin's bias, GELU, norms and their gradients separate passes);
-    - ``<name>_vs_compiled_<twin>``: the routed one as it runs against the twin compiled, with the fusions a dense
-      layer gets (bias + GELU in the GEMMs' epilogues or one generated kernel): the twin the cost model prices
-      (`squad.bench.twins`), so this row carries ``target``;
-    - ``compiled_<name>_vs_compiled_<twin>``: both compiled (``train.compile``'s view of them).
+    - ``<name>_vs_compiled_<twin>`` (``compiled`` "twins" or "both"): the routed one as it runs against the twin
+      compiled, with the fusions a dense layer gets (bias + GELU in the GEMMs' epilogues or one generated kernel):
+      the twin the cost model prices (`squad.bench.twins`), so this row carries ``target``;
+    - ``compiled_<name>_vs_compiled_<twin>`` (``compiled`` "both"): both compiled (``train.compile``'s view).
 
     A form that fails to compile becomes an error row; the eager row stands.
     """
+    if compiled not in COMPILED:
+        raise ValueError(f"compiled={compiled!r}: expected one of {', '.join(COMPILED)}")
     suffix = "_gpu" if _on_gpu(device) else ""
-    fns, errors = [units[0](routed), units[1](twin)], {}
-    for key, module, unit in (("twin", twin, units[1]), ("routed", routed, units[0])):
+    against, both = f"{name}_vs_compiled_{twin_name}{suffix}", f"compiled_{name}_vs_compiled_{twin_name}{suffix}"
+    wanted = [(twin, units[1], against), (routed, units[0], both)][:COMPILED.index(compiled)]
+    fns, failed = [units[0](routed), units[1](twin)], ""
+    for module, unit, _ in wanted:
         try:
             fn = unit(torch.compile(module, backend=compile_backend))
             fn()  # compiles here, outside the timed rounds
         except Exception as err:  # noqa: BLE001 - reported as the row's error, the eager rows stand
-            errors[key] = f"torch.compile ({compile_backend}) of the {key}: {type(err).__name__}: {err}"[:500]
-            if key == "twin":
-                break
-        else:
-            fns.append(fn)
+            which = "twin" if module is twin else "routed one"
+            failed = f"torch.compile ({compile_backend}) of the {which}: {type(err).__name__}: {err}"[:500]
+            break
+        fns.append(fn)
     times = time_interleaved(fns, **_repeats(quick, repeats), device=device if suffix else None)
     details = {**details, "compile_backend": compile_backend}
     rows = [ratio_row(f"{name}_vs_{twin_name}{suffix}", times[0], times[1], "", faster=faster, **details)]
-    against, both = f"{name}_vs_compiled_{twin_name}{suffix}", f"compiled_{name}_vs_compiled_{twin_name}{suffix}"
-    if "twin" in errors:
-        return rows + [error_row(against, errors["twin"]), error_row(both, errors["twin"])]
-    rows.append(ratio_row(against, times[0], times[2], target, faster=faster, **details))
-    rows.append(ratio_row(both, times[3], times[2], "", faster=faster, **details) if len(times) > 3
-                else error_row(both, errors["routed"]))
-    return rows
+    if len(times) > 2:  # the routed one as it runs, against the compiled twin
+        rows.append(ratio_row(against, times[0], times[2], target, faster=faster, **details))
+    if len(times) > 3:  # both compiled
+        rows.append(ratio_row(both, times[3], times[2], "", faster=faster, **details))
+    return rows + [error_row(form, failed) for _, _, form in wanted[len(times) - 2:]]
 
 
 def _fwd_bwd_unit(x: torch.Tensor, call: Callable[[nn.Module], torch.Tensor]) -> Callable:
@@ -377,8 +381,8 @@ def _fwd_bwd_unit(x: torch.Tensor, call: Callable[[nn.Module], torch.Tensor]) ->
     return lambda module: _fwd_bwd(lambda: call(module), [x, *module.parameters()])
 
 
-def bench_moe_mlp_gpu(quick: bool = False, device: str = "cuda", overrides: Sequence[str] = (),
-                      compile_backend: str = "inductor") -> list[BenchResult]:
+def bench_moe_mlp_gpu(quick: bool = False, device: str = "cuda", compiled: str = "twins",
+                      overrides: Sequence[str] = (), compile_backend: str = "inductor") -> list[BenchResult]:
     """modsquad_vit_b's MoE MLP (D 768, 16 experts, top-4, width 768, its routers) fwd+bwd in bf16 on a GPU against
     the dense MLP of equal active FLOPs (hidden k·768), 12 images × 13 tasks × 197 tokens, timed with CUDA events;
     eager and compiled (`_paired_rows`). ``overrides`` and ``compile_backend`` are for the tests (the CPU runs it
@@ -389,7 +393,8 @@ def bench_moe_mlp_gpu(quick: bool = False, device: str = "cuda", overrides: Sequ
     moe = MoEMlp(cfg.embed_dim, hidden, cfg.moe, shape["tasks"]).to(device, torch.bfloat16)
     dense = Mlp(cfg.embed_dim, cfg.moe.top_k * hidden).to(device, torch.bfloat16)
     units = _fwd_bwd_unit(x, lambda m: m(x, ctx())), _fwd_bwd_unit(x, lambda m: m(x))
-    return _paired_rows("moe_mlp_fwd_bwd", "dense", moe, dense, units, "<= 1.3", quick, device, compile_backend,
+    return _paired_rows("moe_mlp_fwd_bwd", "dense", moe, dense, units, "<= 1.3", quick, device, compiled,
+                        compile_backend,
                         experts=cfg.moe.num_experts, top_k=cfg.moe.top_k, expert_hidden=hidden, **shape)
 
 
@@ -415,11 +420,11 @@ class MultiQueryAttention(nn.Module):
         return self.proj(out.transpose(1, 2).reshape(b, n, -1))
 
 
-def bench_moa(quick: bool = False, device: str = "cpu") -> list[BenchResult]:
+def bench_moa(quick: bool = False, device: str = "cpu", compiled: str | None = None) -> list[BenchResult]:
     """MoA fwd+bwd (15 experts, top-6, head dim 64) against multi-query attention of equal active FLOPs; on a GPU
     (``device="cuda"``) modsquad_vit_b's MoA in bf16 instead (`bench_moa_gpu`)."""
     if _on_gpu(device):
-        return bench_moa_gpu(quick, device)
+        return bench_moa_gpu(quick, device, compiled or "twins")
 
     d, e, k, dh, tasks = VIT_S_DIM, 15, 6, 64, 13
     rows, tokens = (2 if quick else 8), 197
@@ -434,7 +439,7 @@ def bench_moa(quick: bool = False, device: str = "cpu") -> list[BenchResult]:
                       top_k=k, head_dim=dh, threads=torch.get_num_threads())]
 
 
-def bench_moa_gpu(quick: bool = False, device: str = "cuda", overrides: Sequence[str] = (),
+def bench_moa_gpu(quick: bool = False, device: str = "cuda", compiled: str = "twins", overrides: Sequence[str] = (),
                   compile_backend: str = "inductor") -> list[BenchResult]:
     """modsquad_vit_b's MoE attention (24 experts, top-12, head 64, its routers) fwd+bwd in bf16 on a GPU against
     multi-query attention of equal FLOPs (12 query heads over one K/V head), 12 images × 13 tasks × 197 tokens;
@@ -444,7 +449,7 @@ def bench_moa_gpu(quick: bool = False, device: str = "cuda", overrides: Sequence
     moa = MoEAttention(cfg.embed_dim, cfg.moa, shape["tasks"], cfg.qkv_bias).to(device, torch.bfloat16)
     mqa = MultiQueryAttention(cfg.embed_dim, cfg.moa.top_k, cfg.moa.head_dim).to(device, torch.bfloat16)
     units = _fwd_bwd_unit(x, lambda m: m(x, ctx())), _fwd_bwd_unit(x, lambda m: m(x))
-    return _paired_rows("moa_fwd_bwd", "mqa", moa, mqa, units, "<= 1.4", quick, device, compile_backend,
+    return _paired_rows("moa_fwd_bwd", "mqa", moa, mqa, units, "<= 1.4", quick, device, compiled, compile_backend,
                         experts=cfg.moa.num_experts, top_k=cfg.moa.top_k, head_dim=cfg.moa.head_dim,
                         kernel=cfg.moa.kernel, **shape)
 
@@ -510,10 +515,11 @@ class _Features(nn.Module):
 
 
 def _forward_speedup(case: str, conditional, dense, target: str, quick: bool, device: str = "cpu",
-                     compile_backend: str | None = None, **details) -> list[BenchResult]:
+                     compiled: str | None = None, compile_backend: str = "inductor",
+                     **details) -> list[BenchResult]:
     """Inference speed-up of ``conditional`` over ``dense`` (``forward_features``, no_grad): 8 images in float32
     on the CPU; on a GPU 256 images in bf16 timed with CUDA events (2 images with --quick), eager and compiled
-    (`_paired_rows`: ``compile_backend``, inductor on a GPU; on the CPU only when given)."""
+    (`_paired_rows`: ``compiled``, "twins" on a GPU unless given; on the CPU only when given)."""
     gpu = _on_gpu(device)
     batch = 2 if quick else (256 if gpu else 8)
     size = conditional.cfg.img_size
@@ -532,31 +538,31 @@ def _forward_speedup(case: str, conditional, dense, target: str, quick: bool, de
     details = {**details, "batch": batch, "image_size": size, "threads": torch.get_num_threads()}
     if gpu:
         details.update(dtype="bfloat16", gpu=device_name(device))
-    if gpu or compile_backend:
+    if gpu or compiled:
         return _paired_rows(case.removesuffix("_vs_dense"), "dense", _Features(conditional, task),
-                            _Features(dense, task), (run, run), target, quick, device,
-                            compile_backend or "inductor", faster=True, repeats=30 if gpu else 10, **details)
+                            _Features(dense, task), (run, run), target, quick, device, compiled or "twins",
+                            compile_backend, faster=True, repeats=30 if gpu else 10, **details)
     t_cond, t_dense = time_interleaved([run(_Features(conditional, task)), run(_Features(dense, task))],
                                        **_repeats(quick, 10))
     return [ratio_row(case, t_cond, t_dense, target, faster=True, **details)]
 
 
-def bench_mod(quick: bool = False, device: str = "cpu") -> list[BenchResult]:
+def bench_mod(quick: bool = False, device: str = "cpu", compiled: str | None = None) -> list[BenchResult]:
     """MoD ViT-S (12.5 % capacity, learned routing every other block) forward vs the dense ViT-S, eval, batch 8 (on
     a GPU: 256 images, bf16)."""
     size = 64 if quick else 224
     mod = _build("mod_vit_s", [f"model.img_size={size}"]).eval()
-    return _forward_speedup("mod_vit_s_forward_vs_dense", mod, _dense_vit_s(size), ">= 1.6", quick, device,
+    return _forward_speedup("mod_vit_s_forward_vs_dense", mod, _dense_vit_s(size), ">= 1.6", quick, device, compiled,
                             capacity=mod.cfg.mod.capacity)
 
 
-def bench_mone(quick: bool = False, device: str = "cpu") -> list[BenchResult]:
+def bench_mone(quick: bool = False, device: str = "cpu", compiled: str | None = None) -> list[BenchResult]:
     """MoNE ViT-S at e_c = 0.3 forward vs the dense ViT-S, eval, batch 8 (on a GPU: 256 images, bf16)."""
     size = 64 if quick else 224
     mone = _build("mone_vit_s", [f"model.img_size={size}"]).eval()
     mone.set_mone_capacity(0.3)
     target = ">= 1.7" if _on_gpu(device) else ">= 1.8"
-    return _forward_speedup("mone_vit_s_forward_vs_dense", mone, _dense_vit_s(size), target, quick, device,
+    return _forward_speedup("mone_vit_s_forward_vs_dense", mone, _dense_vit_s(size), target, quick, device, compiled,
                             effective_capacity=0.3)
 
 

@@ -51,9 +51,10 @@ class Stage:
     budget_s: float
 
 
-STAGES = [Stage("tests", 100.0), Stage("kernels", 90.0), Stage("bench", 180.0), Stage("step", 150.0),
+STAGES = [Stage("tests", 100.0), Stage("kernels", 90.0), Stage("bench", 240.0), Stage("step", 150.0),
           Stage("deepspeed", 170.0)]  # the first H200 check took 72, 31, 23, 131 s; DeepSpeed overran 100 s; kernels
-# now also times MoE attention's three backends at three shapes (the Triton head kernels compile on first use)
+# now also times MoE attention's three backends at three shapes (the Triton head kernels compile on first use); bench
+# now also compiles each routed case's dense twin (inductor: tens of seconds each)
 
 
 class NoGpu(RuntimeError):
@@ -104,14 +105,15 @@ def stage_kernels(work: Path) -> dict:
 
 
 def stage_bench(work: Path) -> dict:
-    """The GPU bench rows and the traffic profile's predictions by the cost model of this GPU, joined."""
+    """The GPU bench rows (each routed layer against its eager and its compiled twin) and the traffic profile's
+    predictions by the cost model of this GPU, joined."""
     import torch
 
     from .cases import result_dict, run_cases
     from .costmodel import gpu_model_name
 
     gpu = gpu_model_name(torch.cuda.get_device_name(0))
-    measured = [result_dict(r) for r in run_cases(GPU_BENCH_CASES, device="cuda")]
+    measured = [result_dict(r) for r in run_cases(GPU_BENCH_CASES, device="cuda", options={"compiled": "twins"})]
     failed = [r["case"] for r in measured if r["unit"] == "error"]
     return {"status": "failed" if failed else "ok", "errors": failed, "rows": measured, "model_gpu": gpu,
             "joined": model_join(measured, gpu)}

@@ -61,6 +61,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", choices=["cpu", "cuda"], default=None,
                    help="where the cases that have GPU rows run (moe_mlp, moa, mod, mone: bf16, paper widths, CUDA "
                         "events); default cuda when a GPU is present, else cpu")
+    p.add_argument("--compiled", choices=["none", "twins", "both"], default=None,
+                   help="GPU rows of moe_mlp, moa, mod, mone also under torch.compile: 'twins' (the default on a GPU) "
+                        "times each against its compiled dense twin, the fused twin the cost model prices; 'both' "
+                        "also compiles the routed one (minutes of compiling); 'none' eager only. On the CPU the mod "
+                        "and mone rows take it when given (the others are eager there)")
     plan = p.add_argument_group("capacity plan (squad.bench.plan): a run's step time, memory, images/s, loader rate "
                                 "and wall time on N devices like this machine's, from a step measured here")
     plan.add_argument("--plan", type=Path, metavar="CONFIG", help="run config to plan (timing cases run only with "
@@ -141,7 +146,7 @@ def _bench(argv: list[str] | None) -> int:
             print(f"[{case.name}] done ({len(case_rows)} rows)", file=sys.stderr, flush=True)
 
         rows = bench_cases.run_cases(args.only, quick=args.quick, on_rows=progress, device=args.device,
-                                     options={"step_rate": args.step_rate})
+                                     options={"step_rate": args.step_rate, "compiled": args.compiled})
         env = bench_cases.environment()
         print(f"torch {env['torch']}, {env['threads']} threads, {env['cpus']} CPUs, OMP_WAIT_POLICY "
               f"{env['omp_wait_policy']}, malloc tuned {env['malloc_tuned']}, load average "

@@ -274,6 +274,15 @@ def test_compiled_train_step_is_one_graph_with_no_recompiles_and_the_measured_ba
         choice._measured.cache_clear()
 
 
+def test_compile_with_tasks_per_image_is_warned_of_with_the_recompile_limit():
+    """The known fault below is said at the start of a run that has both keys (`tasks_per_image_note`), naming the
+    keys and dynamo's recompile limit; either key alone says nothing."""
+    note = squad_compile.tasks_per_image_note(2, True)
+    limit = torch._dynamo.config.recompile_limit
+    assert "train.tasks_per_image=2" in note and f"recompile limit ({limit})" in note and "train.compile" in note
+    assert squad_compile.tasks_per_image_note(0, True) is None and squad_compile.tasks_per_image_note(2, False) is None
+
+
 @pytest.mark.slow
 @pytest.mark.xfail(strict=True, reason="known (issue 35): `assignment` (train.tasks_per_image) breaks the graph at "
                    "nonzero and specialises on each batch's per-task image counts (0/1) and non-empty tasks")

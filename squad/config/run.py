@@ -111,7 +111,9 @@ class TrainConfig:
     # keeps its parameters and names, so checkpoints, resume and ZeRO are unchanged. The first steps pay the
     # compilation (minutes on a CPU); graph breaks that remain: squad.models.compile.
     compile: bool = False
-    tasks_per_image: int = 0  # 0: every image trains every task; k: k tasks sampled per image each step
+    # 0: every image trains every task; k: k tasks sampled per image each step (with train.compile each new batch
+    # composition compiles again, up to dynamo's recompile limit: docs/training.md)
+    tasks_per_image: int = 0
     log_every: int = 10  # steps between train.log / TensorBoard lines
     eval_every: int = 0  # 0: only at the start and the end
     ckpt_every: int = 0  # 0: only at the end

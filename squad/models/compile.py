@@ -18,8 +18,10 @@ What the compiler sees of squad:
   projections trace whole (no strided ``out=``).
 
 Every shipped config's training step is one graph (`graph_breaks` at the tests' widths, torch 2.14; with the CUDA
-path forced on a CPU too, tests/test_compile.py). The graph break that remains: MoD threshold inference
-(``--mod-inference threshold``) reads the widest row's token count on the host.
+path forced on a CPU too, tests/test_compile.py). The graph breaks that remain: MoD threshold inference
+(``--mod-inference threshold``) reads the widest row's token count on the host; a training step with
+``train.tasks_per_image`` splits at the assignment's per-task image lists and compiles again for each new batch
+composition (`tasks_per_image_note`: the run warns).
 """
 
 from __future__ import annotations
@@ -44,6 +46,25 @@ def compile_model(module: nn.Module, backend: str | Callable | None = None, mode
     """
     module.compile(backend=backend or BACKEND, mode=mode)
     return module
+
+
+def tasks_per_image_note(tasks_per_image: int, compile: bool) -> str | None:
+    """What ``train.compile`` with ``train.tasks_per_image`` costs (the run logs it as a warning), or None.
+
+    The forward turns each step's sampled assignment into per-task image lists (``nonzero``: a graph break) whose
+    lengths it specialises on — a task with 0 or 1 images is common at a few tasks per image — so a new batch
+    composition compiles the forward again, until dynamo's recompile limit sends the rest of the run to eager code
+    (tests/test_compile.py holds it as a known failure).
+    """
+    if not (compile and tasks_per_image):
+        return None
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    limit = getattr(config, "recompile_limit", None) or getattr(config, "cache_size_limit", 8)
+    return (f"train.compile with train.tasks_per_image={tasks_per_image}: each new batch composition (which tasks "
+            f"get 0 or 1 images) compiles the forward again, up to dynamo's recompile limit ({limit}), after which "
+            f"the step runs eagerly; set train.tasks_per_image=0 to compile once, or train.compile=false")
 
 
 @dataclasses.dataclass(frozen=True)

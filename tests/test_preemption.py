@@ -316,8 +316,12 @@ def test_ctrl_c_on_two_ranks_exits_130_quietly(config, tmp_path):
     os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: every process of the foreground job
     out, _ = proc.communicate(timeout=120)
     # the deepspeed runner prints its own KeyboardInterrupt traceback (DeepSpeed's code, outside the ranks): the
-    # ranks print none, and no collective torn down by the interrupt is reported
-    assert out.count("Traceback") <= 1 and "squad" not in out.partition("Traceback")[2], out[-4000:]
+    # ranks print none, and no collective torn down by the interrupt is reported. A rank may first see the runner
+    # gone (its watchdog, while its main thread is inside a step) and say so in a "[squad] ..." line before its own
+    # SIGINT is handled: that line is no traceback.
+    assert out.count("Traceback") <= 1, out[-4000:]
+    frames = [line for line in out.partition("Traceback")[2].splitlines() if line.strip().startswith("File ")]
+    assert not any("/squad/" in f or "tools/train.py" in f for f in frames), out[-4000:]
     assert "Connection reset" not in out and "gloo" not in out.lower(), out[-4000:]
     assert sum(line.strip() == "interrupted" for line in out.splitlines()) == 1, out[-3000:]
     assert proc.returncode in (-signal.SIGINT, 128 + signal.SIGINT), out[-3000:]

@@ -35,7 +35,7 @@ from squad.cli import rerun_with_passive_omp, run
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The arguments of ``tools/bench.py`` / ``squad-bench`` (unknown case names are a usage error, exit 2)."""
-    from squad.bench.cases import CASES, gpu_present
+    from squad.bench.cases import CASES, COMPILED, gpu_present
 
     names = [c.name for c in CASES]
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -61,7 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", choices=["cpu", "cuda"], default=None,
                    help="where the cases that have GPU rows run (moe_mlp, moa, mod, mone: bf16, paper widths, CUDA "
                         "events); default cuda when a GPU is present, else cpu")
-    p.add_argument("--compiled", choices=["none", "twins", "both"], default=None,
+    p.add_argument("--compiled", choices=COMPILED, default=None,
                    help="GPU rows of moe_mlp, moa, mod, mone also under torch.compile: 'twins' (the default on a GPU) "
                         "times each against its compiled dense twin, the fused twin the cost model prices; 'both' "
                         "also compiles the routed one (minutes of compiling); 'none' eager only. On the CPU the mod "

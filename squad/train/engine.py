@@ -248,9 +248,9 @@ class Trainer:
             # step: ~4 % of a small CPU step). ZeRO's optimizers do their own bookkeeping in that call: kept.
         if self.cfg.train.compile:  # the objective compiled in place: same parameters, names and checkpoints
             self.engine.compile(backend=squad_compile.BACKEND)
-            note = squad_compile.tasks_per_image_note(self.cfg.train.tasks_per_image, True)
-            if note and self.rank == 0:
-                log.warning(note)
+        note = squad_compile.tasks_per_image_note(self.cfg.train.tasks_per_image, self.cfg.train.compile)
+        if note and self.rank == 0:
+            log.warning(note)
         self.experts = ExpertShards(shards, o, self.device, prefix="model.") if shards else None
         if self.experts is not None:
             self.experts.attach(self.engine)

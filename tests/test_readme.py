@@ -26,7 +26,10 @@ How a command is run (the only changes, all here):
   word for word (its optional ``[ ]`` arguments aside: the README's front page repeats the pages' commands) runs once;
 - sizes (`SIZES`): ``make_data`` renders/packs 32 images of 32 px; ``--num-heads`` is the small ViT's 4;
   ``torchrun --nproc_per_node`` runs 2 processes;
-  launchers get a free ``--master_port`` (accelerate: ``--main_process_port``); a training gets `TRAIN_SETS`
+  launchers get a free ``--master_port`` (accelerate: ``--main_process_port``); the first ``deepspeed`` command runs
+  under the real launcher and the later ones' ranks are forked from a preloaded interpreter (`tests.rank_launcher`:
+  the environment the launcher gives each rank, without four interpreters' imports; torchrun and accelerate run
+  once each, under their own launchers); a training gets `TRAIN_SETS`
   appended as ``--set`` overrides (the `tests.helpers.TINY` widths, 2 steps of 4 images, no workers, 1 validation
   batch); finetune_router gets ``--steps 2``, upcycle the TINY widths and bench ``--quick`` (`TOOL_ARGS`);
 - paths (`PATHS`): ``/data/taskonomy`` is a random Taskonomy tree (`squad.data.write_random_tree`, its split CSV also
@@ -56,7 +59,7 @@ from pathlib import Path
 import pytest
 
 from squad.distributed import free_port
-from tests.helpers import ROOT, TINY, run_command, tool_env
+from tests.helpers import RANK_LAUNCHER, ROOT, TINY, run_command, tool_env
 
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
@@ -214,8 +217,9 @@ def _tool_of(words: list[str]) -> str | None:
 
 
 
-def to_argv(text: str, ws: Path) -> list[str]:
-    """A README shell command as the argv run here (the substitutions of the module docstring)."""
+def to_argv(text: str, ws: Path, forked: bool = False) -> list[str]:
+    """A README shell command as the argv run here (the substitutions of the module docstring); with ``forked`` a
+    ``deepspeed --num_gpus N [--master_port P] SCRIPT ...`` runs its ranks through `tests.rank_launcher`."""
     text = re.sub(r"\s\[[^\]]*\]", "", text)  # optional arguments
     for src, dst in PATHS.items():
         text = text.replace(src, str(ws / dst))
@@ -248,6 +252,12 @@ def to_argv(text: str, ws: Path) -> list[str]:
                 sets += [f"data.root={ws / PATHS[root]}", "data.resize=null"]
         words += [a for s in sets for a in ("--set", s)]
     words += TOOL_ARGS.get(tool, [])
+    if forked and program == "deepspeed":
+        script = next(n for n, w in enumerate(words) if w.endswith(".py"))
+        flags = dict(zip(words[1:script:2], words[2:script:2], strict=True)) if script % 2 else {}
+        if set(flags) == {"--num_gpus", "--master_port"}:  # no other launcher option
+            words = [sys.executable, RANK_LAUNCHER, "--num_gpus", flags["--num_gpus"], "--master_port",
+                     flags["--master_port"], *words[script:]]
     return words
 
 
@@ -311,6 +321,7 @@ def walkthrough(workspace) -> dict[tuple[str, int], tuple[int | str, str]]:
     results: dict[tuple[str, int], tuple[int | str, str]] = {}
     done: dict[str, tuple[int | str, str]] = {}  # a command the pages give twice (`Command.key`) runs once
     done_python = False
+    launched = False  # a deepspeed command has run under the real launcher
     for cmd in COMMANDS:  # as collected (a page edited while the tests run changes nothing here)
         if _skip_reason(cmd):
             continue
@@ -330,10 +341,11 @@ def walkthrough(workspace) -> dict[tuple[str, int], tuple[int | str, str]]:
             results[at] = _run([sys.executable, "-c", script], workspace)
         else:
             try:
-                argv = to_argv(cmd.text, workspace)
+                argv = to_argv(cmd.text, workspace, forked=launched)
             except LookupError as e:
                 results[at] = ("unknown", str(e))
                 continue
+            launched = launched or Path(argv[0]).name == "deepspeed"
             results[at] = _run(argv, workspace)
         done[cmd.key] = results[at]
     assert done_python or not any(c.kind == "python" for c in COMMANDS)

@@ -124,3 +124,45 @@ def test_config_reference_lists_every_key():
 def test_docs_tool_checks_the_page():
     res = run_command([sys.executable, "tools/docs.py", "config-reference", "--check"], ROOT, tool_env(), 120)
     assert res.returncode == 0 and "up to date" in res.stdout, res.stdout + res.stderr
+
+
+def test_verdicts_block_is_current():
+    """README.md and docs/reproduce.md quote the committed report's verdicts as `python tools/docs.py verdicts`
+    generates them from reports/cpu/results.json: a report regenerated without running it fails here."""
+    from squad.reproduce.summary import pages
+
+    stale = [page for page, (now, text) in pages(ROOT).items() if now != text]
+    assert not stale, f"{stale}: the verdicts block is out of date: run `python tools/docs.py verdicts` and commit it"
+
+
+def test_verdicts_block_is_found_once_or_named_missing():
+    import pytest
+
+    from squad.reproduce.summary import BEGIN, END, fill
+
+    page = f"intro\n{BEGIN}\nold\n{END}\nrest\n"
+    assert fill(page, f"{BEGIN}\nnew\n{END}") == f"intro\n{BEGIN}\nnew\n{END}\nrest\n"
+    with pytest.raises(ValueError, match=r"README\.md: expected one verdicts block .* found 0"):
+        fill("no block here", "x", "README.md")
+    with pytest.raises(ValueError, match="found 2"):
+        fill(page + page, "x", "docs/reproduce.md")
+
+
+def test_docs_tool_checks_and_writes_the_verdicts(tmp_path, monkeypatch):
+    """`python tools/docs.py verdicts --check` exits 1 naming a stale page, and without --check rewrites it."""
+    import importlib.util
+    import shutil
+
+    for page in ("README.md", "docs/reproduce.md", "reports/cpu/results.json"):
+        (tmp_path / page).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / page, tmp_path / page)
+    readme = tmp_path / "README.md"
+    readme.write_text(readme.read_text().replace("**too few seeds**", "**reproduced**", 1))
+    spec = importlib.util.spec_from_file_location("docs_tool", ROOT / "tools" / "docs.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    monkeypatch.setattr(tool, "ROOT", tmp_path)
+    assert tool.main(["verdicts", "--check"]) == 1
+    assert tool.main(["verdicts"]) == 0
+    assert readme.read_text() == (ROOT / "README.md").read_text()
+    assert tool.main(["verdicts", "--check"]) == 0

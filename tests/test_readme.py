@@ -85,7 +85,7 @@ SKIPPED = {
     "make lint@": "ruff over the whole tree: tests/test_docs.py and CI run ruff",
     "make bench@": "the full benchmark (`python tools/bench.py`); test_bench.py runs it at --quick sizes",
     "make clean-venv": "removes this .venv",
-    "python tools/docs.py": "rewrites docs/config-reference.md in the checkout; tests/test_docs.py checks the page",
+    "python tools/docs.py": "rewrites the generated pages in the checkout; tests/test_docs.py checks them",
     "deepspeed --hostfile hosts --num_nodes 4 --num_gpus 8": "needs 4 nodes with 8 GPUs each; multi-node launching "
     "runs on loopback in test_train.py::test_multi_node_loopback_matches_one_node",
     "python tools/bench.py@": "the full benchmark runs for many minutes; test_bench.py runs it at --quick sizes",

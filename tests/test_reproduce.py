@@ -99,6 +99,37 @@ def test_tiny_report_has_a_section_and_a_verdict_per_claim(tiny_report):
     assert "python tools/reproduce.py all --scale tiny" in (out / "report.md").read_text()  # the command
 
 
+def test_verdict_block_quotes_every_claim_with_its_parts(tiny_report):
+    """The README's verdicts block (`squad.reproduce.summary`) from a report of the current code: a row per claim with
+    its verdict and each part's estimate, bounds and status; a claim with too few seeds says what its parts give."""
+    from squad.reproduce.summary import BEGIN, END, verdict_block
+    from squad.reproduce.verdicts import compare, judge, verdict
+
+    out, _, _ = tiny_report
+    results = json.loads((out / "results.json").read_text())
+    block = verdict_block(results, "reports/tiny/results.json")
+    assert block.startswith(BEGIN) and block.endswith(END)
+    assert "python tools/reproduce.py all --scale tiny" in block and "reports/tiny/report.md" in block
+    rows = {r.split(" | ")[0].removeprefix("| "): r for r in block.splitlines()
+            if r.startswith("| ") and "---" not in r}
+    assert set(rows) == {"claim", *CLAIMS}
+    assert all("**plumbing only**" in rows[name] for name in CLAIMS)
+    # five seeds, one part holding and one reversed: partly reproduced, both parts quoted
+    up, down = [2.0, 2.5, 3.0, 2.2, 2.8], [-2.0, -2.5, -3.0, -2.2, -2.8]
+    parts, _ = judge([compare("A > B", up, [0.0] * 5), compare("A > C", down, [0.0] * 5)], parts=2)
+    claim = {"comparisons": parts, "verdict": verdict(parts)}
+    five = {**results, "seeds": [0, 1, 2, 3, 4], "claims": {"modsquad-table2": claim},
+            "tolerance": {"tolerance": {"Δt": 0.4}}}
+    row = [r for r in verdict_block(five).splitlines() if r.startswith("| modsquad-table2")][0]
+    assert "**partly reproduced**" in row
+    assert re.search(r"A > B: \+2\.50 \[\+\d\.\d\d, \+\d\.\d\d\] — \*\*holds\*\*", row), row
+    assert "A > C: -2.50" in row and "**reversed**" in row
+    assert "tolerance is 0.40 Δt points" in verdict_block(five)
+    three = {**five, "seeds": [0, 1, 2], "claims": {"modsquad-table2": {
+        "comparisons": parts, "verdict": "too few seeds", "provisional": "partly reproduced"}}}
+    assert "**too few seeds** (< 5 seeds; the parts give: partly reproduced)" in verdict_block(three)
+
+
 def test_tiny_results_json_and_figures(tiny_report):
     out, _, _ = tiny_report
     results = json.loads((out / "results.json").read_text())  # strict JSON: NaN is written as null

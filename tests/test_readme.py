@@ -96,6 +96,8 @@ SKIPPED = {
     "python tools/reproduce.py modsquad-table2 table2-curve pruning mi-vs-balance amod-table3 mone-budget --scale cpu "
     "--out runs/repro-cpu --report": "the converged CPU runs train 175 models for hours (its --dry-run below prints "
     "the plan and runs here); test_reproduce.py runs every claim at --scale tiny",
+    "python tools/reproduce.py modsquad-table2 --scale cpu --out /tmp/rerun --rerun": "renders the cpu scale's data "
+    "and trains a 1,000-step run (many minutes); test_reproduce.py runs --rerun at --scale tiny",
     "make gpu-check": "needs a CUDA GPU; test_gpu_check.py runs its refusal, stage runner and report on the CPU",
     "python3 tools/gpu_check.py": "needs a CUDA GPU (the same as make gpu-check)",
     "python tools/gpu_check.py --rejoin": "test_gpu_check.py runs it on the committed H200 report",

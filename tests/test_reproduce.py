@@ -56,6 +56,7 @@ from squad.reproduce.verdicts import (
     provisional,
     verdict,
 )
+from squad.tasks import get_task
 from tests.helpers import PY, ROOT, run_command, tool_env
 
 TOOL = str(ROOT / "tools" / "reproduce.py")
@@ -296,6 +297,51 @@ def test_a_second_invocation_skips_finished_runs(tiny_report):
     # a budget that differs from the folder's runs is refused, naming the run
     res, _ = _run("modsquad-table2", "--scale", "tiny", "--out", str(out), "--steps", "5")
     assert res.returncode == 2 and "trained for 3 steps" in res.stderr, res.stderr[-2000:]
+
+
+def test_rerun_of_one_run_is_checked_against_the_reports_tolerance(tiny_report, tmp_path):
+    """--rerun trains one run of the plan again here and compares each task's metric with the report's record
+    (results.json's run_metrics) against its stated per-run tolerance: the same machine lands at 0 (exit 0); a
+    report whose record differs by more than the tolerance gives exit 1; an unknown run, a report without per-run
+    metrics or without a tolerance gives exit 2 naming what is missing."""
+    out, _, _ = tiny_report
+    results = json.loads((out / "results.json").read_text())
+    assert set(results["run_metrics"]) >= {"stl-class_scene-s0", "mtl-s0"}
+    run = "stl-class_scene-s0"
+    assert results["run_metrics"][run] == json.loads((out / "runs" / run / "metrics.jsonl").read_text()
+                                                     .splitlines()[-1])["metrics"]
+    tolerated = {**results, "tolerance": {"metric_change": {"max": 0.5, "mean": 0.2}}}
+    report = tmp_path / "results.json"
+    report.write_text(json.dumps(tolerated))
+    args = ["modsquad-table2", "--scale", "tiny", "--out", str(tmp_path / "re"), "--data",
+            str(out / "data" / "shards"), "--rerun", run, "--against", str(report)]
+    res, _ = _run(*args)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    check = json.loads((tmp_path / "re" / "rerun" / run / "check.json").read_text())
+    assert check["inside"] and check["largest"] == 0.0 and check["tolerance"] == 0.5
+    assert set(check["tasks"]) == set(results["run_metrics"][run])
+    assert re.search(rf"rerun {run}: largest change 0\.00 % against the report's tolerance of 0\.50 %: inside",
+                     res.stdout)
+    assert not (tmp_path / "re" / "runs" / run).exists()  # only the rerun trained
+    # a record 50 % off is outside (the finished rerun is reused, not trained again)
+    task = next(iter(results["run_metrics"][run]))
+    primary = get_task(task).primary_metric
+    tolerated["run_metrics"][run][task][primary] *= 1.5
+    report.write_text(json.dumps(tolerated))
+    res, _ = _run(*args)
+    assert res.returncode == 1, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "OUTSIDE" in res.stdout and f"rerun {run}: training" not in res.stdout
+    # what cannot be checked is named
+    res, _ = _run(*args[:-3], "stl-nothing-s0", "--against", str(report))
+    assert res.returncode == 2 and "stl-nothing-s0: not a run of these claims" in res.stderr, res.stderr[-2000:]
+    report.write_text(json.dumps({k: v for k, v in tolerated.items() if k != "run_metrics"}))
+    res, _ = _run(*args)
+    assert res.returncode == 2 and "records no per-run metrics" in res.stderr, res.stderr[-2000:]
+    report.write_text(json.dumps(results))  # tiny measures no tolerance
+    res, _ = _run(*args)
+    assert res.returncode == 2 and "states no cross-machine tolerance" in res.stderr, res.stderr[-2000:]
+    res, _ = _run("modsquad-table2", "--scale", "tiny", "--out", str(tmp_path / "x"), "--against", str(report))
+    assert res.returncode == 2 and "give --rerun RUN too" in res.stderr, res.stderr[-2000:]
 
 
 def test_paper_scale_writes_configs_and_deepspeed_commands(tmp_path, load_tool, capsys):

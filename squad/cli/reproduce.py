@@ -6,6 +6,8 @@ The embedded data is the synthetic Taskonomy; the report is report.md, PNG figur
     python tools/reproduce.py modsquad-table2 table2-curve pruning mi-vs-balance amod-table3 mone-budget \\
         --scale cpu --out runs/repro-cpu --report reports/cpu     # converged, CPU, hours (--dry-run: the plan)
     python tools/reproduce.py all --rejudge reports/cpu/results.json --out reports/cpu   # old data, current rule
+    python tools/reproduce.py modsquad-table2 --scale cpu --out /tmp/rerun --rerun stl-class_scene-s0 \
+        --against reports/cpu/results.json      # one run trained again here, against the report's tolerance
     python tools/reproduce.py modsquad-table2 --scale gpu --parallel 10 --out reports/gpu   # one H100, <= 8 min
     python tools/reproduce.py all --scale paper --out plans/paper --data /data/taskonomy   # configs + commands
 
@@ -85,6 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="judge a report's results.json again under the current rule from the per-seed numbers it "
                         "holds, training nothing: writes OUT/rejudged.md and OUT/rejudged.json, labelled as an "
                         "interim re-judgement")
+    p.add_argument("--rerun", nargs="+", default=None, metavar="RUN",
+                   help="train these runs of the claims' plan again here (into OUT/rerun/RUN, with this machine's "
+                        "threads) and compare each task's metric with the report's (--against): exit 1 when a change "
+                        "is larger than the report's cross-machine tolerance for one run")
+    p.add_argument("--against", default=None, metavar="RESULTS",
+                   help="the report --rerun checks against (default: the results.json in --report, else OUT)")
     p.add_argument("--dry-run", action="store_true",
                    help="print the plan (every run, those already done in OUT, the tolerance reruns) and its CPU "
                         "budget on one core, and run nothing")
@@ -125,9 +133,15 @@ def _reproduce(argv: list[str] | None) -> int:
         _log_quietly()
     from squad.reproduce.invocation import reproduce
 
-    reproduce(args.claims, args.scale, args.out, seeds=args.seeds, steps=args.steps, data=args.data,
-              pascal=args.pascal_data, hostfile=args.hostfile, command=command, parallel=args.parallel,
-              report_dir=args.report)
+    if args.against and not args.rerun:
+        raise ValueError("--against names the report a --rerun is checked against: give --rerun RUN too")
+    out = reproduce(args.claims, args.scale, args.out, seeds=args.seeds, steps=args.steps, data=args.data,
+                    pascal=args.pascal_data, hostfile=args.hostfile, command=command, parallel=args.parallel,
+                    report_dir=args.report, rerun=args.rerun or (), against=args.against)
+    if args.rerun:
+        import json
+
+        return 0 if all(c["inside"] for c in json.loads(out.read_text())) else 1
     return 0
 
 

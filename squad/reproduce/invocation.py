@@ -24,6 +24,7 @@ from squad.reproduce.claims import CLAIMS, resolve_claims
 from squad.reproduce.paper import write_paper_plan
 from squad.reproduce.parallel import run_jobs
 from squad.reproduce.report import write_report
+from squad.reproduce.rerun import check_reruns, run_metrics
 from squad.reproduce.runs import Runner, RunSpec, is_done
 from squad.reproduce.scales import (
     GPU_PARALLEL,
@@ -145,7 +146,8 @@ def dry_run(claims: Sequence[str], scale: str = "small", out: str | Path = "repo
 def reproduce(claims: Sequence[str], scale: str = "small", out: str | Path = "reports/small", *,
               seeds: int | None = None, steps: int | None = None, data: str | Path | None = None,
               pascal: str | Path | None = None, hostfile: str = "hostfile", command: str = "", parallel: int = 1,
-              report_dir: str | Path | None = None, say: Callable[[str], None] | None = None) -> Path:
+              report_dir: str | Path | None = None, say: Callable[[str], None] | None = None,
+              rerun: Sequence[str] = (), against: str | Path | None = None) -> Path:
     """Measures ``claims`` at ``scale`` into ``out`` and writes the report; returns its path.
 
     Args:
@@ -163,9 +165,13 @@ def reproduce(claims: Sequence[str], scale: str = "small", out: str | Path = "re
             fine-tunes of router-finetune run that way too.
         report_dir: where report.md, results.json and figures/ go (default: ``out``).
         say: where progress lines go (default: stdout).
+        rerun: instead of the report, train these runs of the plan again into ``out/rerun`` and check each against
+            the report ``against`` (default: ``report_dir/results.json``, else ``out``'s): `squad.reproduce.rerun`.
+        against: the results.json a ``rerun`` is checked against.
 
     Returns:
-        ``report_dir/report.md`` (paper scale: the commands file).
+        ``report_dir/report.md`` (paper scale: the commands file; with ``rerun``: ``out/rerun/checks.json``, a list
+        of `squad.reproduce.rerun.check_reruns`'s dicts).
 
     Raises:
         ValueError: an unknown claim (listing them), seeds, steps or parallel below 1, or an ``out`` holding another
@@ -215,6 +221,12 @@ def reproduce(claims: Sequence[str], scale: str = "small", out: str | Path = "re
     ctx = Context(scale, seeds, root, out, Runner(out, scale, root), device, pascal=pscale, pascal_data=pdata,
                   parallel=parallel)
     specs = list({s.name: s for c in claims for s in CLAIMS[c].specs(ctx)}.values())
+    if rerun:
+        report = Path(against) if against else Path(report_dir or out) / "results.json"
+        checks = check_reruns(ctx, specs, rerun, report, say)
+        path = out / "rerun" / "checks.json"
+        path.write_text(json.dumps(checks, indent=1, default=str) + "\n")
+        return path
     todo = [s for s in specs if not is_done(ctx.runner.path(s))]
     ctx.runner.total = len(specs)
     say(f"{len(claims)} claim{'s' if len(claims) > 1 else ''} at scale {scale.name}, seeds {seeds}: {len(specs)} runs "
@@ -277,6 +289,7 @@ def reproduce(claims: Sequence[str], scale: str = "small", out: str | Path = "re
         meta["data"]["pascal"] = {"root": str(pdata), "manifest": pinfo}
         if not pascal_only:
             meta["data_line"] += f"; pascal-table3: {data_line(pdata, pinfo)}"
+    meta["run_metrics"] = run_metrics(ctx, specs)
     meta["train_seconds"] = sum(json.loads(f.read_text()).get("train_seconds", 0.0)
                                 for f in (out / "runs").glob("*/reproduce.json"))
     report = write_report(Path(report_dir) if report_dir else out, results, meta)

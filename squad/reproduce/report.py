@@ -315,7 +315,8 @@ def write_report(out: Path, claims: dict[str, dict], meta: dict) -> Path:
         claims: claim name → the dict its measure function returned (verdicts are added here).
         meta: ``command``, ``scale`` (a `Scale`), ``scale_settings``, ``seeds``, ``data`` (root and its manifest),
             ``data_line``, ``seconds`` and ``duration`` (this invocation), ``train_seconds`` (every run's training),
-            ``runs`` (total / trained / skipped this time).
+            ``runs`` (total / trained / skipped this time), ``run_metrics`` (each finished run's final validation
+            metrics by name: what `squad.reproduce.rerun` checks a rerun against).
 
     Returns:
         The path of report.md.
@@ -383,7 +384,7 @@ def write_report(out: Path, claims: dict[str, dict], meta: dict) -> Path:
     results = {"command": meta["command"], "scale": scale.name, "scale_settings": meta["scale_settings"],
                "seeds": list(meta["seeds"]), "data": meta["data"], "rule": RULE,
                "verdicts": {n: claims[n]["verdict"] for n in order}, "claims": {n: claims[n] for n in order},
-               "tolerance": meta.get("tolerance"),
+               "tolerance": meta.get("tolerance"), "run_metrics": meta.get("run_metrics", {}),
                "seconds": meta["seconds"], "train_seconds": meta.get("train_seconds"), "runs": meta["runs"]}
     (out / "results.json").write_text(json.dumps(_sanitize(results), indent=1) + "\n")
     return report

@@ -27,8 +27,10 @@ like Triton's and inductor's caches, so a cluster's nodes that share a home dire
                                                "ms": {"grouped_mm": 1.9, "triton": 3.1}, "measured": "2026-…"}}}}
 
 A shape key is the op, its widths (`shape_key`) and the dtype; a run looks its shapes up by the name torch gives its
-GPU. A missing file, device or shape means "not measured": the library's backend. Reading the file happens once per
-process and (op, shape, device) and never inside a compiled graph: `torch.compile` takes the answer as a constant.
+GPU. A shape the file does not hold takes what a GPU of the same name measured in a committed ``make gpu-check``
+(`SHIPPED`: the winners of its kernels stage, kept beside the report), and only then the library's backend. Reading
+the file happens once per process and (op, shape, device) and never inside a compiled graph: `torch.compile` takes
+the answer as a constant.
 """
 
 from __future__ import annotations
@@ -47,6 +49,19 @@ BACKENDS = {"moe_mlp": ("grouped_mm", "triton"), "mone": ("cublas", "triton"), "
 LIBRARY = {"moe_mlp": "grouped_mm", "mone": "cublas", "moa": "cublas"}  # ``auto``'s backend until a GPU has measured
 ENV = "SQUAD_KERNEL_CHOICES"
 VERSION = 1
+# The winners of committed `make gpu-check` runs, by the GPU's name and shape key: what ``auto`` takes on a GPU of that
+# name until the machine has measured its own (its choice file wins). reports/bench/gpu_check_h200/gpu_check.json's
+# kernels stage (one NVIDIA H200, commit 6c5250c; tests/test_kernel_choice.py checks this table against it):
+# grouped_mm 3.92 / 5.59 / 2.41 ms against triton 8.44 / 13.06 / 3.98 ms for the MoE MLPs, the nested Triton kernels
+# 10.97 ms against the width slices' 17.02 ms for mone_vit_s inference.
+SHIPPED = {
+    "NVIDIA H200": {
+        "moe_mlp|E16,D768,H768,k4|bfloat16": "grouped_mm",
+        "moe_mlp|E64,D1024,H2048,k2|bfloat16": "grouped_mm",
+        "moe_mlp|E16,D384,H384,k4|bfloat16": "grouped_mm",
+        "mone|D384,H1536,heads6|bfloat16": "triton",
+    },
+}
 
 
 def choices_path() -> Path:
@@ -86,6 +101,8 @@ def load_choices(path: Path | None = None) -> dict:
 def _measured(path: str, device_name: str, key: str) -> str | None:
     entry = load_choices(Path(path))["devices"].get(device_name, {}).get(key)
     backend = entry.get("backend") if isinstance(entry, dict) else None
+    if backend is None:  # this machine has not measured the shape: what a GPU of its name measured (`SHIPPED`)
+        backend = SHIPPED.get(device_name, {}).get(key)
     op = key.split("|", 1)[0]
     return backend if backend in BACKENDS.get(op, ()) else None
 

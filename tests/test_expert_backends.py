@@ -31,7 +31,7 @@ from squad.layers.experts.permuted import _tile_gates, grouped_gemm_reference, l
 from squad.layers.moe_attention import MoEAttention
 from squad.layers.moe_mlp import ExpertMLP
 from squad.layers.mone import MoNEBlock
-from tests.helpers import MODEL_CONFIGS, tiny_config
+from tests.helpers import MODEL_CONFIGS, ROOT, tiny_config
 
 CASES = [  # (tokens, k, experts, no-op experts, experts left empty, capacity drop: slots redirected to no-op)
     (29, 2, 5, 0, (1, 3), False),
@@ -181,6 +181,31 @@ def test_auto_takes_the_library_op_until_a_gpu_has_measured(tmp_path, monkeypatc
     choice._measured.cache_clear()
     with pytest.raises(ValueError, match="choices.json"):
         choice.resolve("moe_mlp", "auto", dims, torch.bfloat16, cpu)
+    choice._measured.cache_clear()
+
+
+def test_a_gpu_of_a_name_that_measured_takes_that_measurement(tmp_path, monkeypatch):
+    """`choice.SHIPPED` is what a committed `make gpu-check` measured (the H200 report's kernels rows, winner by
+    winner); ``auto`` on a GPU of that name takes it until the machine records its own, which then wins."""
+    report = json.loads((ROOT / "reports" / "bench" / "gpu_check_h200" / "gpu_check.json").read_text())
+    rows = report["stages"]["kernels"]["rows"]
+    gpu = report["environment"]["gpu"]
+    assert choice.SHIPPED[gpu] == {choice.shape_key(r["op"], r["dims"], torch.bfloat16): min(r["ms"], key=r["ms"].get)
+                                   for r in rows if "ms" in r}
+    path = tmp_path / "choices.json"
+    monkeypatch.setenv(choice.ENV, str(path))
+    monkeypatch.setattr(choice, "device_name", lambda device: gpu)
+    choice._measured.cache_clear()
+    mone = {"D": 384, "H": 1536, "heads": 6}
+    cpu = torch.device("cpu")
+    assert choice.resolve("mone", "auto", mone, torch.bfloat16, cpu) == "triton"  # 10.97 against 17.02 ms
+    assert choice.resolve("mone", "auto", mone, torch.float32, cpu) == "cublas"  # a shape nobody measured
+    assert choice.resolve("mone", "cublas", mone, torch.bfloat16, cpu) == "cublas"  # an explicit key wins
+    choice.record("mone", mone, torch.bfloat16, gpu, {"cublas": 1.0, "triton": 2.0})
+    assert choice.resolve("mone", "auto", mone, torch.bfloat16, cpu) == "cublas"  # this machine's measurement wins
+    monkeypatch.setattr(choice, "device_name", lambda device: "Another GPU")
+    choice._measured.cache_clear()
+    assert choice.resolve("mone", "auto", mone, torch.bfloat16, cpu) == "cublas"
     choice._measured.cache_clear()
 
 

@@ -91,7 +91,8 @@ class MoEConfig:
     expert_parallel: int = 1
     # the expert GEMMs on the CUDA path: `grouped_mm` (torch's grouped GEMM on tokens permuted into expert order),
     # `triton` (squad's kernels that gather and scatter rows themselves), `auto` (the one `make gpu-check` measured
-    # faster at this shape on this GPU; grouped_mm until one has). The CPU algorithm is the same for all three.
+    # faster at this shape on this GPU, else what a committed gpu-check on a GPU of its name measured; grouped_mm
+    # until one has). The CPU algorithm is the same for all three.
     kernel: Literal["auto", "grouped_mm", "triton"] = "auto"
     router: RouterConfig = dataclasses.field(default_factory=RouterConfig)
 
@@ -175,7 +176,8 @@ class MoNEConfig:
     sample_capacity: list[float] | None = None  # e_c sampled per training step from these values
     # MoNE inference on the CUDA path: `cublas` (a matmul per width slice), `triton` (the nested kernels: norms,
     # projections and the MLP sublayer fused), `auto` (the one `make gpu-check` measured faster at this shape on this
-    # GPU; cublas until one has). Training always takes the width slices.
+    # GPU, else what a committed gpu-check on a GPU of its name measured — an H200: triton; cublas until one has).
+    # Training always takes the width slices.
     kernel: Literal["auto", "cublas", "triton"] = "auto"
 
     def check(self, path: str) -> None:

@@ -142,13 +142,18 @@ def test_verdicts_block_is_found_once_or_named_missing():
 
     page = f"intro\n{BEGIN}\nold\n{END}\nrest\n"
     assert fill(page, f"{BEGIN}\nnew\n{END}") == f"intro\n{BEGIN}\nnew\n{END}\nrest\n"
-    with pytest.raises(ValueError, match=r"README\.md: expected one verdicts block .* found 0"):
+    with pytest.raises(ValueError, match=r"README\.md: expected one verdicts block.* found 0 begin and 0 end marks"):
         fill("no block here", "x", "README.md")
-    with pytest.raises(ValueError, match="found 2"):
+    with pytest.raises(ValueError, match="found 2 begin and 2 end marks"):
         fill(page + page, "x", "docs/reproduce.md")
+    stray = f"{BEGIN}\nmy text\n{page}"  # a second begin mark: refused, the text between kept
+    with pytest.raises(ValueError, match="found 2 begin and 1 end marks"):
+        fill(stray, "x", "README.md")
+    with pytest.raises(ValueError, match="found 1 begin and 0 end marks"):
+        fill(page.replace(END, ""), "x", "README.md")
 
 
-def test_docs_tool_checks_and_writes_the_verdicts(tmp_path, monkeypatch):
+def test_docs_tool_checks_and_writes_the_verdicts(tmp_path, monkeypatch, capsys):
     """`python tools/docs.py verdicts --check` exits 1 naming a stale page, and without --check rewrites it."""
     import importlib.util
     import shutil
@@ -166,3 +171,12 @@ def test_docs_tool_checks_and_writes_the_verdicts(tmp_path, monkeypatch):
     assert tool.main(["verdicts"]) == 0
     assert readme.read_text() == (ROOT / "README.md").read_text()
     assert tool.main(["verdicts", "--check"]) == 0
+    results = tmp_path / "reports" / "cpu" / "results.json"
+    for text, message in [("{not json", "not a results.json"), ("{}", "not a results.json of tools/reproduce.py")]:
+        results.write_text(text)
+        capsys.readouterr()
+        assert tool.main(["verdicts", "--check"]) == 2
+        err = capsys.readouterr().err
+        assert message in err and str(results) in err, err
+    results.unlink()
+    assert tool.main(["verdicts"]) == 2 and readme.read_text() == (ROOT / "README.md").read_text()

@@ -302,8 +302,9 @@ def test_a_second_invocation_skips_finished_runs(tiny_report):
 def test_rerun_of_one_run_is_checked_against_the_reports_tolerance(tiny_report, tmp_path):
     """--rerun trains one run of the plan again here and compares each task's metric with the report's record
     (results.json's run_metrics) against its stated per-run tolerance: the same machine lands at 0 (exit 0); a
-    report whose record differs by more than the tolerance gives exit 1; an unknown run, a report without per-run
-    metrics or without a tolerance gives exit 2 naming what is missing."""
+    record off by more than the tolerance, or one the rerun cannot be compared with, gives exit 1; a report that
+    cannot be checked (no per-run metrics, no tolerance, another scale or budget, a run it lacks, not JSON) gives exit
+    2 naming it, before any data is rendered."""
     out, _, _ = tiny_report
     results = json.loads((out / "results.json").read_text())
     assert set(results["run_metrics"]) >= {"stl-class_scene-s0", "mtl-s0"}
@@ -318,30 +319,62 @@ def test_rerun_of_one_run_is_checked_against_the_reports_tolerance(tiny_report, 
     res, _ = _run(*args)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     check = json.loads((tmp_path / "re" / "rerun" / run / "check.json").read_text())
-    assert check["inside"] and check["largest"] == 0.0 and check["tolerance"] == 0.5
+    assert check["inside"] and check["largest"] == 0.0 and check["tolerance"] == 0.5 and not check["undefined"]
     assert set(check["tasks"]) == set(results["run_metrics"][run])
     assert re.search(rf"rerun {run}: largest change 0\.00 % against the report's tolerance of 0\.50 %: inside",
                      res.stdout)
     assert not (tmp_path / "re" / "runs" / run).exists()  # only the rerun trained
-    # a record 50 % off is outside (the finished rerun is reused, not trained again)
     task = next(iter(results["run_metrics"][run]))
     primary = get_task(task).primary_metric
-    tolerated["run_metrics"][run][task][primary] *= 1.5
+    value = results["run_metrics"][run][task][primary]
+    # a record 50 % off is outside (the finished rerun is reused, not trained again)
+    tolerated["run_metrics"][run][task][primary] = value * 1.5 if value else 1.0
     report.write_text(json.dumps(tolerated))
     res, _ = _run(*args)
     assert res.returncode == 1, res.stdout[-3000:] + res.stderr[-3000:]
     assert "OUTSIDE" in res.stdout and f"rerun {run}: training" not in res.stdout
-    # what cannot be checked is named
-    res, _ = _run(*args[:-3], "stl-nothing-s0", "--against", str(report))
-    assert res.returncode == 2 and "stl-nothing-s0: not a run of these claims" in res.stderr, res.stderr[-2000:]
-    report.write_text(json.dumps({k: v for k, v in tolerated.items() if k != "run_metrics"}))
+    # a recorded 0 the rerun does not equal, or a task the rerun lacks: not comparable, so not inside
+    tolerated["run_metrics"][run][task][primary] = 0.0 if value else 1.0
+    tolerated["run_metrics"][run]["depth_euclidean_missing"] = {"rmse": 1.0}
+    report.write_text(json.dumps(tolerated))
     res, _ = _run(*args)
-    assert res.returncode == 2 and "records no per-run metrics" in res.stderr, res.stderr[-2000:]
-    report.write_text(json.dumps(results))  # tiny measures no tolerance
-    res, _ = _run(*args)
-    assert res.returncode == 2 and "states no cross-machine tolerance" in res.stderr, res.stderr[-2000:]
-    res, _ = _run("modsquad-table2", "--scale", "tiny", "--out", str(tmp_path / "x"), "--against", str(report))
+    check = json.loads((tmp_path / "re" / "rerun" / run / "check.json").read_text())  # strict JSON: no NaN
+    assert res.returncode == 1 and not check["inside"], res.stdout[-3000:]
+    assert "depth_euclidean_missing" in check["undefined"] and "not comparable" in res.stdout
+    # what cannot be checked is named, before any data is rendered
+    fresh = ["modsquad-table2", "--scale", "tiny", "--out", str(tmp_path / "fresh"), "--rerun", run]
+    tolerated["run_metrics"][run] = results["run_metrics"][run]
+    report.write_text(json.dumps(tolerated))
+    for against, message in [
+            ({k: v for k, v in tolerated.items() if k != "run_metrics"}, "records no per-run metrics"),
+            (results, "states no cross-machine tolerance"),  # tiny measures none
+            ({**tolerated, "tolerance": {"metric_change": {"max": "5"}}}, "states no cross-machine tolerance"),
+            ({**tolerated, "scale": "cpu"}, "is a report of scale cpu at 3 steps; this invocation plans scale tiny"),
+            ([1, 2], "not a results.json of tools/reproduce.py")]:
+        bad = tmp_path / "bad.json"
+        bad.write_text(json.dumps(against))
+        res, _ = _run(*fresh, "--against", str(bad))
+        assert res.returncode == 2 and message in res.stderr and str(bad) in res.stderr, (message, res.stderr[-2000:])
+    bad.write_text("{not json")
+    res, _ = _run(*fresh, "--against", str(bad))
+    assert res.returncode == 2 and f"--against {bad}: not a results.json" in res.stderr, res.stderr[-2000:]
+    res, _ = _run(*fresh[:-1], "stl-nothing-s0", "--against", str(report))
+    assert res.returncode == 2 and "stl-nothing-s0: " in res.stderr and "records no metrics for it" in res.stderr
+    assert not (tmp_path / "fresh").exists()  # nothing rendered for a report that cannot be checked
+    res, _ = _run(*fresh[:-2], "--against", str(report))
     assert res.returncode == 2 and "give --rerun RUN too" in res.stderr, res.stderr[-2000:]
+    for other in (["--dry-run"], ["--rejudge", str(report)]):
+        res, _ = _run(*fresh, *other)
+        assert res.returncode == 2 and "do different things" in res.stderr, res.stderr[-2000:]
+    res, _ = _run("modsquad-table2", "--scale", "paper", "--out", str(tmp_path / "p"), "--rerun", run, "--against",
+                  str(report))
+    assert res.returncode == 2 and "not at --scale paper" in res.stderr and not (tmp_path / "p").exists()
+    # a report of another budget is refused; a finished rerun trained for another budget is refused, not reused
+    res, _ = _run(*args[:-2], "--against", str(report), "--steps", "2")
+    assert res.returncode == 2 and "at 3 steps; this invocation plans scale tiny at 2 steps" in res.stderr
+    report.write_text(json.dumps({**tolerated, "scale_settings": {**tolerated["scale_settings"], "steps": 2}}))
+    res, _ = _run(*args[:-2], "--against", str(report), "--steps", "2")
+    assert res.returncode == 2 and "was trained with other settings" in res.stderr, res.stderr[-2000:]
 
 
 def test_paper_scale_writes_configs_and_deepspeed_commands(tmp_path, load_tool, capsys):
@@ -674,6 +707,16 @@ def test_the_interim_rejudgement_of_the_committed_cpu_report(tmp_path):
     assert text.startswith("# Interim re-judgement") and "**Interim, not a new report.**" in text
     committed = ROOT / "reports" / "cpu" / "rejudged.md"
     assert committed.read_text() == text.replace(str(tmp_path), "reports/cpu")  # the committed file is this code's
+    write_rejudged(ROOT / "reports" / "cpu" / "results.json", tmp_path / "one", ["pruning"], "the command")
+    assert list(json.loads((tmp_path / "one" / "rejudged.json").read_text())["claims"]) == ["pruning"]
+    assert "Made by `the command`" in (tmp_path / "one" / "rejudged.md").read_text()
+    current = tmp_path / "current.json"  # a report of the current code: judged when it was made
+    current.write_text(json.dumps({"command": "c", "seeds": [0], "claims": {}, "tolerance": None}))
+    with pytest.raises(ValueError, match="judged under the current rule"):
+        write_rejudged(current, tmp_path / "x")
+    current.write_text("{not json")
+    with pytest.raises(ValueError, match=f"{current}: not a results.json"):
+        write_rejudged(current, tmp_path / "x")
 
 
 def test_help_agrees_with_the_scales_and_the_readme():

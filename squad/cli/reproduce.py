@@ -6,7 +6,7 @@ The embedded data is the synthetic Taskonomy; the report is report.md, PNG figur
     python tools/reproduce.py modsquad-table2 table2-curve pruning mi-vs-balance amod-table3 mone-budget \\
         --scale cpu --out runs/repro-cpu --report reports/cpu     # converged, CPU, hours (--dry-run: the plan)
     python tools/reproduce.py all --rejudge reports/cpu/results.json --out reports/cpu   # old data, current rule
-    python tools/reproduce.py modsquad-table2 --scale cpu --out /tmp/rerun --rerun stl-class_scene-s0 \
+    python tools/reproduce.py modsquad-table2 --scale cpu --out /tmp/rerun --rerun stl-class_scene-s0 \\
         --against reports/cpu/results.json      # one run trained again here, against the report's tolerance
     python tools/reproduce.py modsquad-table2 --scale gpu --parallel 10 --out reports/gpu   # one H100, <= 8 min
     python tools/reproduce.py all --scale paper --out plans/paper --data /data/taskonomy   # configs + commands
@@ -90,7 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rerun", nargs="+", default=None, metavar="RUN",
                    help="train these runs of the claims' plan again here (into OUT/rerun/RUN, with this machine's "
                         "threads) and compare each task's metric with the report's (--against): exit 1 when a change "
-                        "is larger than the report's cross-machine tolerance for one run")
+                        "is larger than the report's cross-machine tolerance for one run, 2 when the report cannot "
+                        "be checked (no per-run metrics or tolerance, another scale or budget, a run it lacks); "
+                        "--dry-run lists the plan's run names")
     p.add_argument("--against", default=None, metavar="RESULTS",
                    help="the report --rerun checks against (default: the results.json in --report, else OUT)")
     p.add_argument("--dry-run", action="store_true",
@@ -116,10 +118,18 @@ def _reproduce(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     command = "python tools/reproduce.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None
                                                                                 else sys.argv[1:]))
+    modes = [flag for flag, on in (("--rerun", args.rerun), ("--rejudge", args.rejudge), ("--dry-run", args.dry_run))
+             if on]
+    if len(modes) > 1:
+        raise ValueError(f"{' and '.join(modes)} do different things: give one of them")
+    if args.against and not args.rerun:
+        raise ValueError("--against names the report a --rerun is checked against: give --rerun RUN too")
     if args.rejudge:
+        from squad.reproduce.claims import resolve_claims
         from squad.reproduce.rejudge import write_rejudged
 
-        print(f"[reproduce] interim re-judgement: {write_rejudged(args.rejudge, args.out)}")
+        md = write_rejudged(args.rejudge, args.out, resolve_claims(args.claims), command)
+        print(f"[reproduce] interim re-judgement: {md}")
         return 0
     if args.dry_run:
         from squad.reproduce.invocation import dry_run
@@ -133,8 +143,6 @@ def _reproduce(argv: list[str] | None) -> int:
         _log_quietly()
     from squad.reproduce.invocation import reproduce
 
-    if args.against and not args.rerun:
-        raise ValueError("--against names the report a --rerun is checked against: give --rerun RUN too")
     out = reproduce(args.claims, args.scale, args.out, seeds=args.seeds, steps=args.steps, data=args.data,
                     pascal=args.pascal_data, hostfile=args.hostfile, command=command, parallel=args.parallel,
                     report_dir=args.report, rerun=args.rerun or (), against=args.against)

@@ -24,7 +24,7 @@ from squad.reproduce.claims import CLAIMS, resolve_claims
 from squad.reproduce.paper import write_paper_plan
 from squad.reproduce.parallel import run_jobs
 from squad.reproduce.report import write_report
-from squad.reproduce.rerun import check_reruns, run_metrics
+from squad.reproduce.rerun import check_reruns, load_report, run_metrics
 from squad.reproduce.runs import Runner, RunSpec, is_done
 from squad.reproduce.scales import (
     GPU_PARALLEL,
@@ -117,6 +117,13 @@ def dry_run(claims: Sequence[str], scale: str = "small", out: str | Path = "repo
 
     specs = list({s.name: s for n in names for s in CLAIMS[n].specs(ctx)}.values())
     todo = [s for s in specs if not is_done(ctx.runner.path(s))]
+    refused = []  # finished runs trained with other settings: the real command refuses them
+    for s in specs:
+        if s not in todo:
+            try:
+                ctx.runner.check_done(s)
+            except ValueError as e:
+                refused.append(str(e))
     reruns = tolerance_specs(ctx) if sc.tolerance_threads and "modsquad-table2" in names else []
     left = [s for s in reruns if not is_done(out / "tolerance" / f"threads{sc.tolerance_threads}" / s.name)]
     per_claim = {}
@@ -128,6 +135,7 @@ def dry_run(claims: Sequence[str], scale: str = "small", out: str | Path = "repo
     total = estimate_seconds(plan_of(todo + left), {}, sc, names, len(seeds_), parallel, "cpu", 1, 1)
     render = render_seconds(sc, 1) if not (out / "data" / "shards").is_dir() and names != ["pascal-table3"] else 0.0
     plan = {"scale": sc.name, "seeds": seeds_, "claims": per_claim, "runs": len(specs), "done": len(specs) - len(todo),
+            "refused": refused,
             "tolerance_runs": len(reruns), "tolerance_left": len(left), "render_seconds": render,
             "seconds": total + render}
     say(f"plan (nothing runs): {len(names)} claim(s) at scale {sc.name}, seeds {seeds_}: {len(specs)} runs, "
@@ -135,11 +143,23 @@ def dry_run(claims: Sequence[str], scale: str = "small", out: str | Path = "repo
     for n, c in per_claim.items():
         say(f"  {n}: {c['runs']} runs, {c['to_train']} to train, ~{format_duration(c['seconds'])} on one core "
             "(with its evaluations)")
+        say(f"    runs: {', '.join(sorted({s.name for s in CLAIMS[n].specs(ctx)}))}")
     if reruns:
         say(f"  tolerance: {len(reruns)} runs again with {sc.tolerance_threads} threads, {len(left)} to train")
+    for message in refused[:3]:
+        say(f"  refused: {message}")
+    if len(refused) > 3:
+        say(f"  refused: {len(refused) - 3} more runs of {out} trained with other settings")
+    if sc.paper:
+        say(f"planned: ~{format_duration(plan['seconds'])} of one core at the paper's size (the constants of "
+            "squad.reproduce.scales, not measured); the same command without --dry-run writes the configs and "
+            "deepspeed commands and trains nothing")
+        return plan
     say(f"budget left: ~{format_duration(plan['seconds'])} of one core (runs shared by claims counted once"
         f"{', rendering the data' if render else ''}; planned from the constants of squad.reproduce.scales, not "
-        "measured); the same command without --dry-run runs it and resumes from the runs already done")
+        "measured); " + ("the same command without --dry-run refuses the runs above: use another --out"
+                         if refused else "the same command without --dry-run runs it and resumes from the runs "
+                         "already done"))
     return plan
 
 
@@ -191,11 +211,17 @@ def reproduce(claims: Sequence[str], scale: str = "small", out: str | Path = "re
         scale = dataclasses.replace(scale, steps=steps)
     seeds = list(range(seeds or scale.seeds))
     out = Path(out)
+    if scale.paper and rerun:
+        raise ValueError("--rerun trains runs again: not at --scale paper, which writes configs and commands only")
     if scale.paper:
         plan = write_paper_plan(claims, out, len(seeds), data, hostfile, pascal)
         say(f"paper scale: {len(plan['configs'])} run configs in {out / 'configs'}, commands in {plan['commands']} "
             f"(nothing was run)")
         return Path(plan["commands"])
+    if rerun:  # the report is read and checked before anything is rendered or trained
+        rerun = list(dict.fromkeys(rerun))
+        checked_against = load_report(Path(against) if against else Path(report_dir or out) / "results.json", scale,
+                                      rerun)
     t0 = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
     pscale = pascal_scale(scale, steps)
@@ -222,8 +248,7 @@ def reproduce(claims: Sequence[str], scale: str = "small", out: str | Path = "re
                   parallel=parallel)
     specs = list({s.name: s for c in claims for s in CLAIMS[c].specs(ctx)}.values())
     if rerun:
-        report = Path(against) if against else Path(report_dir or out) / "results.json"
-        checks = check_reruns(ctx, specs, rerun, report, say)
+        checks = check_reruns(ctx, specs, rerun, *checked_against, say)
         path = out / "rerun" / "checks.json"
         path.write_text(json.dumps(checks, indent=1, default=str) + "\n")
         return path
@@ -267,7 +292,8 @@ def reproduce(claims: Sequence[str], scale: str = "small", out: str | Path = "re
         tolerance = measure_tolerance(ctx, scale.tolerance_threads, say, ctx.tasks)
         ctx = with_tolerance(ctx, tolerance)
         say(f"tolerance: Δt moves by up to {tolerance['tolerance'].get('Δt', float('nan')):.2f} points with "
-            f"{tolerance['threads']} threads instead of {tolerance['threads_used']}")
+            f"{tolerance['threads']} thread{'s' if tolerance['threads'] != 1 else ''} instead of "
+            f"{tolerance['threads_used']}")
     results = dict(previous)
     for name in claims:
         say(f"claim {name}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections.abc import Sequence
 from pathlib import Path
 
 from squad.reproduce.claims_modsquad import EQUAL_MARGIN, lean_setting, pruning_parts
@@ -147,23 +148,53 @@ def _part(c: dict) -> str:
     return f"{c['label']}: {c['mean']:+.2f}{bounds} — **{c['status']}**"
 
 
-def write_rejudged(results_file: Path, out: Path) -> Path:
-    """Writes ``out/rejudged.md`` and ``out/rejudged.json`` from ``results_file``; returns the markdown's path."""
-    results = json.loads(Path(results_file).read_text())
-    claims = rejudge(results)
-    lines = ["# Interim re-judgement of the 3-seed CPU report under the new rule", "",
+def load_old_results(results_file: Path) -> dict:
+    """A results.json made before claims had parts (what `rejudge` reads).
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: not a results.json, or one the current code made (its report.md holds its verdicts already).
+    """
+    path = Path(results_file)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such results.json")
+    try:
+        results = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: not a results.json ({e})") from e
+    if not isinstance(results, dict) or not isinstance(results.get("claims"), dict) or "seeds" not in results:
+        raise ValueError(f"{path}: not a results.json of tools/reproduce.py (no claims or seeds)")
+    if "tolerance" in results:
+        raise ValueError(f"{path} was judged under the current rule when it was made (its report.md holds the "
+                         "verdicts); --rejudge re-judges a report made before claims had parts")
+    return results
+
+
+def write_rejudged(results_file: Path, out: Path, claims: Sequence[str] | None = None,
+                   command: str | None = None) -> Path:
+    """Writes ``out/rejudged.md`` and ``out/rejudged.json`` from ``results_file`` (`load_old_results`), for
+    ``claims`` (default: every claim it holds that `REJUDGE` knows); ``command`` is the command line the file says
+    made it (default: the committed cpu report's). Returns the markdown's path."""
+    results = load_old_results(results_file)
+    claims = {n: c for n, c in rejudge(results).items() if claims is None or n in claims}
+    if not claims:
+        raise ValueError(f"{results_file} holds none of the claims asked for; it holds "
+                         f"{', '.join(results['claims'])}")
+    n = len(results["seeds"])
+    made = command or "python tools/reproduce.py all --rejudge reports/cpu/results.json --out reports/cpu"
+    lines = [f"# Interim re-judgement of the {n}-seed CPU report under the new rule", "",
              f"**Interim, not a new report.** The per-seed numbers of `{Path(results_file).name}` (made by "
              f"`{results['command']}`, seeds {', '.join(map(str, results['seeds']))}, under the old rule: the "
              "primary comparison alone decided, the seed variance pooled across a claim's comparisons) judged again "
              "under the new rule (`squad.reproduce.verdicts.RULE`: every part of a claim must hold, each comparison "
              "tested on its own differences, Holm over the parts). Nothing was trained or evaluated again. "
-             f"A verdict needs {MIN_SEEDS} seeds: with 3 every claim is **too few seeds**, and the column 'the parts "
-             "give' says what the parts give with the 3 seeds there are. The old verdicts stay in report.md "
+             f"A verdict needs {MIN_SEEDS} seeds: with {n} every claim is **too few seeds**, and the column 'the parts "
+             f"give' says what the parts give with the {n} seeds there are. The old verdicts stay in report.md "
              "beside this file, unchanged.", "",
              "Not measured in these runs (the full report measures them; see the command at the end): "
              + "; ".join(NOT_MEASURED) + ".", "",
              "| claim | old verdict (old rule, report.md) | parts (new rule): mean d [95 % bounds] — status | new "
-             "verdict | the parts give (3 seeds) | why it changed |", "|---|---|---|---|---|---|"]
+             f"verdict | the parts give ({n} seeds) | why it changed |", "|---|---|---|---|---|---|"]
     for name, c in claims.items():
         parts = "<br>".join(_part(p) for p in parts_of(c["comparisons"])) if not c.get("untestable") else \
             f"not judged: {c['untestable']}"
@@ -178,7 +209,7 @@ def write_rejudged(results_file: Path, out: Path) -> Path:
     for name, c in claims.items():
         for s in [x for x in c["comparisons"] if x.get("role") != "part"] + c.get("apart", []):
             lines.append(f"- {name}: {_part(s)} ({s['role']})")
-    lines += ["", "Made by `python tools/reproduce.py all --rejudge reports/cpu/results.json --out reports/cpu`. "
+    lines += ["", f"Made by `{made}`. "
               "The full report under the new rule (5 seeds, the new designs, the learning curve, the tolerance; "
               "resumable) is made by `python tools/reproduce.py modsquad-table2 table2-curve pruning mi-vs-balance "
               "amod-table3 mone-budget --scale cpu --out runs/repro-cpu --report reports/cpu`; add `--dry-run` "

@@ -31,11 +31,13 @@ def _cells(parts: list[dict]) -> str:
 def _current(results: dict, source: str) -> list[str]:
     seeds = len(results.get("seeds", []))
     tol = (results.get("tolerance") or {}).get("tolerance", {}).get("Δt")
-    lines = [f"Made by `{results['command']}`: {seeds} seeds, scale {results['scale']}; the cross-machine tolerance "
+    lines = [f"Made by `{results['command']}`: {seeds} seed{'s' if seeds != 1 else ''}, scale {results['scale']}; "
+             "the cross-machine tolerance "
              + (f"is {tol:.2f} Δt points (a part inside it is no finding)." if tol is not None else "was not measured.")
-             + f" Each part: mean paired difference d (> 0: as the paper says) [one-sided 95 % bounds] — status; a"
-             f" claim is reproduced only when every part holds (the rule and every comparison: `{Path(source).parent}"
-             "/report.md`).", "",
+             + " Each part: mean paired difference d (> 0: as the paper says) [its own one-sided 95 % bounds] — "
+             "status, Holm-corrected over the claim's parts (so a part whose own bounds exclude 0 can still be within "
+             "noise); a claim is reproduced only when every part holds (the rule and every comparison: "
+             f"`{Path(source).parent}/report.md`).", "",
              "| claim | verdict | parts: mean d [95 % bounds] — status |", "| --- | --- | --- |"]
     for name, c in results["claims"].items():
         verdict = f"**{c['verdict']}**"
@@ -53,8 +55,9 @@ def _interim(results: dict, source: str) -> list[str]:
     lines = [f"`{source}` was made before claims were split into parts (seeds {seeds}); its verdicts are withdrawn."
              f" Its per-seed numbers judged again under the current rule (`python tools/reproduce.py all --rejudge "
              f"{source} --out {Path(source).parent}`; nothing trained again) give no verdict: a verdict needs "
-             f"{MIN_SEEDS} seeds. Each part: mean paired difference d (> 0: as the paper says) [one-sided 95 % "
-             "bounds] — status.", "",
+             f"{MIN_SEEDS} seeds. Each part: mean paired difference d (> 0: as the paper says) [its own one-sided "
+             "95 % bounds] — status, Holm-corrected over the claim's parts (so a part whose own bounds exclude 0 can "
+             "still be within noise).", "",
              "| claim | verdict (current rule) | the parts give | parts: mean d [95 % bounds] — status | old verdict "
              "(withdrawn) |", "| --- | --- | --- | --- | --- |"]
     for name, c in claims.items():
@@ -75,17 +78,28 @@ def fill(text: str, block: str, page: str = "the page") -> str:
     Raises:
         ValueError: the page has no block, or more than one (names the page).
     """
-    pattern = re.compile(re.escape(BEGIN.split(";")[0]) + r".*?" + re.escape(END), re.S)
-    found = pattern.findall(text)
-    if len(found) != 1:
-        raise ValueError(f"{page}: expected one verdicts block ({BEGIN.split(';')[0]} ... {END}), found {len(found)}")
+    begin = BEGIN.split(";")[0]
+    starts, ends = text.count(begin), text.count(END)
+    if starts != 1 or ends != 1 or text.index(begin) > text.index(END):
+        raise ValueError(f"{page}: expected one verdicts block, its begin mark ({begin} ...) before its end mark "
+                         f"({END}); found {starts} begin and {ends} end marks")
+    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(END), re.S)
     return pattern.sub(lambda _: block, text)
 
 
 def pages(root: Path, results_file: Path | None = None) -> dict[str, tuple[str, str]]:
     """``{page: (its text now, its text with the block regenerated)}`` for every page of `PAGES` under ``root``."""
     results_file = root / RESULTS if results_file is None else Path(results_file)
-    block = verdict_block(json.loads(results_file.read_text()), RESULTS)
+    try:
+        results = json.loads(results_file.read_text())
+    except FileNotFoundError as e:
+        raise ValueError(f"{results_file}: no such file (the report the pages quote: tools/reproduce.py writes it)"
+                         ) from e
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{results_file}: not a results.json ({e})") from e
+    if not isinstance(results, dict) or not isinstance(results.get("claims"), dict) or "command" not in results:
+        raise ValueError(f"{results_file}: not a results.json of tools/reproduce.py (no claims or command)")
+    block = verdict_block(results, RESULTS)
     out = {}
     for page in PAGES:
         text = (root / page).read_text()

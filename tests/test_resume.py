@@ -225,6 +225,28 @@ def test_unit_verify_tag_and_markers(tmp_path):
     assert len(warnings) == 1 and "optim_states.pt" in warnings[0]
 
 
+def test_pruning_keeps_the_tag_just_written_and_the_line_it_is_on(tmp_path):
+    """After a resume fell back from a damaged step-6 tag to step 4 and wrote step 5, keeping 1 (or 2) tags removes
+    the older tags of that line only: never the tag just written, and the tag ahead (damaged) is neither counted nor
+    the one kept (it was: `complete_tags(...)[:-keep]` kept the damaged step 6 and removed steps 4 and 5)."""
+    d = tmp_path / "checkpoints"
+    for step in (2, 4, 6):
+        (d / SAVING / tag_for(step)).mkdir(parents=True)
+        torch.save({"module": {"w": torch.ones(2)}, "ds_config": {}}, d / SAVING / tag_for(step) / MODEL_STATES)
+        ckpt_tags.commit_tag(d, tag_for(step), {"step": step}, keep=5)
+    (d / tag_for(6) / MODEL_STATES).unlink()  # damaged: a resume falls back to step 4
+    (d / SAVING / tag_for(5)).mkdir(parents=True)
+    torch.save({"module": {"w": torch.ones(2)}, "ds_config": {}}, d / SAVING / tag_for(5) / MODEL_STATES)
+    ckpt_tags.commit_tag(d, tag_for(5), {"step": 5}, keep=2)
+    assert complete_tags(d) == [tag_for(4), tag_for(5), tag_for(6)] and find_resume_tag(d) == tag_for(5)
+    (d / SAVING / tag_for(5)).mkdir(parents=True)  # the same step written again, keeping one
+    torch.save({"module": {"w": torch.ones(2)}, "ds_config": {}}, d / SAVING / tag_for(5) / MODEL_STATES)
+    ckpt_tags.commit_tag(d, tag_for(5), {"step": 5}, keep=1)
+    assert complete_tags(d) == [tag_for(5), tag_for(6)] and find_resume_tag(d) == tag_for(5)
+    assert ckpt_tags.select_tag(d, resume_candidates(d)) == tag_for(5)
+    assert ckpt_tags.prune_tags(d, tag_for(5), 5, keep=0) == []  # 0: keep every tag
+
+
 # --------------------------------------------------------------------------- item 8: the disk fills up mid-save
 INJECT = '''
 import errno, os, sys, torch

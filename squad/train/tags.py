@@ -225,7 +225,8 @@ def tag_config(tag_dir: Path) -> dict | None:
 def commit_tag(ckpt_dir: Path, tag: str, record: dict, keep: int) -> None:
     """Rank 0, once every rank has written ``<ckpt_dir>/.saving/<tag>``: writes COMPLETE (``record``: ``step``,
     ``world_size``, ``zero_stage``), renames the tag into place (replacing a folder of that name), moves DeepSpeed's
-    recovery scripts beside the tags, points ``latest`` at it and keeps the newest ``keep`` complete tags."""
+    recovery scripts beside the tags, points ``latest`` at it and keeps the newest ``keep`` complete tags of the line
+    it is on (`prune_tags`)."""
     ckpt_dir = Path(ckpt_dir)
     staging, final = ckpt_dir / SAVING / tag, ckpt_dir / tag
     atomic_write_text(staging / COMPLETE, json.dumps(record))
@@ -248,8 +249,20 @@ def commit_tag(ckpt_dir: Path, tag: str, record: dict, keep: int) -> None:
         shutil.rmtree(replaced, ignore_errors=True)
         with contextlib.suppress(OSError):
             staging.parent.rmdir()  # when no other save is in progress
-        for old in complete_tags(ckpt_dir)[:-keep]:
-            shutil.rmtree(ckpt_dir / old, ignore_errors=True)
+        prune_tags(ckpt_dir, tag, record["step"], keep)
+
+
+def prune_tags(ckpt_dir: Path, tag: str, step: int, keep: int) -> list[str]:
+    """Removes the complete tags older than the newest ``keep`` at or below ``step`` (the one just written, ``tag``,
+    is never removed). Tags of a later step are left alone and not counted: they are what a resume fell back from
+    (damaged) or left behind (an earlier tag resumed on purpose), and no resume takes them while ``latest`` names
+    ``tag``. Returns the tags removed."""
+    ckpt_dir = Path(ckpt_dir)
+    line = [t for t in complete_tags(ckpt_dir) if (marked_step(ckpt_dir / t) or 0) <= step and t != tag]
+    removed = line[:max(0, len(line) - (keep - 1))] if keep > 0 else []
+    for old in removed:
+        shutil.rmtree(ckpt_dir / old, ignore_errors=True)
+    return removed
 
 
 def remove_save(staging: Path) -> None:

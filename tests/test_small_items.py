@@ -191,3 +191,25 @@ def test_a_gpu_run_gives_cpu_tensors_a_backend_beside_nccl(monkeypatch):
         D.init_distributed()
     assert seen["backend"] == "cpu:gloo,cuda:nccl" == D.process_group_backend(True)
     assert D.process_group_backend(False) == "gloo"
+
+
+def test_default_outputs_of_a_tag_go_to_its_run_folder(tmp_path):
+    """A tool's default output for a checkpoint tag (or a file in one, or the checkpoints folder) goes into the run
+    folder: the run removes a pruned tag whole, with whatever was written into it (an extracted model did so)."""
+    import json
+
+    from squad.cli import beside
+
+    run = tmp_path / "run"
+    tag = run / "checkpoints" / "step00000004"
+    tag.mkdir(parents=True)
+    (tag / "COMPLETE").write_text(json.dumps({"step": 4}))
+    (tag / "mp_rank_00_model_states.pt").write_bytes(b"")
+    (run / "model.pt").write_bytes(b"")
+    assert beside(str(tag)) == run and beside(str(tag / "mp_rank_00_model_states.pt")) == run
+    assert beside(str(run / "checkpoints")) == run and beside(str(run)) == run
+    assert beside(str(run / "model.pt")) == run and beside(str(tmp_path / "depth.pt")) == tmp_path
+    half = run / "checkpoints" / "step00000006"  # not a tag (no COMPLETE): a folder like any
+    half.mkdir()
+    assert beside(str(half)) == half
+    assert str(beside("hf-hub:org/name")) == "."

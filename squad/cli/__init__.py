@@ -209,15 +209,23 @@ def require_paths(checkpoint: str | list[str] | None = None, data: str | None = 
 
 def beside(checkpoint: str):
     """The folder a tool writes its default outputs into for ``--checkpoint``: the run folder (or the folder) it
-    names, the folder of a file, or the working folder for a hub id (never huggingface_hub's cache): a `Path`."""
+    names, the folder of a file, or the working folder for a hub id (never huggingface_hub's cache): a `Path`. A
+    checkpoint tag, a file in one, or a run's ``checkpoints`` folder gives the run folder: a tag is removed whole
+    when the run prunes it, and anything written into it with it."""
     from pathlib import Path
 
+    from squad.io.checkpoints import LATEST, complete_tags, marked_step
     from squad.io.hf_folder import is_hub_id
 
     if is_hub_id(checkpoint):
         return Path(".")
     path = Path(checkpoint)
-    return path if path.is_dir() else path.parent
+    folder = path if path.is_dir() else path.parent
+    if marked_step(folder) is not None:  # a tag (or a file in one): its run folder
+        return folder.parent.parent
+    if (folder / LATEST).is_file() or complete_tags(folder):  # a run's checkpoints folder
+        return folder.parent
+    return folder
 
 
 def missing_data(root: str, dataset: str | None = None) -> None:

@@ -110,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_precision_argument(p)
     p.add_argument("--device", type=device_arg, help="cpu, cuda or cuda:N (default cpu)")
     p.add_argument("--workers", type=int)
-    p.add_argument("--out", default=None, help="results JSON (default: eval_<split>.json beside the first checkpoint)")
+    p.add_argument("--out", default=None, help="results JSON (default: eval_<split>.json in the first checkpoint's "
+                   "run folder, or beside a model file)")
     p.set_defaults(**defaults(EvaluateConfig))
     return p
 

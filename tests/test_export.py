@@ -313,3 +313,15 @@ def test_model_pt_from_any_checkpoint_tag(zero_run, tmp_path, load_tool):
     torch.save(torch.load(tmp_path / "other.pt", weights_only=True)["state_dict"], tmp_path / "other.bin")
     assert tool.main(["--checkpoint", str(tag), "--format", "model.pt", "--weights", str(tmp_path / "other.bin"),
                       "--out", str(tmp_path / "x.pt")]) == 2
+
+
+@pytest.mark.parametrize("fmt,out,meant", [("pt2", "x.onnx", "onnx"), ("onnx", "x.pt2", "pt2"),
+                                           ("pt2", "model.pt", "model.pt"), ("model.pt", "x.safetensors", "hf")])
+def test_an_out_named_for_another_format_is_refused_before_loading(fmt, out, meant, tmp_path, load_tool, capsys):
+    """--out x.onnx with the default --format pt2 wrote a torch.export program under an ONNX name (ONNX Runtime then
+    refused it): a file name of another format's kind is refused, naming the format it means, before any load."""
+    tool = load_tool("tools/export.py")
+    assert tool.main(["--checkpoint", str(tmp_path / "none"), "--format", fmt, "--out", str(tmp_path / out)]) == 2
+    err = capsys.readouterr().err
+    assert f"is a {Path(out).suffix} file name but --format is {fmt}: pass --format {meant}" in err, err
+    assert not (tmp_path / out).exists()

@@ -99,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _export(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
+    suffix = Path(args.out).suffix.lower()
+    meant = {".pt2": "pt2", ".onnx": "onnx", ".pt": "model.pt", ".safetensors": "hf"}.get(suffix)
+    if meant is not None and meant != args.format:
+        raise ValueError(f"--out {args.out} is a {suffix} file name but --format is {args.format}: pass --format "
+                         f"{meant}" + (" (a folder: --out without .safetensors)" if meant == "hf" else "")
+                         + f", or an --out ending as --format {args.format} writes")
     require_paths(args.checkpoint)  # before anything heavy is imported
 
     import torch

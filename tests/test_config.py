@@ -119,3 +119,16 @@ def test_scientific_notation_without_dot():
     assert cfg.optim.lr == 1e-4 and cfg.optim.min_lr == 2e-7
     with pytest.raises(ConfigError, match="optim.lr"):
         load_config("configs/demo.yaml", ["optim.lr=fast"], cls=RunConfig)
+
+
+def test_yaml_syntax_errors_name_the_file_or_the_override(tmp_path):
+    from squad.config.base import ConfigError, apply_overrides, read_yaml
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  depth: [2\n")
+    with pytest.raises(ConfigError, match=rf"{bad}: not valid YAML") as e:
+        read_yaml(bad)
+    assert f"in {bad}, line 2" in str(e.value) and "<unicode string>" not in str(e.value)
+    with pytest.raises(ConfigError, match=r"override data.tasks: value '\[depth' is not valid YAML") as e:
+        apply_overrides({}, ["data.tasks=[depth"])
+    assert "at line 1, column" in str(e.value) and "<unicode string>" not in str(e.value)

@@ -226,6 +226,9 @@ def _find_base(path: Path, base: str) -> Path:
                       f"configs {config_root()}, and among the registered model names)")
 
 
+YAML_SOURCE = '"<unicode string>"'  # what PyYAML calls a string it parsed, in its messages
+
+
 def read_yaml(path: str | Path) -> dict[str, Any]:
     """Reads a YAML config, following ``base:`` (a list is merged in order).
 
@@ -239,7 +242,7 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from e
+        raise ConfigError(f"{path}: not valid YAML: {str(e).replace(YAML_SOURCE, str(path))}") from e
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping, got {type(data).__name__}")
     bases = data.pop("base", None)
@@ -263,7 +266,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str] | None) -> dict[s
         try:
             value = yaml.safe_load(raw)
         except yaml.YAMLError as e:
-            raise ConfigError(f"override {key}: value {raw!r} is not valid YAML: {e}") from e
+            raise ConfigError(f"override {key}: value {raw!r} is not valid YAML: "
+                              f"{str(e).replace(f'in {YAML_SOURCE}, ', 'at ')}") from e
         parts = key.strip().split(".")
         node = data
         for i, part in enumerate(parts[:-1]):

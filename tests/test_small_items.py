@@ -213,3 +213,17 @@ def test_default_outputs_of_a_tag_go_to_its_run_folder(tmp_path):
     half.mkdir()
     assert beside(str(half)) == half
     assert str(beside("hf-hub:org/name")) == "."
+
+
+def test_make_data_synthetic_overwrites_an_earlier_render_only_when_asked(tmp_path, load_tool, capsys):
+    tool = load_tool("tools/make_data.py")
+    args = ["synthetic", "--out", str(tmp_path / "d"), "--n", "8", "--image-size", "16"]
+    assert tool.main(args) == 0
+    assert tool.main(args) == 2
+    assert "replace an earlier render with --overwrite" in capsys.readouterr().err
+    assert tool.main([*args, "--overwrite"]) == 0
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "mine.txt").write_text("not a render")
+    assert tool.main(["synthetic", "--out", str(tmp_path / "other"), "--n", "8", "--image-size", "16",
+                      "--overwrite"]) == 2
+    assert "holds no synthetic.json" in capsys.readouterr().err and (tmp_path / "other" / "mine.txt").is_file()

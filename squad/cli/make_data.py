@@ -50,9 +50,10 @@ def _synthetic(args: argparse.Namespace) -> None:
     check_writable(args.out, "--out", folder=True)
     t0 = time.perf_counter()
     if args.dataset == "taskonomy":
-        root = render_dataset(args.out, n=args.n, image_size=size, seed=args.seed, buildings=args.buildings)
+        root = render_dataset(args.out, n=args.n, image_size=size, seed=args.seed, buildings=args.buildings,
+                              overwrite=args.overwrite)
     else:
-        root = render(args.out, n=args.n, image_size=size, seed=args.seed)
+        root = render(args.out, n=args.n, image_size=size, seed=args.seed, overwrite=args.overwrite)
     elapsed = time.perf_counter() - t0
     print(f"rendered {args.n} {args.dataset} samples at {size} px into {args.out} ({root}) in {elapsed:.1f} s "
           f"({args.n / max(elapsed, 1e-9):.1f} images/s)")
@@ -115,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "varies per image); nyud: width (default 128, height 3/4 of it)")
     syn.add_argument("--seed", type=int, default=0)
     syn.add_argument("--buildings", type=int, default=None, help="number of buildings (default: the renderer's)")
+    syn.add_argument("--overwrite", action="store_true", help="replace an earlier synthetic render of the same "
+                     "dataset in --out (a folder holding anything else is still refused)")
     syn.set_defaults(func=_synthetic)
 
     pack = sub.add_parser("pack", help="pack a Taskonomy tree into HDF5 shards")  # defaults: PackConfig

@@ -237,7 +237,8 @@ def prepare_out(out: Path, manifest_name: str, overwrite: bool, dataset: str) ->
         return
     manifest = out / manifest_name
     if not overwrite:
-        raise FileExistsError(f"{out} is not empty; choose an empty directory or pass overwrite=True")
+        raise FileExistsError(f"{out} is not empty; choose an empty directory, or replace an earlier render with "
+                              "--overwrite (overwrite=True)")
     old = json.loads(manifest.read_text()) if manifest.is_file() else {}
     if old.get("dataset") != dataset:
         raise FileExistsError(f"{out} is not empty and holds no synthetic {dataset} render ({manifest_name}): "

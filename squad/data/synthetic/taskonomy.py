@@ -571,7 +571,8 @@ def _clear_previous(out: Path, overwrite: bool) -> None:
         return
     manifest = out / "synthetic.json"
     if not overwrite:
-        raise FileExistsError(f"{out} is not empty; choose an empty directory or pass overwrite=True")
+        raise FileExistsError(f"{out} is not empty; choose an empty directory, or replace an earlier render with "
+                              "--overwrite (overwrite=True)")
     if not manifest.is_file():
         raise FileExistsError(f"{out} is not empty and holds no synthetic.json: refusing to overwrite it")
     old = json.loads(manifest.read_text())

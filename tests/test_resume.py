@@ -488,3 +488,12 @@ def test_a_wrong_shard_file_on_one_rank_falls_back(config, ep_run, tmp_path):
     log = (run / "train.log").read_text()
     assert f"checkpoint {tags[4]} is damaged" in log and f"resumed from {tags[3]} at step 3" in log
     assert "Traceback" not in res.stderr
+
+
+def test_resume_names_a_path_that_does_not_exist(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"--resume .*nowhere: no such file or folder"):
+        ckpt_tags.resolve_resume(tmp_path / "run", str(tmp_path / "nowhere"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint there"):
+        ckpt_tags.resolve_resume(tmp_path / "run", str(tmp_path / "empty"))
+    assert ckpt_tags.resolve_resume(tmp_path / "run", "auto") is None

@@ -74,6 +74,9 @@ def resolve_resume(run_dir: str | Path, resume: str | None) -> ResumeSource | No
         tags = resume_candidates(ckpt_dir)
         return ResumeSource(Path(run_dir), ckpt_dir, tags) if tags else None
     path = Path(resume)
+    if not path.exists():
+        raise FileNotFoundError(f"--resume {resume}: no such file or folder (a run folder, its checkpoints folder or "
+                                "one checkpoint tag; or auto)")
     if (path / "checkpoints").is_dir():
         path = path / "checkpoints"
     if marked_step(path) is not None:  # one tag, exactly

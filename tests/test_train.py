@@ -125,6 +125,8 @@ def test_unwritable_run_folder(tmp_path, run_config):
     blocker.write_text("not a folder")
     res = _run([PY, "tools/train.py", "--config", str(run_config), "--out", str(blocker / "run")])
     assert res.returncode == 2 and "not writable" in res.stderr and str(blocker / "run") in res.stderr
+    res = _run([PY, "tools/train.py", "--config", str(run_config), "--out", str(blocker)])
+    assert res.returncode == 2 and f"--out {blocker} is a file, not a folder" in res.stderr, res.stderr[-2000:]
 
 
 def test_incomplete_checkpoint_is_never_resumed(tmp_path):

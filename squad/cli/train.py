@@ -99,6 +99,8 @@ def preflight(args: argparse.Namespace, signals: SignalWatch | None = None):
         assess(out, cfg, args.resume, launch_world() or 1, overwrite=args.overwrite,
                allow_world_size_change=args.allow_world_size_change)
         if lock is None and not launch_rank():  # a fresh folder (or a plain run): locked before the rendezvous too
+            if out.exists() and not out.is_dir():
+                raise NotADirectoryError(f"--out {out} is a file, not a folder (the run folder)")
             try:
                 out.mkdir(parents=True, exist_ok=True)
                 lock = RunLock.acquire(out, {"world_size": launch_world()} if launch_world() else None)

@@ -27,7 +27,8 @@ from tests.helpers import DEEPSPEED, PY, ROOT, launcher, tool_env, write_run_con
 TIMEOUT = 400
 
 # SQUAD_TEST_FAULT = "WHAT:WHERE:N": WHAT is a signal name sent to this process (TERM), STOP or KILL (sent by rank 0
-# to rank 1 at its micro-batch N), or STOP+TERM (rank 1 stopped, then SIGTERM to rank 0 a second later); WHERE is
+# to rank 1 at its micro-batch N), PEERTERM (SIGTERM sent by rank 0 to rank 1 alone), or STOP+TERM (rank 1 stopped,
+# then SIGTERM to rank 0 a second later); WHERE is
 # "step" (micro-batch N's forward), "init" (before the process group starts) or "validate" (the step-0 validation).
 INJECT = '''
 import os, signal, subprocess, sys, threading, time
@@ -41,7 +42,10 @@ def peer():
     return next(p for p in me.parent().children() if p.pid != me.pid and "--local_rank" in " ".join(p.cmdline()))
 
 def fire():
-    if what in ("STOP", "KILL", "STOP+TERM"):
+    if what == "PEERTERM":
+        os.kill(peer().pid, signal.SIGTERM)
+        time.sleep(1)  # rank 1's handler runs meanwhile
+    elif what in ("STOP", "KILL", "STOP+TERM"):
         other = peer()
         os.kill(other.pid, signal.SIGKILL if what == "KILL" else signal.SIGSTOP)
         if what != "KILL":  # the operator kills the stopped rank once this one has gone (not the test's subject)
@@ -179,11 +183,25 @@ def test_two_runs_into_one_folder_and_the_runner_killed_alone(config, tmp_path):
     out = trains.communicate(timeout=TIMEOUT)[0]  # ends when the launcher and the ranks have closed the pipe
     psutil.wait_procs(family, timeout=60)
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in family), out[-3000:]
-    stopped = re.search(r"stopped: stopped by the exit of the deepspeed runner \(pid \d+\) at step (\d+)", out)
+    # rank 0 says what stopped the run, seen by itself or by the other rank first (the watchdogs race)
+    stopped = re.search(r"stopped: stopped by the exit of the deepspeed runner \(pid \d+\)(?: on rank 1)? at step "
+                        r"(\d+)", out)
     assert stopped, out[-3000:]
     step = int(stopped.group(1))
     assert find_resume_tag(run / "checkpoints") == tag_for(step) and _released(run)
     assert _record(run)["resumable"] and f"at step {step}" in _record(run)["message"]
+
+
+@pytest.mark.slow
+def test_a_signal_to_one_rank_is_named_by_rank_0(config, tmp_path):
+    """SIGTERM to rank 1 alone: every rank checkpoints at the next step boundary and exits 75, and rank 0's line says
+    what stopped the run and where (it said "a signal on another rank")."""
+    run = tmp_path / "run"
+    code, out = _run(config, run, fault="PEERTERM:step:3")
+    assert code == EXIT_PREEMPTED, out[-3000:]
+    stopped = re.search(r"stopped: stopped by SIGTERM on rank 1 at step (\d+)", out)
+    assert stopped and "a signal on another rank" not in out and "Traceback" not in out, out[-3000:]
+    assert find_resume_tag(run / "checkpoints") == tag_for(int(stopped.group(1))) and _released(run)
 
 
 # ------------------------------------------------------------------------------------- a hung peer, a dead peer

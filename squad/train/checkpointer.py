@@ -305,6 +305,7 @@ class Checkpointer:
         self.signals.at_exit(self.discard)
         self.total_steps = 0
         self.plan: LoadPlan | None = None
+        self._peer_cause: str | None = None  # what stopped the first rank that asked (gathered at the stop's save)
         self.engine: Any = None
         self.guard: EngineGuard | None = None
         self.last_saved: int | None = None  # the step of the newest checkpoint of this run
@@ -507,9 +508,17 @@ class Checkpointer:
         start-up, the step-0 validation included, it exits 75 at once: `SignalWatch`)."""
         self.signals.start_training()
 
+    def _stop_cause(self) -> str | None:
+        """What asked this rank to stop (a signal's name, or the reason of a stop that is no signal); "" for a stop
+        whose cause it does not know, None for none."""
+        signum = self.signals.requested
+        if signum is None:
+            return None
+        return signal_name(signum) if signum else (self.signals.reason or "")
+
     def _preempted(self, step: int, saved: bool = True) -> Preempted:
         signum, reason = self.signals.requested, self.signals.reason
-        what = signal_name(signum) if signum else reason or "a signal on another rank"
+        what = signal_name(signum) if signum else reason or self._peer_cause or "a signal on another rank"
         latest = find_resume_tag(self.ckpt_dir)
         where = (f"checkpoint {self.ckpt_dir / tag_for(step)} holds step {step}" if saved and latest else
                  f"the newest checkpoint is {self.ckpt_dir / latest}" if latest else "no checkpoint yet")
@@ -539,9 +548,10 @@ class Checkpointer:
             for save in self._savers:
                 save(staging, self.engine.checkpoint_engine.save)
             failed = self.guard.take()  # recorded by the guard, so that every rank got through DeepSpeed's barriers
-            outcomes = gather_objects((write_failure(what, *failed) if failed else None, self.stop_requested()))
+            outcomes = gather_objects((write_failure(what, *failed) if failed else None, self._stop_cause()))
             error = next((e for e, _ in outcomes if e), None)
-            asked = any(s for _, s in outcomes)
+            asked = any(s is not None for _, s in outcomes)
+            self._peer_cause = next((f"{s} on rank {r}" for r, (_, s) in enumerate(outcomes) if s), None)
             if error is None and self.rank == 0:
                 try:
                     record = {"step": step, "world_size": self.world, "zero_stage": self.topology.zero_stage,

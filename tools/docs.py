@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     except ModuleNotFoundError as e:
         print(f"error: cannot import squad with {sys.executable} ({e}); install it first (make test)", file=sys.stderr)
         return 2
-    except ValueError as e:
+    except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     stale = [page for page, (now, text) in texts.items() if now != text]

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from squad.reproduce.claims_modsquad import EQUAL_MARGIN, lean_setting, pruning_parts
+from squad.reproduce.report import read_results
 from squad.reproduce.stats import MIN_SEEDS
 from squad.reproduce.verdicts import compare, judge, parts_of, precondition, provisional, verdict
 
@@ -156,14 +157,9 @@ def load_old_results(results_file: Path) -> dict:
         ValueError: not a results.json, or one the current code made (its report.md holds its verdicts already).
     """
     path = Path(results_file)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such results.json")
-    try:
-        results = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path}: not a results.json ({e})") from e
-    if not isinstance(results, dict) or not isinstance(results.get("claims"), dict) or "seeds" not in results:
-        raise ValueError(f"{path}: not a results.json of tools/reproduce.py (no claims or seeds)")
+    results = read_results(path)
+    if "seeds" not in results:
+        raise ValueError(f"{path}: not a results.json of tools/reproduce.py (no seeds)")
     if "tolerance" in results:
         raise ValueError(f"{path} was judged under the current rule when it was made (its report.md holds the "
                          "verdicts); --rejudge re-judges a report made before claims had parts")

@@ -307,6 +307,26 @@ def verdict_cell(d: dict) -> str:
     return v
 
 
+def read_results(path: str | Path, what: str = "") -> dict:
+    """A ``results.json`` of tools/reproduce.py, loaded (``what``: the option that named it, for the messages).
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: not JSON, or not a results.json (no claims); each names the file.
+    """
+    path = Path(path)
+    name = f"{what} {path}".strip()
+    if not path.is_file():
+        raise FileNotFoundError(f"{name}: no such results.json")
+    try:
+        results = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{name}: not a results.json ({e})") from e
+    if not isinstance(results, dict) or not isinstance(results.get("claims"), dict):
+        raise ValueError(f"{name}: not a results.json of tools/reproduce.py (no claims)")
+    return results
+
+
 def write_report(out: Path, claims: dict[str, dict], meta: dict) -> Path:
     """Writes ``report.md``, ``results.json`` and the figures for ``claims`` (claim → its measured data).
 

@@ -22,6 +22,7 @@ import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from squad.reproduce.report import read_results
 from squad.reproduce.runs import RunSpec, final_metrics, is_done, settings_of, train_run
 from squad.reproduce.scales import Scale
 from squad.reproduce.specs import Context
@@ -45,14 +46,7 @@ def load_report(against: str | Path, scale: Scale, names: Sequence[str]) -> tupl
             one of another scale or budget, or one that records none of a run asked for (each names the file).
     """
     against = Path(against)
-    if not against.is_file():
-        raise FileNotFoundError(f"--against {against}: no such results.json (the report to check the rerun against)")
-    try:
-        results = json.loads(against.read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"--against {against}: not a results.json ({e})") from e
-    if not isinstance(results, dict) or not isinstance(results.get("claims"), dict):
-        raise ValueError(f"--against {against}: not a results.json of tools/reproduce.py (no claims)")
+    results = read_results(against, "--against")
     recorded = results.get("run_metrics")
     if not isinstance(recorded, dict) or not recorded:
         raise ValueError(f"--against {against} records no per-run metrics (a report written before they were kept): "

@@ -8,12 +8,11 @@ older report, made before claims were split into parts, is quoted through its in
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 from squad.reproduce.rejudge import rejudge
-from squad.reproduce.report import part_cell
+from squad.reproduce.report import part_cell, read_results
 from squad.reproduce.stats import MIN_SEEDS
 from squad.reproduce.verdicts import parts_of
 
@@ -88,17 +87,16 @@ def fill(text: str, block: str, page: str = "the page") -> str:
 
 
 def pages(root: Path, results_file: Path | None = None) -> dict[str, tuple[str, str]]:
-    """``{page: (its text now, its text with the block regenerated)}`` for every page of `PAGES` under ``root``."""
+    """``{page: (its text now, its text with the block regenerated)}`` for every page of `PAGES` under ``root``.
+
+    Raises:
+        FileNotFoundError, ValueError: the report is missing or is not a results.json (`read_results`); a page
+            without exactly one block (`fill`).
+    """
     results_file = root / RESULTS if results_file is None else Path(results_file)
-    try:
-        results = json.loads(results_file.read_text())
-    except FileNotFoundError as e:
-        raise ValueError(f"{results_file}: no such file (the report the pages quote: tools/reproduce.py writes it)"
-                         ) from e
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{results_file}: not a results.json ({e})") from e
-    if not isinstance(results, dict) or not isinstance(results.get("claims"), dict) or "command" not in results:
-        raise ValueError(f"{results_file}: not a results.json of tools/reproduce.py (no claims or command)")
+    results = read_results(results_file)
+    if "command" not in results:
+        raise ValueError(f"{results_file}: not a results.json of tools/reproduce.py (no command)")
     block = verdict_block(results, RESULTS)
     out = {}
     for page in PAGES:

@@ -517,8 +517,7 @@ class Checkpointer:
         return signal_name(signum) if signum else (self.signals.reason or "")
 
     def _preempted(self, step: int, saved: bool = True) -> Preempted:
-        signum, reason = self.signals.requested, self.signals.reason
-        what = signal_name(signum) if signum else reason or self._peer_cause or "a signal on another rank"
+        what = self._stop_cause() or self._peer_cause or "a signal on another rank"
         latest = find_resume_tag(self.ckpt_dir)
         where = (f"checkpoint {self.ckpt_dir / tag_for(step)} holds step {step}" if saved and latest else
                  f"the newest checkpoint is {self.ckpt_dir / latest}" if latest else "no checkpoint yet")
